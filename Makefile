@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+# torch is installed first, pinned, so nothing else can pull another build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TORCH := torch==2.13.0
+
+.PHONY: install prepare run test lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+prepare: install
+	$(VENV)/bin/pivotrl prepare
+
+run: prepare
+	$(VENV)/bin/pivotrl train examples/default.yaml --out runs/latest
+
+test: install
+	$(VENV)/bin/pytest tests
+
+lint: install
+	$(VENV)/bin/ruff check pivotrl tests benchmarks
+	$(VENV)/bin/ruff format --check pivotrl tests benchmarks
+
+bench: install
+	$(PY) benchmarks/engine.py
+
+clean:
+	rm -rf runs models

@@ -1,0 +1,129 @@
+"""Command line: ``pivotrl train | prepare``.
+
+A user's mistake (bad config, missing file, unsupported checkpoint) prints
+one line naming what is wrong and what is allowed and exits with status 2;
+tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pivotrl.config import ConfigError, JobConfig, load_config
+from pivotrl.log import logger, setup_logging
+
+USAGE_ERROR = 2
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; reported without a traceback."""
+
+
+def check_inputs(cfg: JobConfig) -> None:
+    """Fail before any work starts if a file the job needs is missing or unusable."""
+    from pivotrl.model import CheckpointError, UnsupportedModelError
+    from pivotrl.model.loader import read_config
+
+    for field, path in (("task.train_file", cfg.task.train_file), ("task.heldout_file", cfg.task.heldout_file)):
+        if not Path(path).is_file():
+            raise UserError(f"{field}: file {path!r} not found")
+    for field, path in (("policy.path", cfg.policy.path), ("judge.path", cfg.judge.path)):
+        if not Path(path).is_dir():
+            hint = " (run `pivotrl prepare` to build the bundled models)" if "models" in path else ""
+            raise UserError(f"{field}: checkpoint directory {path!r} does not exist{hint}")
+        try:
+            read_config(path)
+        except (CheckpointError, UnsupportedModelError) as e:
+            raise UserError(f"{field}: {e}") from None
+    if cfg.mode != "colocated" or cfg.devices != 1:
+        raise UserError(f"mode={cfg.mode} devices={cfg.devices}: this build runs mode=colocated on devices=1 only")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    check_inputs(cfg)
+    from pivotrl.runner import run_job
+
+    out = Path(args.out)
+    summary = run_job(cfg, out, progress=not args.quiet)
+    latest = out.parent / "latest"
+    if args.link_latest and out.name != "latest":
+        if latest.is_symlink() or not latest.exists():
+            latest.unlink(missing_ok=True)
+            latest.symlink_to(out.resolve(), target_is_directory=True)
+    keys = (
+        "mode",
+        "steps",
+        "samples_per_s",
+        "accuracy_start",
+        "accuracy_end",
+        "genrm_agreement",
+        "genrm_parse_failures",
+    )
+    print(json.dumps({k: summary[k] for k in keys}, indent=2))
+    print(f"run written to {out}")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from pivotrl.recipes.prepare import prepare
+
+    bars: dict[str, tqdm] = {}
+
+    def progress(name: str, step: int, total: int, loss: float) -> None:
+        if name not in bars:
+            bars[name] = tqdm(total=total, desc=f"prepare {name}", unit="step", disable=args.quiet)
+        bars[name].update(1)
+        bars[name].set_postfix(loss=f"{loss:.3f}")
+        if step == total:
+            bars[name].close()
+
+    built = prepare(args.models, args.data, seed=args.seed, force=args.force, progress=progress)
+    for name, path in built.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run an RL job")
+    t.add_argument("config", help="job config (YAML), e.g. examples/default.yaml")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 steps=10")
+    t.add_argument("--out", required=True, help="run directory to write")
+    t.add_argument("--link-latest", action="store_true", help="point OUT/../latest at this run")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+    pr = sub.add_parser("prepare", help="build the bundled task data, policy and judge (CPU, minutes)")
+    pr.add_argument("--models", default="models", help="where to write the model directories")
+    pr.add_argument("--data", default="data/arithmetic", help="where the task data lives")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    pr.add_argument("--quiet", action="store_true")
+    pr.set_defaults(func=cmd_prepare)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, UserError) as e:
+        print(f"pivotrl: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except FileNotFoundError as e:
+        print(f"pivotrl: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

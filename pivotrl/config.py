@@ -1,0 +1,380 @@
+"""The job config: one YAML file plus ``key=value`` overrides, checked when loaded.
+
+The schema is the dataclasses below and nothing else: the loader reads each
+field's type hint to convert and check the raw YAML, so there is no second
+description of the config to keep in step. Range checks live in each
+dataclass's ``__post_init__`` (so a config built in Python is checked too);
+the loader adds the dotted path of the section, so every error names the
+field as the user wrote it (``train.lr``), the bad value and what is allowed.
+
+Overrides use dotted keys (``train.lr=1e-4 rollout.group_size=4``) and YAML
+values. Relative paths (fields named ``path`` or ``*_file``) are made absolute
+against the working directory at load time, so a config means the same thing
+after a ``chdir``; whether the files exist is checked by the components that
+open them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import re
+import string
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from pivotrl.train.config import TrainConfig
+
+ROLES = ("rollout", "genrm", "train")
+Mode = Literal["colocated", "disaggregated", "shiftable"]
+Dtype = Literal["float32", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """A mistake in the job config; the message names the field, the value and what is allowed."""
+
+
+def _check(obj: object, name: str, ok: Callable[[Any], bool], allowed: str) -> None:
+    value = getattr(obj, name)
+    if not ok(value):
+        raise ValueError(f"{name}: expected {allowed}, got {value!r}")
+
+
+def _at_least(obj: object, lo: int, *names: str) -> None:
+    for name in names:
+        _check(obj, name, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"an integer >= {lo}")
+
+
+def _check_template(name: str, template: str, allowed: Sequence[str], required: str) -> None:
+    """Reject a template whose fields would fail at ``format`` time, long before the first step."""
+    try:
+        fields_used = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"{name}: invalid format string ({e}; write {{{{ and }}}} for literal braces)") from None
+    braces = ", ".join("{" + a + "}" for a in allowed)
+    for f in sorted(fields_used):
+        if f not in allowed:
+            raise ValueError(f"{name}: unknown field {{{f}}} in {template!r} (allowed: {braces})")
+    if required not in fields_used:
+        raise ValueError(f"{name}: must contain {{{required}}}, got {template!r}")
+
+
+def parse_split(spec: str) -> dict[str, int]:
+    """Devices per role for disaggregated mode, from ``"rollout:2,genrm:1,train:1"``; ``""`` gives ``{}``."""
+    out: dict[str, int] = {}
+    if not spec.strip():
+        return out
+    for item in spec.split(","):
+        role, sep, count = (s.strip() for s in item.partition(":"))
+        if not sep or not role or not count:
+            raise ConfigError(f"split: {item.strip()!r} must look like role:count (e.g. 'rollout:2,genrm:1,train:1')")
+        if role not in ROLES:
+            raise ConfigError(f"split: unknown role {role!r} (allowed: {', '.join(ROLES)})")
+        if role in out:
+            raise ConfigError(f"split: role {role!r} given twice in {spec!r}")
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
+            raise ConfigError(f"split: count of {role} must be an integer >= 1, got {count!r}")
+        out[role] = int(count)
+    return out
+
+
+@dataclass(slots=True)
+class TaskConfig:
+    train_file: str = "data/arithmetic/train.jsonl"  # JSONL of {question, reference} to sample prompts from
+    heldout_file: str = "data/arithmetic/heldout.jsonl"  # JSONL of problems for greedy evaluation
+    prompt_template: str = "{question}"  # policy prompt; only {question} is filled in
+
+    def __post_init__(self) -> None:
+        _check_template("prompt_template", self.prompt_template, ("question",), "question")
+
+
+@dataclass(slots=True)
+class ModelRef:
+    path: str = "models/policy"  # checkpoint directory (config.json, safetensors, tokenizer)
+    dtype: Dtype = "float32"  # parameter dtype on device
+
+
+@dataclass(slots=True)
+class JudgeConfig:
+    path: str = "models/judge"  # generative judge checkpoint directory
+    dtype: Dtype = "float32"  # parameter dtype on device
+    template: str = "Q:{question}\nR:{reference}\nA:{response}\nJ:"  # judge prompt
+    verdict_pattern: str = "VERDICT: *(yes|no)"  # regex; its one group is the verdict label
+    rewards: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})  # label -> reward
+    fallback_reward: float = 0.0  # reward when no verdict parses or the label is not in rewards
+    max_new_tokens: int = 48  # judge generation budget per response
+    temperature: float = 0.0  # judge sampling temperature; 0 = greedy
+
+    def __post_init__(self) -> None:
+        _check_template("template", self.template, ("question", "reference", "response"), "response")
+        try:
+            groups = re.compile(self.verdict_pattern).groups
+        except re.error as e:
+            raise ValueError(f"verdict_pattern: invalid regex {self.verdict_pattern!r} ({e})") from None
+        if groups != 1:
+            raise ValueError(
+                f"verdict_pattern: expected a regex with exactly one capture group (the verdict label), "
+                f"got {groups} in {self.verdict_pattern!r}"
+            )
+        _check(self, "rewards", bool, "a non-empty mapping of verdict label to reward")
+        for label, reward in self.rewards.items():
+            if not math.isfinite(reward):
+                raise ValueError(f"rewards.{label}: expected a finite number, got {reward!r}")
+        _check(self, "fallback_reward", math.isfinite, "a finite number")
+        _at_least(self, 1, "max_new_tokens")
+        _check(self, "temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)")
+
+
+@dataclass(slots=True)
+class RolloutConfig:
+    prompts_per_step: int = 32  # prompts (GRPO groups) per training step
+    group_size: int = 8  # responses sampled per prompt
+    max_new_tokens: int = 8  # response length limit
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling mass; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    max_batch: int = 64  # engine slots (concurrent sequences) per device
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "prompts_per_step", "max_new_tokens", "max_batch")
+        _at_least(self, 2, "group_size")  # a group of one has no baseline to compare against
+        _at_least(self, 0, "top_k")
+        _check(self, "temperature", lambda v: v > 0, "a number > 0")
+        _check(self, "top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+@dataclass(slots=True)
+class EvalConfig:
+    every: int = 10  # evaluate every this many steps; 0 = only at start and end
+    size: int = 500  # held-out problems evaluated, greedily
+    max_new_tokens: int = 8  # response length limit during evaluation
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "every")
+        _at_least(self, 1, "size", "max_new_tokens")
+
+
+@dataclass(slots=True)
+class JobConfig:
+    seed: int = 0  # seeds data order, sampling and initialisation
+    mode: Mode = "colocated"  # how roles share devices
+    devices: int = 1  # devices the job runs on
+    split: str = ""  # disaggregated role layout, e.g. "rollout:2,genrm:1,train:1"; "" = automatic
+    steps: int = 60  # training steps
+    task: TaskConfig = field(default_factory=TaskConfig)  # data and prompt format
+    policy: ModelRef = field(default_factory=ModelRef)  # the model being trained
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # generative reward model
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # response sampling
+    train: TrainConfig = field(default_factory=TrainConfig)  # GRPO update
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
+    log_every: int = 1  # log metrics every this many steps
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "seed")
+        _at_least(self, 1, "devices", "steps", "log_every")
+        parse_split(self.split)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict; dumped as YAML it loads back to an equal config."""
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides, later winning."""
+    raw: dict[str, Any] = {} if path is None else _read_yaml(path)
+    defaults = JobConfig().to_dict()
+    for item in overrides:
+        _apply_override(raw, item, defaults)
+    cfg = _build(JobConfig, raw, "")
+    _resolve_paths(cfg)
+    return cfg
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: invalid YAML: {reason}{where}") from None
+    if not isinstance(data, dict | None):
+        raise ConfigError(f"{path}: expected a mapping of config keys at top level, got {type(data).__name__}")
+    return data or {}
+
+
+def _apply_override(raw: dict[str, Any], item: str, defaults: dict[str, Any]) -> None:
+    """Set one dotted key in the raw tree; a key inside a dict field (``judge.rewards.maybe=0.5``)
+    edits the dict in effect, the default one when the file gives none."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. train.lr=1e-4)")
+    node, default = raw, defaults
+    for i, part in enumerate(parts[:-1]):
+        prefix, tp = ".".join(parts[: i + 1]), _lookup_type(parts[: i + 1])
+        default = default.get(part) if isinstance(default, dict) else None
+        if tp is not None and not (dataclasses.is_dataclass(tp) or get_origin(tp) is dict):
+            raise ConfigError(f"override {item!r}: {prefix} is a value, not a section")
+        child = node.get(part)
+        if child is None:
+            child = node[part] = dict(default or {}) if get_origin(tp) is dict else {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {prefix} is {child!r} in the config file, not a section")
+        node = child
+    node[parts[-1]] = _parse_value(_lookup_type(parts), text, item)
+
+
+def _parse_value(tp: Any, text: str, item: str) -> Any:
+    """Parse an override value as YAML, except where the field takes a string.
+
+    There the text is taken as typed unless quoted, so ``task.prompt_template={question}``
+    is not read as a YAML mapping, ``split=`` is not null and a newline stays a newline.
+    """
+    leaves = {None} if tp is None else _leaves(tp)
+    if (str in leaves or None in leaves) and text.strip()[:1] not in ("'", '"'):
+        if not (type(None) in leaves and text.strip() in ("null", "~")):
+            return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({getattr(e, 'problem', e)})") from None
+
+
+def _leaves(tp: Any) -> set[Any]:
+    """The scalar types a field accepts (a Literal of strings counts as str)."""
+    if get_origin(tp) in (Union, types.UnionType):
+        return set().union(*(_leaves(a) for a in get_args(tp)))
+    if get_origin(tp) is Literal:
+        return {type(a) for a in get_args(tp)}
+    return {tp}
+
+
+def _lookup_type(parts: Sequence[str]) -> Any:
+    """Type hint of a dotted key in the schema, or None when the key is not in it."""
+    tp: Any = JobConfig
+    for part in parts:
+        if dataclasses.is_dataclass(tp):
+            tp = _hints(tp).get(part)
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        else:
+            return None
+        if tp is None:
+            return None
+    return tp
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return {k: v for k, v in get_type_hints(cls).items() if k in {f.name for f in dataclasses.fields(cls)}}
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from a dict, converting each field by its type hint."""
+    if raw is None:
+        raw = {}  # an empty YAML section ("train:" with nothing under it)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a section (mapping of keys), got {raw!r}")
+    hints = _hints(cls)
+    for key in raw:
+        if key not in hints:
+            allowed = ", ".join(hints)
+            close = difflib.get_close_matches(str(key), list(hints), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown key {_join(path, str(key))!r} (allowed: {allowed}){hint}")
+    kwargs = {name: _convert(hints[name], raw[name], _join(path, name)) for name in hints if name in raw}
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(_prefix(path, str(e), hints)) from e
+
+
+def _prefix(path: str, msg: str, names: Mapping[str, Any]) -> str:
+    """Name the section in an error from ``__post_init__``, which only knows its own field names."""
+    if not path or msg.startswith(f"{path}."):
+        return msg
+    head = re.match(r"\w+", msg)
+    return f"{path}.{msg}" if head and head.group() in names else f"{path}: {msg}"
+
+
+_EXPECTED = {bool: "true or false", int: "an integer", str: "a string"}
+_BOOL_HINT = " (YAML reads yes/no/true/false/on/off as booleans; quote it)"
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against type hint ``tp``, converting only where YAML falls short (ints, 1e-4)."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(get_args(tp)):
+            return None
+        assert len(args) == 1, f"config type {tp} at {path}: only X | None unions are supported"
+        return _convert(args[0], value, path)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return value
+    if origin is dict:
+        key_type, value_type = get_args(tp)
+        assert key_type is str, f"config type {tp} at {path}: only string keys are supported"
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        for k in value:
+            if not isinstance(k, str):
+                raise ConfigError(f"{path}: key {k!r} is not a string{_BOOL_HINT if isinstance(k, bool) else ''}")
+        return {k: _convert(value_type, v, f"{path}.{k}") for k, v in value.items()}
+    if origin is list:
+        (item_type,) = get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_convert(item_type, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp in (bool, int, str):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            hint = _BOOL_HINT if tp is str and isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: expected {_EXPECTED[tp]}, got {value!r}{hint}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    raise TypeError(f"config field {path} has unsupported type {tp!r}")
+
+
+def _resolve_paths(obj: Any) -> None:
+    """Make relative ``path`` / ``*_file`` fields absolute against the working directory."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _resolve_paths(value)
+        elif isinstance(value, str) and value and (f.name == "path" or f.name.endswith("_file")):
+            setattr(obj, f.name, os.path.abspath(os.path.expanduser(value)))

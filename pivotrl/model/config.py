@@ -1,0 +1,162 @@
+"""Architecture description read from a Hugging Face ``config.json``.
+
+One decoder covers the Llama, Qwen2 and Qwen3 families; they differ only in a
+few switches (attention bias, q/k norm, head_dim, tied embeddings, RoPE
+scaling). Everything else in a config.json is ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint this decoder cannot run; the message says what is supported."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # llama3 parameters when used
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q + 2 * h * kv + q * h
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + emb + h
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            arch = by_type.get(raw.get("model_type", ""))
+        if arch is None:
+            got = ", ".join(archs) or raw.get("model_type") or "none given"
+            raise UnsupportedModelError(
+                f"unsupported model architecture {got!r}; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: 'silu'")
+        if raw.get("use_sliding_window"):
+            raise UnsupportedModelError("sliding-window attention is not supported (use_sliding_window=true)")
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        attn_bias = bool(raw.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else {},
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            qkv_bias=True if family == "qwen2" else attn_bias,
+            o_bias=False if family == "qwen2" else attn_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)) if family == "llama" else False,
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json that transformers reads as the same architecture."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
+            "torch_dtype": "float32",
+        }
+        if self.family != "qwen2":
+            out["attention_bias"] = self.qkv_bias
+        if self.family == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        return out
+
+    def inv_freq(self) -> list[float]:
+        """RoPE inverse frequencies, with llama3 scaling when configured."""
+        dim = self.head_dim
+        freqs = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
+        if not self.rope_scaling:
+            return freqs
+        s = self.rope_scaling
+        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s.get("original_max_position_embeddings", self.max_position_embeddings)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        out = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / factor)
+            else:
+                smooth = (old_len / wavelen - low) / (high - low)
+                out.append((1 - smooth) * f / factor + smooth * f)
+        return out

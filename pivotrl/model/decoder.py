@@ -1,0 +1,211 @@
+"""Llama / Qwen2 / Qwen3 decoder in plain torch.
+
+The engine and the trainer both run this module, so rollout log-probs and
+training log-probs come from one implementation. Two entry points:
+
+* ``model(input_ids)`` - full causal forward over right-padded rows, logits
+  ``[B, T, V]`` (training, evaluation, parity tests).
+* ``model.forward_cached(...)`` - a chunk of new tokens per row appended to a
+  slotted KV cache (prefill and decode of the generation engine).
+
+Parameter names match Hugging Face checkpoints one to one, so a safetensors
+state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pivotrl.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache:
+    """Keys and values per sequence slot: ``[layers, slots, kv_heads, max_len, head_dim]``.
+
+    A slot belongs to one running sequence; its first ``length`` positions are
+    valid. The engine owns slot assignment; this class only holds storage.
+    """
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = slots
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class CacheWrite:
+    """Where one forward_cached call reads and writes the cache (shared by all layers)."""
+
+    def __init__(self, slots: Tensor, positions: Tensor, valid: Tensor, key_len: int) -> None:
+        self.slots = slots  # [B]
+        self.positions = positions  # [B, T] absolute positions of the new tokens
+        self.valid = valid  # [B, T] bool: real token (not padding)
+        self.key_len = key_len  # keys 0..key_len-1 are read
+        self.all_valid = bool(valid.all())
+        if not self.all_valid:
+            self.flat_slots = slots[:, None].expand_as(positions)[valid]
+            self.flat_pos = positions[valid]
+        # query at position p attends keys 0..p
+        keys = torch.arange(key_len, device=positions.device)
+        self.mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, K]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, where: CacheWrite | None = None
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            assert where is not None
+            ck, cv = cache.k[self.layer], cache.v[self.layer]  # [S, Hkv, L, D]
+            kt, vt = k.transpose(1, 2).to(ck.dtype), v.transpose(1, 2).to(cv.dtype)  # [B, T, Hkv, D]
+            if where.all_valid:
+                idx = (where.slots[:, None].expand_as(where.positions), slice(None), where.positions)
+                ck[idx], cv[idx] = kt, vt
+            else:
+                ck[where.flat_slots, :, where.flat_pos] = kt[where.valid]
+                cv[where.flat_slots, :, where.flat_pos] = vt[where.valid]
+            keys = ck[where.slots, :, : where.key_len].to(q.dtype)
+            vals = cv[where.slots, :, : where.key_len].to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                q, keys, vals, attn_mask=where.mask, enable_gqa=self.n_kv != self.n_heads
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, index)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, where: CacheWrite | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, where)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """Causal LM: ``model(input_ids) -> logits [B, T, V]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq(), dtype=torch.float32), persistent=False)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def hidden(self, input_ids: Tensor) -> Tensor:
+        """Final hidden states of a full causal forward, ``[B, T, H]``."""
+        b, t = input_ids.shape
+        x = self.model.embed_tokens(input_ids)
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        cos, sin = self._rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, None, None)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.lm_head(self.hidden(input_ids))
+
+    def forward_cached(
+        self, input_ids: Tensor, start: Tensor, lengths: Tensor, slots: Tensor, cache: KVCache
+    ) -> Tensor:
+        """Append ``lengths[b]`` new tokens of row b to cache slot ``slots[b]``.
+
+        ``input_ids`` is ``[B, T]`` right-padded; row b's tokens sit at absolute
+        positions ``start[b] ..``. Returns the logits of each row's last new
+        token, ``[B, V]``.
+        """
+        b, t = input_ids.shape
+        offs = torch.arange(t, device=input_ids.device)
+        positions = start[:, None] + offs[None, :]
+        valid = offs[None, :] < lengths[:, None]
+        key_len = int((start + lengths).max())
+        if key_len > cache.max_len:
+            raise ValueError(f"sequence of {key_len} tokens exceeds the KV cache length {cache.max_len}")
+        where = CacheWrite(slots, positions, valid, key_len)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, where)
+        last = x[torch.arange(b, device=x.device), lengths - 1]
+        return self.lm_head(self.model.norm(last))

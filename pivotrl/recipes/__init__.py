@@ -1,0 +1,1 @@
+"""Recipes that build the bundled models on the CPU (nothing is downloaded)."""

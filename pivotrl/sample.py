@@ -1,0 +1,52 @@
+"""The one record that travels through the pipeline: a sample.
+
+A sample is one response to one prompt. Its status moves
+
+    PENDING -> GENERATING -> FINISHED | TRUNCATED -> JUDGED
+
+and a generation interrupted by a role shift is a status change (ABORTED while
+its state is carried, back to GENERATING when another instance resumes it),
+never an exception. This module is pure Python: the control plane and the
+simulator use it without torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    ABORTED = "aborted"  # stopped mid-generation; state kept for resume elsewhere
+    FINISHED = "finished"  # ended on a stop token
+    TRUNCATED = "truncated"  # ended on the length limit
+    JUDGED = "judged"
+
+
+@dataclass(slots=True)
+class Sample:
+    """One response to one prompt, from rollout through judging to training."""
+
+    uid: int  # unique within a step: prompt_index * group_size + member
+    prompt_index: int  # index of the prompt in the step (the GRPO group)
+    question: str
+    reference: str
+    prompt_ids: list[int]
+    seed: int  # sampling seed of this sequence (counter-based sampling)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # rollout log-prob of each response token
+    status: Status = Status.PENDING
+    response_text: str = ""
+    policy_version: int = 0
+    reward: float = 0.0
+    judge_text: str = ""
+    verdict: str | None = None  # parsed verdict label; None when unparsable
+    correct: bool | None = None  # rule-based checker, for measurement only
+    truncated: bool = False  # the response hit the length limit
+    migrations: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.TRUNCATED, Status.JUDGED)

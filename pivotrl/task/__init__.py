@@ -1,0 +1,1 @@
+"""Bundled tasks: prompts with reference answers, and the rule checker used to measure."""

@@ -1,0 +1,228 @@
+"""The job config: defaults, YAML + overrides, and the error a user sees for each kind of mistake."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pivotrl.config import ConfigError, JobConfig, JudgeConfig, load_config, parse_split
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(path: str | Path | None, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_defaults_load():
+    cfg = load_config(None)
+    assert cfg.mode == "colocated" and cfg.steps == 60 and cfg.rollout.group_size == 8
+    assert cfg.judge.rewards == {"yes": 1.0, "no": 0.0}
+    assert cfg.train.lr == JobConfig().train.lr
+
+
+def test_relative_paths_resolve_against_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["policy.path=ckpt/p"])
+    assert cfg.policy.path == os.path.join(str(tmp_path), "ckpt", "p")
+    assert cfg.task.train_file == os.path.join(str(tmp_path), "data", "arithmetic", "train.jsonl")
+    assert load_config(None, ["judge.path=/abs/judge"]).judge.path == "/abs/judge"
+
+
+def test_yaml_and_overrides_merge_with_override_winning(tmp_path):
+    path = write(tmp_path, "seed: 3\nsteps: 5\nrollout:\n  group_size: 4\n  top_k: 20\n")
+    cfg = load_config(path, ["rollout.group_size=6", "mode=disaggregated", "split=rollout:2,genrm:1,train:1"])
+    assert (cfg.seed, cfg.steps, cfg.mode) == (3, 5, "disaggregated")
+    assert (cfg.rollout.group_size, cfg.rollout.top_k) == (6, 20)
+    assert cfg.rollout.prompts_per_step == 32  # untouched fields keep their defaults
+
+
+def test_float_from_exponent_without_dot(tmp_path):
+    # PyYAML reads "1e-4" as a string; a float field still takes it.
+    assert load_config(None, ["train.lr=1e-4"]).train.lr == pytest.approx(1e-4)
+    assert load_config(write(tmp_path, "train:\n  lr: 3e-5\n")).train.lr == pytest.approx(3e-5)
+    assert load_config(None, ["rollout.temperature=2"]).rollout.temperature == 2.0  # int for float is fine
+
+
+def test_string_override_keeps_raw_text():
+    cfg = load_config(
+        None, ["task.prompt_template={question} =", "split=", "judge.template=Q:{question}\nA:{response}"]
+    )
+    assert cfg.task.prompt_template == "{question} ="
+    assert cfg.split == ""
+    assert cfg.judge.template == "Q:{question}\nA:{response}"
+    assert load_config(None, ["judge.template='  A:{response}'"]).judge.template == "  A:{response}"  # quoted: YAML
+
+
+def test_override_value_that_is_not_yaml():
+    assert error_of(None, "rollout.top_k=[1").startswith("override 'rollout.top_k=[1': value is not valid YAML")
+
+
+def test_override_into_dict_field_extends_the_default():
+    assert load_config(None, ["judge.rewards.maybe=0.5"]).judge.rewards == {"yes": 1.0, "no": 0.0, "maybe": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["rollot.group_size=4"], "unknown key 'rollot' (allowed: seed, mode, devices,"),
+        (["rollot.group_size=4"], "did you mean 'rollout'?"),
+        (["rollout.gruop_size=4"], "unknown key 'rollout.gruop_size'"),
+        (["rollout.gruop_size=4"], "did you mean 'group_size'?"),
+        (["train.lrr=1e-4"], "did you mean 'lr'?"),
+    ],
+)
+def test_unknown_key_suggests_the_close_one(overrides, expected):
+    assert expected in error_of(None, *overrides)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    assert "did you mean 'heldout_file'?" in error_of(write(tmp_path, "task:\n  heldout_fil: x.jsonl\n"))
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("rollout.group_size=abc", "rollout.group_size: expected an integer, got 'abc'"),
+        ("rollout.group_size=true", "rollout.group_size: expected an integer, got True"),
+        ("steps=2.5", "steps: expected an integer, got 2.5"),
+        ("train.lr=fast", "train.lr: expected a number, got 'fast'"),
+        ("train.lr=false", "train.lr: expected a number, got False"),
+        ("train.scale_by_std=1", "train.scale_by_std: expected true or false, got 1"),
+        ("judge.rewards.yes=high", "judge.rewards.yes: expected a number, got 'high'"),
+        ("seed.x=1", "override 'seed.x=1': seed is a value, not a section"),
+    ],
+)
+def test_wrong_type_names_field_and_value(override, expected):
+    assert error_of(None, override) == expected
+
+
+def test_yaml_boolean_trap_is_explained(tmp_path):
+    msg = error_of(write(tmp_path, "judge:\n  rewards: {yes: 1.0, no: 0.0}\n"))
+    assert msg.startswith("judge.rewards: key True is not a string") and "quote it" in msg
+
+
+def test_bad_enum():
+    assert error_of(None, "mode=foo") == "mode: must be one of colocated, disaggregated, shiftable, got 'foo'"
+    assert "policy.dtype: must be one of float32, bfloat16" in error_of(None, "policy.dtype=fp16")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("rollout.group_size=1", "rollout.group_size: expected an integer >= 2, got 1"),
+        ("rollout.top_p=0", "rollout.top_p: expected a number in (0, 1], got 0.0"),
+        ("rollout.temperature=0", "rollout.temperature: expected a number > 0, got 0.0"),
+        ("judge.temperature=-1", "judge.temperature: expected a number >= 0"),
+        ("judge.rewards={}", "judge.rewards: expected a non-empty mapping"),
+        ("eval.every=-1", "eval.every: expected an integer >= 0, got -1"),
+        ("devices=0", "devices: expected an integer >= 1, got 0"),
+        ("train.lr=-1e-4", "train.lr"),  # TrainConfig's own check, still named by its full path
+    ],
+)
+def test_bad_range_names_full_dotted_path(override, expected):
+    assert error_of(None, override).startswith(expected)
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "seed: 1\ntrain:\n  lr: 1e-4\n bad: [\n")
+    msg = error_of(path)
+    assert msg.startswith(f"{path}: invalid YAML: ") and "line 4" in msg
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    assert "expected a mapping" in error_of(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_empty_file_and_empty_section_mean_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == load_config(None)
+    assert load_config(write(tmp_path, "train:\n", "b.yaml")) == load_config(None)
+
+
+def test_missing_file():
+    assert error_of("no/such/job.yaml") == "config file 'no/such/job.yaml' not found"
+
+
+@pytest.mark.parametrize("override", ["foo", "=3", "train..lr=1"])
+def test_override_without_key_value_shape(override):
+    assert error_of(None, override) == f"override {override!r} must look like key=value (e.g. train.lr=1e-4)"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("", {}),
+        ("rollout:2,genrm:1,train:1", {"rollout": 2, "genrm": 1, "train": 1}),
+        (" rollout : 3 , train:1 ", {"rollout": 3, "train": 1}),
+    ],
+)
+def test_parse_split(spec, expected):
+    assert parse_split(spec) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("rollout2", "split: 'rollout2' must look like role:count"),
+        ("rollout:2,", "split: '' must look like role:count"),
+        ("rollout:2,critic:1", "split: unknown role 'critic' (allowed: rollout, genrm, train)"),
+        ("train:1,train:2", "split: role 'train' given twice"),
+        ("genrm:0", "split: count of genrm must be an integer >= 1, got '0'"),
+        ("genrm:x", "split: count of genrm must be an integer >= 1, got 'x'"),
+    ],
+)
+def test_bad_split(spec, expected):
+    with pytest.raises(ConfigError, match="^" + expected.replace("(", r"\(").replace(")", r"\)")):
+        parse_split(spec)
+    assert error_of(None, f"split={spec}").startswith(expected)
+
+
+def test_template_with_unknown_field():
+    msg = error_of(None, "judge.template=Q:{question} A:{response} {answer}")
+    assert msg == (
+        "judge.template: unknown field {answer} in 'Q:{question} A:{response} {answer}' "
+        "(allowed: {question}, {reference}, {response})"
+    )
+    assert error_of(None, "judge.template=Q:{question}").startswith("judge.template: must contain {response}")
+    assert "literal braces" in error_of(None, "judge.template=A:{response} {")
+    assert "task.prompt_template: unknown field {reference}" in error_of(None, "task.prompt_template={reference}")
+    assert error_of(None, "task.prompt_template=hi").startswith("task.prompt_template: must contain {question}")
+
+
+def test_verdict_pattern_needs_one_group():
+    assert error_of(None, "judge.verdict_pattern=VERDICT: (?:yes|no)").startswith(
+        "judge.verdict_pattern: expected a regex with exactly one capture group (the verdict label), got 0"
+    )
+    assert "got 2" in error_of(None, "judge.verdict_pattern=(V): (yes|no)")
+    assert error_of(None, "judge.verdict_pattern=((").startswith("judge.verdict_pattern: invalid regex")
+
+
+def test_checks_also_run_when_built_in_python():
+    with pytest.raises(ValueError, match="max_new_tokens: expected an integer >= 1, got 0"):
+        JudgeConfig(max_new_tokens=0)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "train.lr=1e-4",
+            "mode=shiftable",
+            "judge.rewards.maybe=0.25",
+            "judge.template=Q:{question}\nA:{response}",
+            "rollout.top_p=0.9",
+            "train.scale_by_std=false",
+        ],
+    )
+    path = write(tmp_path, yaml.safe_dump(cfg.to_dict()))
+    assert load_config(path) == cfg
+    assert load_config(None) == load_config(write(tmp_path, yaml.safe_dump(JobConfig().to_dict()), "d.yaml"))
