@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random checkpoints written the same way as the bundled models."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pivotrl.model import Decoder, ModelConfig, char_tokenizer, save_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Decoder:
+    tok = char_tokenizer()
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=list(tok.eos_token_ids),
+    )
+    torch.manual_seed(seed)
+    model = Decoder(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A random policy and a random judge: the pipeline runs for real, the judge writes garbage."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {}
+    for name, arch, seed in (("policy", "Qwen2ForCausalLM", 0), ("judge", "LlamaForCausalLM", 1)):
+        save_model(tiny_model(arch, seed), char_tokenizer(), root / name)
+        paths[name] = root / name
+    return paths

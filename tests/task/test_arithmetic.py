@@ -1,0 +1,87 @@
+import random
+from pathlib import Path
+
+import pytest
+
+from pivotrl.task.arithmetic import (
+    HELDOUT_SIZE,
+    judge_target,
+    judge_training_response,
+    make_splits,
+    operands,
+    policy_target,
+    read_jsonl,
+)
+from pivotrl.task.rules import exact_match, extract_answer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_splits_are_disjoint_and_complete() -> None:
+    train, heldout = make_splits(0)
+    assert len(heldout) == HELDOUT_SIZE and len(train) + len(heldout) == 10_000
+    assert not {p.question for p in train} & {p.question for p in heldout}
+    for p in train[:50]:
+        a, b = operands(p.question)
+        assert p.reference == str(a + b) and p.question == f"{a:02d}+{b:02d}="
+
+
+def test_shipped_data_is_the_seeded_split() -> None:
+    train, heldout = make_splits(0)
+    assert read_jsonl(ROOT / "data/arithmetic/train.jsonl") == train
+    assert read_jsonl(ROOT / "data/arithmetic/heldout.jsonl") == heldout
+
+
+def test_read_jsonl_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_jsonl(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1="}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with 'question' and 'reference'"):
+        read_jsonl(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no problems"):
+        read_jsonl(empty)
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [("85", "85"), (" 085\n", "85"), ("the answer is 12, no 13", "13"), ("", None), ("abc", None), ("-5", "-5")],
+)
+def test_extract_answer(response: str, expected: str | None) -> None:
+    assert extract_answer(response) == expected
+
+
+def test_exact_match() -> None:
+    assert exact_match("85", "85") and exact_match("085", "85")
+    assert not exact_match("75", "85") and not exact_match("", "85") and not exact_match("8 5", "85")
+
+
+def test_policy_target_drops_carry_at_the_configured_rate() -> None:
+    rng = random.Random(0)
+    wrong = sum(policy_target("47+38=", rng, 0.65) == "75" for _ in range(4000)) / 4000
+    assert 0.62 < wrong < 0.68
+    assert all(policy_target("41+38=", rng, 1.0) == "79" for _ in range(100))  # no carry: always right
+
+
+@pytest.mark.parametrize(
+    "response, reference, text",
+    [
+        ("45", "45", "got 045 want 045: 0=0 4=4 5=5 same. VERDICT: yes"),
+        ("35", "45", "got 035 want 045: 0=0 3#4 5=5 differ. VERDICT: no"),
+        ("zz", "45", "got none want 045: differ. VERDICT: no"),
+        ("1234", "45", "got 1234 want 045: differ. VERDICT: no"),
+    ],
+)
+def test_judge_target(response: str, reference: str, text: str) -> None:
+    assert judge_target(response, reference) == text
+    assert len(text.split("VERDICT")[0]) >= 8  # a rationale of at least 8 tokens precedes the verdict
+
+
+def test_judge_training_responses_cover_right_and_wrong() -> None:
+    rng = random.Random(1)
+    responses = [judge_training_response("47+38=", "85", rng) for _ in range(2000)]
+    right = sum(exact_match(r, "85") for r in responses) / len(responses)
+    assert 0.35 < right < 0.5
+    assert "75" in responses and any(extract_answer(r) is None for r in responses)

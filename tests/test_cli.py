@@ -1,0 +1,59 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pivotrl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "examples/default.yaml")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([CONFIG, "rollot.group_size=4"], "unknown key 'rollot'"),
+        ([CONFIG, "train.lr=abc"], "train.lr: expected a number, got 'abc'"),
+        ([CONFIG, "train.lr=-1"], "train.lr must be > 0"),
+        ([CONFIG, "mode=sideways"], "mode: must be one of colocated, disaggregated, shiftable"),
+        ([CONFIG, "steps"], "override 'steps' must look like key=value"),
+        (["missing.yaml"], "config file 'missing.yaml' not found"),
+        ([CONFIG, "policy.path=/nonexistent/policy"], "policy.path: checkpoint directory '/nonexistent/policy'"),
+        ([CONFIG, "task.train_file=/nonexistent.jsonl"], "task.train_file: file '/nonexistent.jsonl' not found"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_clear_line(args, message, capsys, tmp_path):
+    assert main(["train", *args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # nothing written, nothing lost
+
+
+def test_invalid_yaml_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1,\n")
+    assert main(["train", str(bad), "--out", str(tmp_path / "run")]) == 2
+    assert "invalid YAML" in capsys.readouterr().err
+
+
+def test_unsupported_checkpoint_is_a_user_error(tmp_path, capsys, tiny_checkpoints):
+    ckpt = tmp_path / "gpt2"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    args = ["train", CONFIG, f"policy.path={ckpt}", f"judge.path={tiny_checkpoints['judge']}", "--out", str(tmp_path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "GPT2LMHeadModel" in err and "Qwen2ForCausalLM" in err
+
+
+def test_real_process_exit_status_and_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pivotrl.cli", "train", CONFIG, "rollout.group_size=1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "rollout.group_size: expected an integer >= 2, got 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
