@@ -89,6 +89,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from pivotrl.telemetry import draw_timeline, read_events
+
+    run = Path(args.run_dir)
+    out = Path(args.out) if args.out else run / "timeline.png"
+    draw_timeline(read_events(run), out, title=run.name)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -106,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--force", action="store_true", help="rebuild even if up to date")
     pr.add_argument("--quiet", action="store_true")
     pr.set_defaults(func=cmd_prepare)
+    tl = sub.add_parser("timeline", help="redraw a run's timeline picture from its events.jsonl")
+    tl.add_argument("run_dir")
+    tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png)")
+    tl.set_defaults(func=cmd_timeline)
     return p
 
 

@@ -29,7 +29,7 @@ from pivotrl.reward import GenRM, JudgeStats
 from pivotrl.sample import Sample, Status
 from pivotrl.task.arithmetic import Problem, read_jsonl
 from pivotrl.task.rules import exact_match
-from pivotrl.telemetry import RunWriter
+from pivotrl.telemetry import Recorder, RunWriter
 from pivotrl.train.grpo import GRPOTrainer, group_advantages
 
 
@@ -163,13 +163,14 @@ def run_job(cfg: JobConfig, out: str | Path, progress: bool = True) -> dict[str,
     )
     totals = RunTotals()
     top = max(cfg.judge.rewards.values())
-    t0 = time.perf_counter()
-    acc_start = acc = evaluate(roles, cfg, heldout)
+    recorder = Recorder()
+    with PhaseTimer(recorder, 0)("eval"):
+        acc_start = acc = evaluate(roles, cfg, heldout)
     logger.info("held-out accuracy at start: %.3f", acc_start)
     bar = tqdm(range(1, cfg.steps + 1), desc="train", unit="step", disable=not progress, dynamic_ncols=True)
     train_wall = 0.0
     for step in bar:
-        timer = PhaseTimer()
+        timer = PhaseTimer(recorder, step)
         step_t0 = time.perf_counter()
         samples = make_samples(cfg, train_set, step, roles.policy_tok)
         with timer("rollout"):
@@ -214,11 +215,24 @@ def run_job(cfg: JobConfig, out: str | Path, progress: bool = True) -> dict[str,
         "genrm_agreement": totals.agree / max(1, totals.judged),
         "genrm_parse_failures": totals.parse_failures,
         "phase_seconds": totals.phase_s,
-        "wall_seconds": time.perf_counter() - t0,
+        "wall_seconds": recorder.now(),
+        "role_busy_fraction": role_busy_fraction(recorder, devices=1),
+        "device_idle_fraction": 1.0 - sum(role_busy_fraction(recorder, devices=1).values()),
+        "shifts": 0,
         "policy_checkpoint": str(Path(out) / "policy"),
     }
     writer.write_json("summary.json", summary)
+    writer.write_events(recorder.slices, title=f"{cfg.mode}, {cfg.devices} device(s), {cfg.steps} steps")
     return summary
+
+
+def role_busy_fraction(recorder: Recorder, devices: int) -> dict[str, float]:
+    """Share of all device-seconds of the run that each role kept busy."""
+    total = recorder.now() * devices
+    busy: dict[str, float] = {}
+    for s in recorder.slices:
+        busy[s.role] = busy.get(s.role, 0.0) + s.end - s.start
+    return {role: sec / total for role, sec in busy.items()} if total > 0 else {}
 
 
 def judge_says_correct(sample: Sample, top_reward: float) -> bool:
@@ -254,11 +268,16 @@ def step_metrics(
     }
 
 
-class PhaseTimer:
-    """``with timer("rollout"): ...`` accumulates wall seconds per phase."""
+PHASE_ROLE = {"rollout": "rollout", "judge": "genrm", "train": "train", "eval": "eval"}
 
-    def __init__(self) -> None:
+
+class PhaseTimer:
+    """``with timer("rollout"): ...`` accumulates wall seconds per phase and
+    records a slice of device 0's timeline for it."""
+
+    def __init__(self, recorder: Recorder, step: int) -> None:
         self.seconds: dict[str, float] = {}
+        self.recorder, self.step = recorder, step
 
     def __call__(self, name: str) -> _Phase:
         return _Phase(self, name)
@@ -269,7 +288,9 @@ class _Phase:
         self.timer, self.name = timer, name
 
     def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
+        self.t0 = self.timer.recorder.now()
 
     def __exit__(self, *exc: object) -> None:
-        self.timer.seconds[self.name] = self.timer.seconds.get(self.name, 0.0) + time.perf_counter() - self.t0
+        t1 = self.timer.recorder.now()
+        self.timer.seconds[self.name] = self.timer.seconds.get(self.name, 0.0) + t1 - self.t0
+        self.timer.recorder.add(0, PHASE_ROLE[self.name], f"{self.name} step {self.timer.step}", self.t0, t1)

@@ -1,11 +1,34 @@
-"""Run outputs: per-step metrics (JSONL) and the run summary (JSON)."""
+"""Run outputs: per-step metrics, the run summary, and what each device did when.
+
+* ``metrics.jsonl`` - one line per step.
+* ``summary.json`` - the run's headline numbers.
+* ``events.jsonl`` - one line per activity slice: device, role, name, start, end.
+* ``trace.json`` - the same slices in Chrome trace-event format (one track per
+  device; opens in Perfetto or chrome://tracing).
+* ``timeline.png`` - devices x time, coloured by role.
+
+The simulator will write the same three event files, so a real run and a
+simulated one can be compared side by side.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+ROLE_COLORS = {
+    "rollout": "#4c78a8",
+    "genrm": "#f58518",
+    "train": "#54a24b",
+    "eval": "#b279a2",
+    "shift": "#e45756",
+    "idle": "#dddddd",
+}
 
 
 def _clean(value: Any) -> Any:
@@ -16,8 +39,34 @@ def _clean(value: Any) -> Any:
     return value
 
 
+@dataclass(slots=True)
+class Slice:
+    """One activity of one device: ``role`` says which role's work it was."""
+
+    device: int
+    role: str
+    name: str
+    start: float  # seconds since the run started
+    end: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+class Recorder:
+    """Collects slices against one run clock."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.slices: list[Slice] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def add(self, device: int, role: str, name: str, start: float, end: float, **args: Any) -> None:
+        self.slices.append(Slice(device, role, name, start, end, args))
+
+
 class RunWriter:
-    """Owns a run directory: ``metrics.jsonl`` (one line per step) and ``summary.json``."""
+    """Owns a run directory and writes every file in it."""
 
     def __init__(self, out: str | Path) -> None:
         self.dir = Path(out)
@@ -33,3 +82,70 @@ class RunWriter:
         path = self.dir / name
         path.write_text(json.dumps(_clean(data), indent=2) + "\n")
         return path
+
+    def write_events(self, slices: list[Slice], title: str = "") -> None:
+        with (self.dir / "events.jsonl").open("w") as f:
+            for s in slices:
+                f.write(json.dumps(asdict(s)) + "\n")
+        write_trace(slices, self.dir / "trace.json")
+        draw_timeline(slices, self.dir / "timeline.png", title)
+
+
+def read_events(run_dir: str | Path) -> list[Slice]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no events.jsonl (is it a pivotrl run directory?)")
+    return [Slice(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
+    """Chrome trace-event JSON: a complete event ("X") per slice, a thread per device."""
+    slices = list(slices)
+    events: list[dict[str, Any]] = [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "pivotrl"}}]
+    for d in sorted({s.device for s in slices}):
+        events.append({"ph": "M", "pid": 0, "tid": d, "name": "thread_name", "args": {"name": f"device {d}"}})
+    for s in slices:
+        events.append(
+            {
+                "ph": "X",
+                "pid": 0,
+                "tid": s.device,
+                "name": s.name,
+                "cat": s.role,
+                "ts": round(s.start * 1e6, 3),
+                "dur": round(max(0.0, s.end - s.start) * 1e6, 3),
+                "args": {"role": s.role, **_clean(s.args)},
+            }
+        )
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") -> None:
+    """Devices x time, one bar per slice, coloured by role."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    slices = list(slices)
+    devices = sorted({s.device for s in slices}) or [0]
+    end = max((s.end for s in slices), default=1.0)
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.55 * len(devices)))
+    for s in slices:
+        color = ROLE_COLORS.get(s.role, "#999999")
+        ax.broken_barh([(s.start, max(s.end - s.start, end * 1e-4))], (s.device - 0.4, 0.8), facecolors=color)
+    ax.set_yticks(devices, [f"device {d}" for d in devices])
+    ax.set_ylim(min(devices) - 0.6, max(devices) + 0.6)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("seconds since start")
+    roles = [r for r in ROLE_COLORS if any(s.role == r for s in slices)]
+    handles = [Patch(color=ROLE_COLORS[r], label=r) for r in roles]
+    below = -0.35 if len(devices) < 3 else -0.15
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), ncol=len(roles) or 1, frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

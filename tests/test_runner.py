@@ -42,6 +42,11 @@ def test_job_runs_end_to_end_and_writes_its_outputs(tiny_checkpoints, tmp_path):
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["genrm_parse_failures"] == sum(m["parse_failures"] for m in lines) > 0
     assert (tmp_path / "policy" / "model.safetensors").is_file()
+    for name in ("events.jsonl", "trace.json", "timeline.png", "config.json"):
+        assert (tmp_path / name).is_file(), name
+    roles = {json.loads(x)["role"] for x in (tmp_path / "events.jsonl").read_text().splitlines()}
+    assert roles == {"rollout", "genrm", "train", "eval"}
+    assert 0 < sum(on_disk["role_busy_fraction"].values()) <= 1.0
 
 
 def test_same_seed_same_samples(tiny_checkpoints, tmp_path):
