@@ -100,6 +100,8 @@ class Engine:
             )
         if not state.prompt_ids:
             raise ValueError(f"sequence {state.uid}: empty prompt")
+        if state.uid in self.running or any(s.uid == state.uid for s in self.waiting):
+            raise ValueError(f"sequence {state.uid} is already in this engine")
         self.waiting.append(state)
 
     def ensure_capacity(self, max_len: int) -> None:

@@ -108,7 +108,7 @@ class ModelConfig:
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
 
-    def to_hf(self) -> dict[str, Any]:
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
         """A config.json that transformers reads as the same architecture."""
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
@@ -131,7 +131,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
-            "torch_dtype": "float32",
+            "torch_dtype": dtype,
         }
         if self.family != "qwen2":
             out["attention_bias"] = self.qkv_bias

@@ -115,8 +115,9 @@ class Attention(nn.Module):
             else:
                 ck[where.flat_slots, :, where.flat_pos] = kt[where.valid]
                 cv[where.flat_slots, :, where.flat_pos] = vt[where.valid]
-            keys = ck[where.slots, :, : where.key_len].to(q.dtype)
-            vals = cv[where.slots, :, : where.key_len].to(q.dtype)
+            # index_select, not ck[slots, :, :n]: same values, ~7x faster on CPU (advanced indexing is elementwise)
+            keys = ck[:, :, : where.key_len].index_select(0, where.slots).to(q.dtype)
+            vals = cv[:, :, : where.key_len].index_select(0, where.slots).to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q, keys, vals, attn_mask=where.mask, enable_gqa=self.n_kv != self.n_heads
             )

@@ -94,7 +94,8 @@ def save_model(model: Decoder, tokenizer: Tokenizer, path: str | Path) -> None:
     """Write a checkpoint directory that both pivotrl and transformers load."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

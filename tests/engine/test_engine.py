@@ -234,6 +234,15 @@ def test_abort_unknown_or_finished(model):
         e.add(s)
 
 
+def test_duplicate_uid_rejected(model):
+    engine = Engine(model, max_batch=4, max_len=MAX_LEN)
+    first, second = requests(2)
+    second.uid = first.uid
+    engine.add(first)
+    with pytest.raises(ValueError, match=str(first.uid)):
+        engine.add(second)
+
+
 # -- log-probs -------------------------------------------------------------------------------------------
 
 

@@ -51,6 +51,7 @@ CASES = {
     "llama-no-gqa": (LlamaConfig, {"num_key_value_heads": 4}),
     # q/k norm, and head_dim 12 while hidden / heads = 8
     "qwen3": (Qwen3Config, {"head_dim": 12}),
+    "qwen3-bias": (Qwen3Config, {"head_dim": 8, "attention_bias": True}),
     "qwen2-tied": (Qwen2Config, {"tie_word_embeddings": True}),
     "qwen3-tied": (Qwen3Config, {"head_dim": 16, "tie_word_embeddings": True}),
     # head_dim 16 puts one frequency in llama3's smoothed band (wavelength between 16 and 64)
@@ -149,6 +150,21 @@ def test_rope_scaling_changes_logits(tmp_path):
     plain = torch.tensor(unscaled.config.inv_freq())
     kept, scaled = inv == plain, torch.isclose(inv, plain / 8)
     assert kept.any() and scaled.any() and not (kept | scaled).all(), "no frequency in the smoothed band"
+
+
+@torch.no_grad()
+def test_legacy_rope_scaling_key(tmp_path):
+    """transformers 4.x wrote ``rope_scaling`` (no theta inside) and a top-level ``rope_theta``."""
+    reference = write_checkpoint("llama3-rope", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = {**rope, "type": rope.pop("rope_type")}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model, _ = load_model(tmp_path)
+    assert model.config.rope_theta == 500000.0 and model.config.rope_scaling
+    ids = token_batch()
+    assert max_diff(model(ids), hf_logits(reference, ids)) <= TOL
 
 
 @torch.no_grad()
