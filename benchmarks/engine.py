@@ -1,0 +1,347 @@
+"""Engine throughput against transformers ``generate()`` on the same checkpoint.
+
+Why this workload: rollouts are many prompts of mixed length whose responses
+end at very different lengths. ``generate()`` batches statically, so a batch
+runs until its longest member stops and finished rows keep being computed;
+the engine drops a finished row at once and refills its slot. Three rows
+take the gains apart:
+
+* ``mixed``: N requests (default 256), 64 in flight: continuous batching
+  against static batches of 64, plus everything below.
+* ``one batch``: exactly 64 requests, one static batch for transformers: no
+  refilling, but finished rows cost the engine nothing, plus the step cost.
+* ``one batch, no stop``: 64 requests that all run to the cap, so both sides
+  do the same steps on the same rows and only the cost of a step differs.
+
+The checkpoint is a random-weight Qwen2 model written by transformers and
+loaded by both sides. Its stop token is the tokenizer's ``<eos>``; that
+token's ``lm_head`` row is scaled so that its mean per-step probability is
+about ``1/40``, which makes responses end at geometric-ish lengths, capped at
+``--max-new-tokens``. Both sides sample at temperature 1 with no top-k/top-p,
+in fp32, on the same number of CPU threads; only real generated tokens (up to
+and including the stop token) are counted. Each measurement is repeated,
+alternating the two sides, and the median is reported.
+
+    .venv/bin/python benchmarks/engine.py            # full run, writes benchmarks/results/engine.json
+    .venv/bin/python benchmarks/engine.py --quick    # smoke run (< 30 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+from transformers.utils import logging as hf_logging
+
+from pivotrl.engine import Engine, SamplingParams, SeqState
+from pivotrl.model import Decoder, Tokenizer, char_tokenizer, load_model
+
+RESULTS = Path(__file__).parent / "results" / "engine.json"
+
+
+@dataclass(slots=True, frozen=True)
+class Setup:
+    requests: int
+    max_new_tokens: int
+    max_batch: int
+    threads: int
+    repeats: int
+    min_prompt: int = 8
+    max_prompt: int = 64
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 768
+    init_std: float = 0.05
+    stop_prob: float = 1 / 40  # target mean per-step probability of the stop token
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Run:
+    engine: str
+    requests: int
+    gen_tokens: int
+    seconds: float
+    mean_len: float
+    max_len: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.gen_tokens / self.seconds
+
+
+# -- checkpoint -------------------------------------------------------------
+def build_checkpoint(setup: Setup, path: Path) -> tuple[Tokenizer, float, float]:
+    """Write a random Qwen2 checkpoint; returns (tokenizer, stop-row scale, measured stop probability)."""
+    tok = char_tokenizer()
+    stop = tok.eos_token_ids[0]
+    torch.manual_seed(setup.seed)
+    cfg = Qwen2Config(
+        vocab_size=tok.vocab_size,
+        hidden_size=setup.hidden,
+        num_hidden_layers=setup.layers,
+        num_attention_heads=setup.heads,
+        num_key_value_heads=setup.kv_heads,
+        intermediate_size=setup.intermediate,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=stop,
+        pad_token_id=tok.pad_token_id,
+    )
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):  # norms keep their unit gain
+                p.normal_(0.0, setup.init_std)
+    hf.save_pretrained(path)
+    tok.save(path)
+    scale, prob = calibrate_stop(load_model(path)[0], tok, setup)
+    with torch.no_grad():
+        hf.lm_head.weight[stop] *= scale
+    hf.save_pretrained(path)
+    return tok, scale, prob
+
+
+@torch.inference_mode()
+def calibrate_stop(model: Decoder, tok: Tokenizer, setup: Setup) -> tuple[float, float]:
+    """Scale of the stop token's lm_head row giving it mean probability ``setup.stop_prob`` on sampled text.
+
+    Scaling one row spreads that token's logit: its probability rises sharply in
+    some contexts and stays low in others, so responses end at varied lengths.
+    """
+    stop = tok.eos_token_ids[0]
+    params = SamplingParams(max_new_tokens=64, stop_token_ids=())
+    states = [SeqState(i, p, 10_000 + i, params) for i, p in enumerate(make_prompts(32, tok, setup, seed=99))]
+    Engine(model, max_batch=32, max_len=setup.max_prompt + 64).generate(states)
+    rows = torch.tensor([s.prompt_ids[-setup.min_prompt :] + s.output_ids for s in states])
+    h = model.model.norm(model.hidden(rows))[:, setup.min_prompt - 1 : -1]  # states that predict a response token
+    logits = model.lm_head(h)
+    z = logits[..., stop]
+
+    def prob(scale: float) -> float:
+        scaled = logits.clone()
+        scaled[..., stop] = z * scale
+        return float(scaled.softmax(-1)[..., stop].mean())
+
+    lo, hi = 0.0, 64.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if prob(mid) < setup.stop_prob else (lo, mid)
+    return hi, prob(hi)
+
+
+# -- workload ---------------------------------------------------------------
+def make_prompts(n: int, tok: Tokenizer, setup: Setup, seed: int) -> list[list[int]]:
+    """``n`` prompts of random printable characters after ``<bos>``, lengths in [min_prompt, max_prompt]."""
+    g = torch.Generator().manual_seed(seed)
+    first = max(tok.eos_token_ids + [tok.pad_token_id, tok.bos_token_id or 0]) + 1  # no special tokens inside
+    lengths = torch.randint(setup.min_prompt, setup.max_prompt + 1, (n,), generator=g).tolist()
+    return [[tok.bos_token_id, *torch.randint(first, tok.vocab_size, (k - 1,), generator=g).tolist()] for k in lengths]
+
+
+def run_ours(engine: Engine, prompts: list[list[int]], setup: Setup, stop: int | None, seed: int) -> Run:
+    stops = () if stop is None else (stop,)
+    params = SamplingParams(max_new_tokens=setup.max_new_tokens, temperature=1.0, stop_token_ids=stops)
+    states = [SeqState(i, p, seed + i, params) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    engine.generate(states)
+    seconds = time.perf_counter() - t0
+    return summarize("pivotrl", [len(s.output_ids) for s in states], seconds)
+
+
+@torch.inference_mode()
+def run_theirs(
+    model: PreTrainedModel, prompts: list[list[int]], setup: Setup, stop: int | None, pad: int, seed: int
+) -> Run:
+    torch.manual_seed(seed)
+    lengths: list[int] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), setup.max_batch):
+        batch = prompts[i : i + setup.max_batch]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=setup.max_new_tokens,
+            eos_token_id=stop,  # None: no stop token (the checkpoint's generation_config is overridden)
+            pad_token_id=pad,
+        )[:, width:]
+        lengths += real_lengths(out, stop)
+    seconds = time.perf_counter() - t0
+    return summarize("transformers", lengths, seconds)
+
+
+def real_lengths(generated: torch.Tensor, stop: int | None) -> list[int]:
+    """Tokens up to and including the first stop token; the whole row where there is none."""
+    if stop is None:
+        return [generated.shape[1]] * generated.shape[0]
+    hit = generated == stop
+    first = hit.int().argmax(-1) + 1
+    return torch.where(hit.any(-1), first, generated.shape[1]).tolist()
+
+
+def summarize(engine: str, lengths: list[int], seconds: float) -> Run:
+    return Run(engine, len(lengths), sum(lengths), seconds, sum(lengths) / len(lengths), max(lengths))
+
+
+# -- driver -----------------------------------------------------------------
+def measure(
+    name: str, prompts: list[list[int]], setup: Setup, engine: Engine, hf: PreTrainedModel, stop: int | None, pad: int
+) -> dict:
+    """Alternate ours/theirs ``setup.repeats`` times; medians of tokens/s, seconds, tokens."""
+    runs: dict[str, list[Run]] = {"pivotrl": [], "transformers": []}
+    for r in range(setup.repeats):
+        seed = setup.seed + 1_000_000 * (r + 1)
+        runs["pivotrl"].append(run_ours(engine, prompts, setup, stop, seed))
+        runs["transformers"].append(run_theirs(hf, prompts, setup, stop, pad, seed))
+    out: dict = {"workload": name, "requests": len(prompts), "engines": {}}
+    for eng, rs in runs.items():
+        out["engines"][eng] = {
+            "runs": [{**asdict(x), "tokens_per_s": x.tokens_per_s} for x in rs],
+            "median": {
+                "gen_tokens": statistics.median(x.gen_tokens for x in rs),
+                "seconds": statistics.median(x.seconds for x in rs),
+                "tokens_per_s": statistics.median(x.tokens_per_s for x in rs),
+                "mean_len": statistics.median(x.mean_len for x in rs),
+                "max_len": statistics.median(x.max_len for x in rs),
+            },
+        }
+    med = {e: v["median"]["tokens_per_s"] for e, v in out["engines"].items()}
+    out["speedup"] = med["pivotrl"] / med["transformers"]
+    # each pair ran back to back, so its ratio is less exposed to load from other processes than the medians are
+    pairs = zip(runs["pivotrl"], runs["transformers"], strict=True)
+    out["paired_speedups"] = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
+    out["paired_speedup_median"] = statistics.median(out["paired_speedups"])
+    return out
+
+
+def print_table(results: list[dict]) -> None:
+    head = ("workload", "engine", "requests", "gen tokens", "seconds", "tokens/s", "speedup", "mean len", "max len")
+    rows = []
+    for res in results:
+        for eng, v in res["engines"].items():
+            m = v["median"]
+            speed = f"{res['speedup']:.2f}x" if eng == "pivotrl" else "1.00x"
+            rows.append(
+                (
+                    res["workload"],
+                    eng,
+                    str(res["requests"]),
+                    f"{m['gen_tokens']:.0f}",
+                    f"{m['seconds']:.2f}",
+                    f"{m['tokens_per_s']:.0f}",
+                    speed,
+                    f"{m['mean_len']:.1f}",
+                    f"{m['max_len']:.0f}",
+                )
+            )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = "  ".join
+    print(line(h.ljust(w) for h, w in zip(head, widths, strict=True)))
+    print(line("-" * w for w in widths))
+    for r in rows:
+        print(line(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=256, help="requests in the mixed workload")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64, help="engine slots = transformers static batch size")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run (< 30 s)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default: results/engine.json; temp dir if --quick)"
+    )
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.max_new_tokens, args.batch, args.repeats = 48, 32, 16, 1
+    if args.out is None:
+        args.out = Path(tempfile.gettempdir()) / "pivotrl-engine-quick.json" if args.quick else RESULTS
+    for name in ("requests", "max_new_tokens", "batch", "threads", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    load_at_start = list(os.getloadavg())  # other processes on the machine skew absolute numbers
+    setup = Setup(args.requests, args.max_new_tokens, args.batch, args.threads, args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok, scale, prob = build_checkpoint(setup, Path(tmp))
+        ours, _ = load_model(tmp, dtype=torch.float32)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    stop, pad = tok.eos_token_ids[0], tok.pad_token_id
+    engine = Engine(ours, max_batch=setup.max_batch, max_len=setup.max_prompt + setup.max_new_tokens)
+
+    warm = Setup(**{**asdict(setup), "max_new_tokens": 8, "max_batch": 8})
+    warm_prompts = make_prompts(8, tok, setup, seed=7)
+    run_ours(engine, warm_prompts, warm, stop, seed=1)
+    run_theirs(theirs, warm_prompts, warm, stop, pad, seed=1)
+
+    one_batch = make_prompts(setup.max_batch, tok, setup, seed=2)
+    workloads = [
+        (f"mixed x{setup.requests}", make_prompts(setup.requests, tok, setup, seed=1), stop),
+        ("one batch", one_batch, stop),
+        ("one batch, no stop", one_batch, None),
+    ]
+    results = [measure(name, prompts, setup, engine, theirs, s, pad) for name, prompts, s in workloads]
+
+    print(
+        f"Qwen2 {setup.layers}L h{setup.hidden} (random, std {setup.init_std}), fp32, {setup.threads} thread(s), "
+        f"batch {setup.max_batch}, max_new_tokens {setup.max_new_tokens}, "
+        f"prompts {setup.min_prompt}..{setup.max_prompt} tokens, "
+        f"stop p~{prob:.3f} (row scale {scale:.2f}), median of {setup.repeats}"
+    )
+    print_table(results)
+    for r in results:
+        paired = ", ".join(f"{x:.2f}x" for x in r["paired_speedups"])
+        print(f"{r['workload']}: per-repeat speedups {paired} (median {r['paired_speedup_median']:.2f}x)")
+    report = {
+        "benchmark": "engine",
+        "quick": args.quick,
+        "setup": asdict(setup),
+        "stop_token_id": stop,
+        "stop_row_scale": scale,
+        "stop_prob_measured": prob,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": {
+            "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "load_average_at_start": load_at_start,
+        },
+        "workloads": results,
+        "speedups": {r["workload"]: r["speedup"] for r in results},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
