@@ -1,0 +1,362 @@
+"""Global Parameter Storage: one contract, run against LocalStore and RayStore, plus Ray ownership.
+
+Ray starts once per session (``ray_cluster``, written so it can move to
+tests/conftest.py unchanged) and one directory actor serves every Ray test;
+tests stay apart by using their own model names, since starting an actor per
+test would cost a worker process each.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+import torch
+
+from pivotrl.gps import (
+    ALIGN,
+    TOTAL,
+    Kind,
+    LoadError,
+    LocalStore,
+    ParameterStore,
+    RayStore,
+    VersionError,
+    module_tensors,
+    pack,
+    publish_model,
+    publish_optimizer,
+    restore_optimizer,
+    unpack,
+)
+from pivotrl.model import Decoder, ModelConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+
+def tiny_config(tied: bool = False) -> ModelConfig:
+    return ModelConfig(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qkv_bias=True,
+        tie_word_embeddings=tied,
+    )
+
+
+def tiny(seed: int, tied: bool = False) -> Decoder:
+    torch.manual_seed(seed)
+    return Decoder(tiny_config(tied))
+
+
+TOKENS = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray for the session: starting it costs seconds and most of a GB."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=512 * 1024**2,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_store(ray_cluster: None) -> Iterator[RayStore]:
+    store = RayStore.create(f"gps-test-{uuid.uuid4().hex[:8]}")
+    yield store
+    store.shutdown()
+
+
+@pytest.fixture(params=["local", "ray"])
+def store(request: pytest.FixtureRequest) -> ParameterStore:
+    if request.param == "local":
+        return LocalStore()
+    request.getfixturevalue("ray_roles")  # start their workers now: start-up overlaps the contract tests
+    return request.getfixturevalue("ray_store")
+
+
+@pytest.fixture
+def name() -> str:
+    """A model name no other test uses, so tests sharing the Ray directory stay apart."""
+    return f"m-{uuid.uuid4().hex[:8]}"
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layout
+
+
+def test_pack_unpack_round_trip_is_exact() -> None:
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        "fp32": torch.randn(5, 3, generator=g),
+        "bf16": torch.randn(7, 9, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(3, generator=g).to(torch.float16),
+        "int64": torch.arange(5),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(6, 4, generator=g).t(),  # non-contiguous source
+    }
+    buffer, entries = pack(tensors)
+    assert all(e.offset % ALIGN == 0 for e in entries)
+    assert buffer.ctypes.data % ALIGN == 0 and not buffer.flags.writeable
+    assert_same(unpack(buffer, entries), tensors)
+
+
+def test_unsupported_dtype_is_named() -> None:
+    with pytest.raises(TypeError, match="complex64"):
+        pack({"z": torch.zeros(2, dtype=torch.complex64)})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Contract: both backends
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_publish_fetch_round_trip(store: ParameterStore, name: str, dtype: torch.dtype) -> None:
+    assert isinstance(store, ParameterStore)
+    model = tiny(0).to(dtype)
+    info = publish_model(store, name, 0, model)
+    snap = store.fetch(name, 0)
+    assert info.nbytes == snap.nbytes and info.seconds > 0
+    assert (snap.manifest.model_name, snap.version, snap.manifest.kind) == (name, 0, Kind.WEIGHTS)
+    assert_same(snap.state_dict(), module_tensors(model))
+
+
+def test_fetch_is_zero_copy(store: ParameterStore, name: str) -> None:
+    publish_model(store, name, 0, tiny(0))
+    snap = store.fetch(name, 0)
+    base = snap.buffer.ctypes.data
+    for entry in snap.manifest.entries:
+        view = snap.tensors[entry.name]
+        assert view.data_ptr() == base + entry.offset  # a view into the buffer, not a copy
+        assert base <= view.untyped_storage().data_ptr() < base + snap.buffer.nbytes
+    if isinstance(store, LocalStore):
+        assert store.fetch(name, 0).buffer.ctypes.data == base  # the stored buffer itself, every time
+    else:
+        # mapped from the shared-memory object store, owned by Ray, read-only
+        assert snap.buffer.flags.owndata is False and snap.buffer.flags.writeable is False
+
+
+def test_versioning_and_memory(store: ParameterStore, name: str) -> None:
+    model = tiny(0)
+    assert store.latest(name) is None and store.versions(name) == []
+    sizes = [publish_model(store, name, v, model).nbytes for v in range(4)]
+    assert store.latest(name) == 3 and store.versions(name) == [0, 1, 2, 3]
+    before = store.memory()
+    assert before[name] == sum(sizes) and before[TOTAL] >= sum(sizes)
+
+    assert store.retain(name, keep_last=2) == [0, 1]
+    assert store.versions(name) == [2, 3]
+    after = store.memory()
+    assert after[name] == sizes[2] + sizes[3]
+    assert before[TOTAL] - after[TOTAL] == sizes[0] + sizes[1]
+    with pytest.raises(VersionError):
+        store.fetch(name, 0)
+
+    with pytest.raises(VersionError, match="immutable"):
+        publish_model(store, name, 3, tiny(1))
+    assert_same(store.fetch(name, 3).state_dict(), module_tensors(model))  # the original survived
+
+    with pytest.raises(VersionError):
+        store.free(name, 7)
+    store.free(name, 2)
+    assert store.versions(name) == [3]
+    # weights and optimizer state of a version are separate entries
+    assert store.versions(name, Kind.OPTIMIZER) == []
+
+
+def test_version_error_names_model_version_and_what_exists(store: ParameterStore, name: str) -> None:
+    for v in (1, 2):
+        publish_model(store, name, v, tiny(0))
+    with pytest.raises(VersionError) as err:
+        store.fetch(name, 5)
+    message = str(err.value)
+    assert name in message and "version 5" in message and "[1, 2]" in message
+    with pytest.raises(VersionError, match="none published"):
+        store.fetch(name + "-other", 0)
+
+
+def test_bad_arguments_are_named(store: ParameterStore, name: str) -> None:
+    with pytest.raises(ValueError, match="kind must be one of"):
+        store.fetch(name, 0, kind="gradients")
+    with pytest.raises(ValueError, match="version must be"):
+        store.publish(name, -1, {})
+    with pytest.raises(ValueError, match="model_name"):
+        store.publish(TOTAL, 0, {})
+    with pytest.raises(ValueError, match="keep_last"):
+        store.retain(name, keep_last=-1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_into_reproduces_the_source(store: ParameterStore, name: str, tied: bool) -> None:
+    source, target = tiny(0, tied), tiny(1, tied)
+    publish_model(store, name, 0, source)
+    store.fetch(name, 0).load_into(target)
+    with torch.no_grad():
+        assert torch.equal(target(TOKENS), source(TOKENS))
+    if tied:
+        assert target.lm_head.weight is target.model.embed_tokens.weight
+
+
+def test_load_into_is_strict() -> None:
+    store = LocalStore()
+    tensors = module_tensors(tiny(0))
+    tensors.pop("model.norm.weight")
+    tensors["extra"] = torch.zeros(1)
+    tensors["lm_head.weight"] = torch.zeros(3, 3)
+    store.publish("m", 0, tensors)
+    with pytest.raises(LoadError) as err:
+        store.fetch("m", 0).load_into(tiny(1))
+    message = str(err.value)
+    assert "model.norm.weight" in message and "extra" in message and "lm_head.weight: stored (3, 3)" in message
+
+
+def test_optimizer_state_offload_and_restore(store: ParameterStore, name: str) -> None:
+    def train_step(model: Decoder, optimizer: torch.optim.Optimizer, seed: int) -> None:
+        # seeded gradients instead of a backward pass: the same update on both sides, at a fraction of the cost
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+
+    model = tiny(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for seed in range(3):
+        train_step(model, optimizer, seed)
+    publish_model(store, name, 3, model)
+    publish_optimizer(store, name, 3, optimizer, model)
+    stored = store.fetch(name, 3, Kind.OPTIMIZER).state_dict(copy=True)
+    assert any(k.endswith(".exp_avg_sq") for k in stored)
+
+    # another "device": a fresh model and optimizer rebuilt only from the store
+    copy = tiny(1)
+    store.fetch(name, 3).load_into(copy)
+    restored = torch.optim.AdamW(copy.parameters(), lr=1e-2, weight_decay=0.1)
+    restore_optimizer(store, name, 3, restored, copy)
+    train_step(model, optimizer, 3)
+    train_step(copy, restored, 3)
+    for (n, a), (_, b) in zip(model.named_parameters(), copy.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    # the restored optimizer owns its state: stepping it left the published version untouched
+    assert_same(store.fetch(name, 3, Kind.OPTIMIZER).state_dict(), stored)
+
+
+def test_optimizer_restore_rejects_another_model() -> None:
+    store = LocalStore()
+    model = tiny(0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    publish_optimizer(store, "m", 0, optimizer, model)
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(LoadError, match="param group 0"):
+        restore_optimizer(store, "m", 0, torch.optim.AdamW(other.parameters()), other)
+    with pytest.raises(LoadError, match="'AdamW', not SGD"):
+        restore_optimizer(store, "m", 0, torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Ray: versions cross processes and outlive their publisher
+
+
+@pytest.fixture(scope="module")
+def ray_roles(ray_cluster: None) -> Iterator[tuple[ActorHandle, ActorHandle]]:
+    """A publisher and a reader actor, each in its own worker process.
+
+    The classes are defined in here so that Ray pickles them by value: workers cannot import tests/.
+    """
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Publisher:
+        def __init__(self) -> None:
+            import pivotrl.gps  # noqa: F401  (torch and all: imported while other tests run)
+
+        def publish(self, store: RayStore, model_name: str, version: int, cfg: ModelConfig, seed: int) -> int:
+            import os
+
+            import torch
+
+            from pivotrl.gps import publish_model
+            from pivotrl.model import Decoder
+
+            torch.manual_seed(seed)
+            publish_model(store, model_name, version, Decoder(cfg))
+            return os.getpid()
+
+    @ray.remote(num_cpus=0)
+    class Reader:
+        def __init__(self) -> None:
+            import pivotrl.gps  # noqa: F401
+
+        def read(self, store: RayStore, model_name: str, version: int) -> dict[str, torch.Tensor]:
+            return store.fetch(model_name, version).state_dict(copy=True)
+
+    publisher, reader = Publisher.remote(), Reader.remote()
+    yield publisher, reader
+    ray.kill(publisher)
+    ray.kill(reader)
+
+
+def test_ray_directory_is_found_by_name(ray_store: RayStore, name: str) -> None:
+    publish_model(ray_store, name, 0, tiny(0))
+    assert RayStore.connect(ray_store.name).versions(name) == [0]
+    with pytest.raises(ValueError, match="no GPS directory named 'absent'"):
+        RayStore.connect("absent")
+    with pytest.raises(ValueError, match=f"cannot create GPS directory {ray_store.name!r}"):
+        RayStore.create(ray_store.name)
+
+
+def test_ray_version_outlives_its_publisher(
+    ray_store: RayStore, ray_roles: tuple[ActorHandle, ActorHandle], name: str
+) -> None:
+    import ray
+
+    publisher, reader = ray_roles
+    pid = ray.get(publisher.publish.remote(ray_store, name, 0, tiny_config(), 5))
+    expected = module_tensors(tiny(5))
+    assert_same(ray.get(reader.read.remote(ray_store, name, 0)), expected)
+    assert_same(ray_store.fetch(name, 0).state_dict(), expected)
+
+    ray.kill(publisher)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"publisher process {pid} still alive 10 s after ray.kill")
+    time.sleep(0.5)  # a borrowed object would now be reported lost (OwnerDiedError)
+    assert_same(ray_store.fetch(name, 0).state_dict(), expected)
+    assert_same(ray.get(reader.read.remote(ray_store, name, 0)), expected)
+    assert np.array_equal(ray_store.fetch(name, 0).buffer, pack(expected)[0])  # byte for byte, padding included
