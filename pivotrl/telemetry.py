@@ -131,7 +131,7 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     slices = list(slices)
     devices = sorted({s.device for s in slices}) or [0]
     end = max((s.end for s in slices), default=1.0)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.55 * len(devices)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.55 * len(devices)))
     for s in slices:
         color = ROLE_COLORS.get(s.role, "#999999")
         ax.broken_barh([(s.start, max(s.end - s.start, end * 1e-4))], (s.device - 0.4, 0.8), facecolors=color)
@@ -142,10 +142,9 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     ax.set_xlabel("seconds since start")
     roles = [r for r in ROLE_COLORS if any(s.role == r for s in slices)]
     handles = [Patch(color=ROLE_COLORS[r], label=r) for r in roles]
-    below = -0.35 if len(devices) < 3 else -0.15
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), ncol=len(roles) or 1, frameon=False)
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(roles) or 1, frameon=False)
     if title:
-        ax.set_title(title)
+        ax.set_title(title, loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,7 +10,6 @@ micro-batch size, gives the same update as one pass over the full batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -19,38 +18,8 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from pivotrl.log import logger
 from pivotrl.sample import Sample
+from pivotrl.train.advantages import group_advantages  # noqa: F401  (re-exported)
 from pivotrl.train.config import TrainConfig
-
-
-def group_advantages(
-    rewards: Sequence[float], group_size: int, scale_by_std: bool = True, eps: float = 1e-6
-) -> list[float]:
-    """GRPO advantages: each reward relative to the other responses to the same prompt.
-
-    ``rewards`` holds consecutive groups of ``group_size``. The std is the
-    population std (ddof=0): the group is all the responses to the prompt, not
-    a sample from a larger set, and with ddof=0 a group's advantages have unit
-    RMS whatever its size (ddof=1 would shrink small groups, e.g. +-0.71
-    instead of +-1 for a group of two). A group with equal rewards carries no
-    signal and gets exactly 0.
-    """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
-    out: list[float] = []
-    for start in range(0, len(rewards), group_size):
-        group = [float(r) for r in rewards[start : start + group_size]]
-        if max(group) == min(group):
-            out.extend([0.0] * group_size)
-            continue
-        mean = sum(group) / group_size
-        centred = [r - mean for r in group]
-        if scale_by_std:
-            std = math.sqrt(sum(c * c for c in centred) / group_size)
-            centred = [c / (std + eps) for c in centred]
-        out.extend(centred)
-    return out
 
 
 def token_logprobs(model: nn.Module, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
