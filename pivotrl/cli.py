@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from pivotrl.config import ConfigError, JobConfig, load_config
+from pivotrl.config import ConfigError, JobConfig, load_config, parse_split
 from pivotrl.log import logger, setup_logging
 
 USAGE_ERROR = 2
@@ -38,17 +38,21 @@ def check_inputs(cfg: JobConfig) -> None:
             read_config(path)
         except (CheckpointError, UnsupportedModelError) as e:
             raise UserError(f"{field}: {e}") from None
-    if cfg.mode != "colocated" or cfg.devices != 1:
-        raise UserError(f"mode={cfg.mode} devices={cfg.devices}: this build runs mode=colocated on devices=1 only")
+    from pivotrl.control.modes import make_policy
+
+    try:
+        make_policy(cfg.mode, cfg.devices, parse_split(cfg.split))
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)
-    from pivotrl.runner import run_job
+    from pivotrl.runtime.job import run_job
 
     out = Path(args.out)
-    summary = run_job(cfg, out, progress=not args.quiet)
+    summary = run_job(cfg, out, progress=not args.quiet, ray_address=args.ray_address)
     latest = out.parent / "latest"
     if args.link_latest and out.name != "latest":
         if latest.is_symlink() or not latest.exists():
@@ -108,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="run directory to write")
     t.add_argument("--link-latest", action="store_true", help="point OUT/../latest at this run")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--ray-address", help="join this Ray cluster (e.g. 'auto') instead of starting a local one")
     t.set_defaults(func=cmd_train)
     pr = sub.add_parser("prepare", help="build the bundled task data, policy and judge (CPU, minutes)")
     pr.add_argument("--models", default="models", help="where to write the model directories")

@@ -1,0 +1,363 @@
+"""The RL step loop as an event-driven state machine.
+
+What waits for what (on-policy GRPO):
+
+    rollout of step k  -- needs -->  policy weights of version k-1 on the device
+    judging a response -- needs -->  that response finished (streamed, one by one)
+    the update of step k -- needs --> every reward of step k
+    rollout of step k+1 -- needs --> the update of step k (version k) published
+
+Evaluation of version k runs as greedy generation requests next to the
+rollout of step k+1 (same weights), and its accuracy is reported with step k.
+
+The controller only reacts: ``start()`` and ``handle(event)`` return the
+commands to send. Which device holds which role is decided by the allocation
+policy; the scheduler hands queued requests to devices holding the role.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pivotrl.control.messages import (
+    Command,
+    Event,
+    Generated,
+    GenParams,
+    GenRequest,
+    Judged,
+    JudgeRequest,
+    Role,
+    Shift,
+    ShiftDone,
+    Train,
+    Trained,
+    TrainShard,
+)
+from pivotrl.control.modes import AllocationPolicy, Demand
+from pivotrl.control.scheduler import Scheduler
+from pivotrl.reward.genrm import GenRM, JudgeStats
+from pivotrl.sample import Sample, Status
+from pivotrl.task.arithmetic import Problem
+from pivotrl.task.rules import exact_match
+from pivotrl.train.advantages import group_advantages
+
+EVAL_UID = 1 << 40  # evaluation requests live above this uid
+
+
+def sequence_seed(job_seed: int, step: int, uid: int) -> int:
+    """Sampling seed of one sequence: fixed by (job seed, step, sample), not by placement."""
+    return ((job_seed * 1_000_003 + step) * 1_048_583 + uid) % (1 << 62)
+
+
+@dataclass(slots=True, frozen=True)
+class LoopSpec:
+    """The parts of the job config the loop needs (plain values)."""
+
+    seed: int
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    prompt_template: str
+    rollout: GenParams
+    judge: GenParams
+    eval_params: GenParams
+    eval_every: int
+    scale_by_std: bool
+    per_device: int  # requests in flight per device
+
+
+@dataclass(slots=True)
+class DeviceView:
+    id: int
+    role: Role | None = None
+    version: int = -1
+    shifting: bool = False
+    training: bool = False
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    samples: list[Sample]
+    started: float
+    judge_stats: JudgeStats = field(default_factory=JudgeStats)
+    judged: int = 0
+    train_stats: dict[str, float] = field(default_factory=dict)
+    finished: float | None = None
+    shifts: int = 0
+    shift_seconds: float = 0.0
+    judge_tokens: int = 0
+    generated: int = 0
+    rollout_end: float | None = None
+    first_judged: float | None = None
+    judge_end: float | None = None
+    train_start: float | None = None
+
+
+class Controller:
+    def __init__(
+        self,
+        spec: LoopSpec,
+        policy: AllocationPolicy,
+        genrm: GenRM,
+        train_set: list[Problem],
+        heldout: list[Problem],
+        clock: Callable[[], float],
+    ) -> None:
+        self.spec, self.policy, self.genrm, self.clock = spec, policy, genrm, clock
+        self.train_set, self.heldout = train_set, heldout
+        self.devices = [DeviceView(i) for i in range(policy.devices)]
+        self.scheduler = Scheduler(spec.per_device)
+        self.version = 0
+        self.step: StepRecord | None = None
+        self.by_uid: dict[int, Sample] = {}
+        self.train_ready = self.training = False
+        self.eval_hits: dict[int, bool] = {}
+        self.eval_for: int | None = None  # the step whose evaluation is running (0: the start)
+        self.accuracy: dict[int, float] = {}  # step -> held-out accuracy after it
+        self.pending_metrics: dict[str, Any] | None = None
+        self.metrics: list[dict[str, Any]] = []  # finished steps, in order
+        self.shift_log: list[ShiftDone] = []
+        self.done = False
+        self.top_reward = max(genrm.rewards.values())
+
+    # -- the loop -------------------------------------------------------------------
+    def start(self) -> list[Command]:
+        self._begin_eval(0)
+        self._begin_step(1)
+        return self.pump()
+
+    def handle(self, event: Event) -> list[Command]:
+        if isinstance(event, ShiftDone):
+            self._on_shift(event)
+        elif isinstance(event, Generated):
+            self._on_generated(event)
+        elif isinstance(event, Judged):
+            self._on_judged(event)
+        elif isinstance(event, Trained):
+            self._on_trained(event)
+        else:
+            raise TypeError(f"unknown event {event!r}")
+        return self.pump()
+
+    def pump(self) -> list[Command]:
+        """Commands that the current state allows: shifts towards the policy's
+        targets, queued requests to devices holding their role, the update."""
+        if self.done:
+            return []
+        cmds: list[Command] = []
+        targets = self.policy.targets(self.demand())
+        for d in self.devices:
+            if d.shifting or d.training or self.scheduler.load(d.id):
+                continue
+            want = targets[d.id]
+            stale = want is not Role.GENRM and d.version != self.version
+            if d.role is not want or stale:
+                cmds.append(Shift(d.id, want, self.version))
+                d.shifting = True
+        cmds += self.scheduler.dispatch_gen(self._ready(Role.ROLLOUT), self.version)
+        cmds += self.scheduler.dispatch_judge(self._ready(Role.GENRM))
+        if self.train_ready and not self.training:
+            devs = self.policy.train_devices()
+            if all(self.devices[i].role is Role.TRAIN and not self.devices[i].shifting for i in devs):
+                cmds.append(self._train_command(devs))
+        return cmds
+
+    def demand(self) -> Demand:
+        s = self.scheduler
+        gen = len(s.gen_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.ROLLOUT)
+        judge = len(s.judge_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.GENRM)
+        unjudged = 0 if self.step is None else len(self.step.samples) - self.step.judged
+        return Demand(gen, max(judge, unjudged if gen == 0 else 0), self.train_ready, self.training)
+
+    def _ready(self, role: Role) -> list[int]:
+        return [
+            d.id
+            for d in self.devices
+            if d.role is role and not d.shifting and (role is Role.GENRM or d.version == self.version)
+        ]
+
+    # -- steps ----------------------------------------------------------------------
+    def _begin_step(self, step: int) -> None:
+        spec = self.spec
+        rng = random.Random(spec.seed * 7919 + step)
+        chosen = rng.sample(self.train_set, spec.prompts_per_step)
+        samples, reqs = [], []
+        for p_idx, prob in enumerate(chosen):
+            prompt = spec.prompt_template.format(question=prob.question)
+            for g in range(spec.group_size):
+                uid = p_idx * spec.group_size + g
+                seed = sequence_seed(spec.seed, step, uid)
+                samples.append(Sample(uid, p_idx, prob.question, prob.reference, [], seed, policy_version=self.version))
+                reqs.append(GenRequest(uid, prompt, seed, spec.rollout))
+        self.step = StepRecord(step, samples, self.clock())
+        self.by_uid = {s.uid: s for s in samples}
+        self.scheduler.submit_gen(reqs)
+
+    def _begin_eval(self, after_step: int) -> None:
+        self.eval_for, self.eval_hits = after_step, {}
+        reqs = [
+            GenRequest(EVAL_UID + i, self.spec.prompt_template.format(question=p.question), 0, self.spec.eval_params)
+            for i, p in enumerate(self.heldout)
+        ]
+        self.scheduler.submit_gen(reqs, front=True)
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.spec.eval_every
+        return step == self.spec.steps or (every > 0 and step % every == 0)
+
+    # -- events ---------------------------------------------------------------------
+    def _on_shift(self, e: ShiftDone) -> None:
+        d = self.devices[e.device]
+        d.role, d.version, d.shifting = e.role, e.version, False
+        self.shift_log.append(e)
+        if self.step is not None:
+            self.step.shifts += 1
+            self.step.shift_seconds += e.seconds
+
+    def _on_generated(self, e: Generated) -> None:
+        judge_reqs = []
+        for r in e.results:
+            self.scheduler.finished(e.device, r.uid)
+            if r.uid >= EVAL_UID:
+                self.eval_hits[r.uid] = exact_match(r.text, self.heldout[r.uid - EVAL_UID].reference)
+                continue
+            s = self.by_uid[r.uid]
+            assert r.version == s.policy_version, f"sample {r.uid}: v{r.version} served a v{s.policy_version} step"
+            s.prompt_ids, s.response_ids, s.logprobs, s.response_text = r.prompt_ids, r.output_ids, r.logprobs, r.text
+            s.truncated = r.finish_reason == "length"
+            s.status = Status.TRUNCATED if s.truncated else Status.FINISHED
+            s.correct = exact_match(r.text, s.reference)
+            assert self.step is not None
+            self.step.generated += 1
+            if self.step.generated == len(self.step.samples):
+                self.step.rollout_end = self.clock()
+            judge_reqs.append(JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge))
+        self.scheduler.submit_judge(judge_reqs)
+        if self.eval_for is not None and len(self.eval_hits) == len(self.heldout):
+            self.accuracy[self.eval_for] = sum(self.eval_hits.values()) / len(self.heldout)
+            self.eval_for = None
+            self._maybe_close()
+
+    def _on_judged(self, e: Judged) -> None:
+        assert self.step is not None
+        if self.step.first_judged is None:
+            self.step.first_judged = self.clock()
+        for r in e.results:
+            self.scheduler.finished(e.device, r.uid)
+            s = self.by_uid[r.uid]
+            j = self.genrm.score(r.text, truncated=r.truncated)
+            self.step.judge_stats.add(j)
+            s.judge_text, s.reward, s.verdict, s.status = r.text, j.reward, j.label, Status.JUDGED
+            self.step.judged += 1
+            self.step.judge_tokens += r.tokens
+        if self.step.judged == len(self.step.samples):
+            self.train_ready = True
+            self.step.judge_end = self.clock()
+
+    def _train_command(self, devs: tuple[int, ...]) -> Train:
+        assert self.step is not None
+        samples = self.step.samples
+        adv = group_advantages([s.reward for s in samples], self.spec.group_size, self.spec.scale_by_std)
+        groups = len(samples) // self.spec.group_size
+        shards = []
+        for part in split_groups(groups, len(devs)):
+            idx = [g * self.spec.group_size + m for g in part for m in range(self.spec.group_size)]
+            shards.append(
+                TrainShard(
+                    tuple(tuple(samples[i].prompt_ids) for i in idx),
+                    tuple(tuple(samples[i].response_ids) for i in idx),
+                    tuple(tuple(samples[i].logprobs) for i in idx),
+                    tuple(adv[i] for i in idx),
+                )
+            )
+        self.train_ready, self.training = False, True
+        self.step.train_start = self.clock()
+        for i in devs:
+            self.devices[i].training = True
+        total = sum(len(s.response_ids) for s in samples)
+        return Train(devs, self.version, tuple(shards), total)
+
+    def _on_trained(self, e: Trained) -> None:
+        assert self.step is not None
+        self.version = e.version
+        for i in e.devices:
+            self.devices[i].training = False
+            self.devices[i].version = e.version  # the trainer's replica is the new version
+        self.training = False
+        self.step.train_stats = e.stats
+        self.step.finished = self.clock()
+        self.pending_metrics = self._step_metrics(self.step)
+        done_step = self.step.step
+        if self._eval_due(done_step):
+            self._begin_eval(done_step)
+        if done_step < self.spec.steps:
+            self._begin_step(done_step + 1)
+        else:
+            self.step = None
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        """Emit the last step's metrics once its evaluation (if due) is in; end the job after the last."""
+        m = self.pending_metrics
+        if m is None or self.eval_for == m["step"]:
+            return
+        if m["step"] in self.accuracy:
+            m["heldout_accuracy"] = self.accuracy[m["step"]]
+        self.metrics.append(m)
+        self.pending_metrics = None
+        if m["step"] == self.spec.steps:
+            self.done = True
+
+    def _step_metrics(self, rec: StepRecord) -> dict[str, Any]:
+        samples, n = rec.samples, len(rec.samples)
+        resp_tokens = sum(len(s.response_ids) for s in samples)
+        seconds = (rec.finished or rec.started) - rec.started
+        return {
+            "step": rec.step,
+            "reward_mean": sum(s.reward for s in samples) / n,
+            "accuracy": sum(bool(s.correct) for s in samples) / n,
+            "judge_agreement": sum((s.reward >= self.top_reward) == bool(s.correct) for s in samples) / n,
+            "parse_failures": rec.judge_stats.parse_failures,
+            "judge_outcomes": dict(rec.judge_stats.by_outcome),
+            "response_length": resp_tokens / n,
+            "truncated": sum(s.truncated for s in samples),
+            "response_tokens": resp_tokens,
+            "judge_tokens": rec.judge_tokens,
+            "step_seconds": seconds,
+            "samples_per_s": n / seconds if seconds > 0 else 0.0,
+            "tokens_per_s": (resp_tokens + rec.judge_tokens) / seconds if seconds > 0 else 0.0,
+            "time_s": phase_times(rec),
+            "shifts": rec.shifts,
+            "shift_seconds": rec.shift_seconds,
+            **{f"train_{k}": v for k, v in rec.train_stats.items()},
+        }
+
+
+def phase_times(rec: StepRecord) -> dict[str, float]:
+    """Wall time of each phase of a step. Phases may overlap (judging streams
+    while rollout runs), so they need not add up to the step time."""
+    end = rec.finished or rec.started
+    rollout_end = rec.rollout_end or end
+    judge_end = rec.judge_end or end
+    return {
+        "rollout": rollout_end - rec.started,
+        "judge": judge_end - (rec.first_judged or rollout_end),
+        "train": end - (rec.train_start or end),
+        "step": end - rec.started,
+    }
+
+
+def split_groups(groups: int, parts: int) -> list[list[int]]:
+    """Contiguous, balanced split of GRPO groups (kept whole) over ``parts`` devices."""
+    base, extra = divmod(groups, parts)
+    out, start = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out

@@ -1,0 +1,163 @@
+"""Commands the control plane sends to devices, and events devices send back.
+
+Every message names the device it concerns. Requests carry text and token
+ids, never tensors: a device turns them into model inputs with its own
+tokenizer, so the control plane stays free of torch and of any one model.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    ROLLOUT = "rollout"
+    GENRM = "genrm"
+    TRAIN = "train"
+
+
+ROLES = tuple(Role)
+
+
+@dataclass(slots=True, frozen=True)
+class GenParams:
+    """Sampling settings of a request; the device adds its tokenizer's stop tokens."""
+
+    max_new_tokens: int
+    temperature: float = 1.0  # <= 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """Generate (or continue) one policy response. ``output_ids`` is non-empty when a
+    migrated sequence resumes: the device re-prefills prompt + output and goes on."""
+
+    uid: int
+    prompt: str
+    seed: int
+    params: GenParams
+    prompt_ids: list[int] = field(default_factory=list)  # filled by the first device that encodes the prompt
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GenResult:
+    uid: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    version: int  # policy version that generated it
+
+
+@dataclass(slots=True, frozen=True)
+class JudgeRequest:
+    uid: int
+    question: str
+    reference: str
+    response: str
+    seed: int
+    params: GenParams
+
+
+@dataclass(slots=True, frozen=True)
+class JudgeResult:
+    uid: int
+    text: str
+    truncated: bool
+    tokens: int
+
+
+# -- commands -----------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class Shift:
+    """Release the device's current role context and load ``role`` at ``version``
+    (policy version for rollout/train; ignored for the frozen judge)."""
+
+    device: int
+    role: Role
+    version: int
+
+
+@dataclass(slots=True, frozen=True)
+class Generate:
+    device: int
+    requests: tuple[GenRequest, ...]
+    version: int  # the policy version these requests must be served with
+
+
+@dataclass(slots=True, frozen=True)
+class Judge:
+    device: int
+    requests: tuple[JudgeRequest, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class TrainShard:
+    """One device's part of a data-parallel update: whole GRPO groups."""
+
+    prompt_ids: tuple[tuple[int, ...], ...]
+    response_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+    advantages: tuple[float, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Train:
+    """One optimizer step of policy ``version`` -> ``version + 1`` over ``devices``.
+    ``total_tokens`` is the response-token count of the whole batch: every device
+    normalises by it, so the update does not depend on how the batch is split."""
+
+    devices: tuple[int, ...]
+    version: int
+    shards: tuple[TrainShard, ...]  # one per device, same order
+    total_tokens: int
+
+
+Command = Shift | Generate | Judge | Train
+
+
+# -- events -------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class ShiftDone:
+    device: int
+    role: Role
+    version: int
+    seconds: float
+    nbytes: int  # bytes loaded into the device
+
+
+@dataclass(slots=True, frozen=True)
+class Generated:
+    """Sequences that finished on a device (streamed: a few at a time)."""
+
+    device: int
+    results: tuple[GenResult, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Judged:
+    device: int
+    results: tuple[JudgeResult, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Trained:
+    """The optimizer step is done and policy ``version`` is published to the GPS."""
+
+    devices: tuple[int, ...]
+    version: int  # the new version
+    stats: dict[str, float]
+    seconds: float
+
+
+Event = ShiftDone | Generated | Judged | Trained

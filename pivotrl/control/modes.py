@@ -1,0 +1,108 @@
+"""Allocation policies: which role each device should hold, given demand.
+
+A policy is pure placement math: it reads a ``Demand`` snapshot and answers
+with a target role per device and the devices that train. The controller
+turns differences between a device's role and its target into ``Shift``
+commands when the device is idle. Registered by name; an unknown name fails
+loudly with the list of known ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pivotrl.control.messages import Role
+
+
+@dataclass(slots=True, frozen=True)
+class Demand:
+    """What is left to do in the current step."""
+
+    gen_pending: int  # rollout (and evaluation) requests queued or in flight
+    judge_pending: int  # judge requests queued or in flight, plus responses still to come
+    train_ready: bool  # every reward of the step is in and the update has not started
+    training: bool  # the update is running
+
+
+class AllocationPolicy(Protocol):
+    name: str
+    devices: int
+
+    def targets(self, demand: Demand) -> dict[int, Role]: ...
+
+    def train_devices(self) -> tuple[int, ...]: ...
+
+
+class Colocated:
+    """Every device takes every role, phase after phase: all generate, then all
+    judge, then all train."""
+
+    name = "colocated"
+
+    def __init__(self, devices: int) -> None:
+        if devices < 1:
+            raise ValueError(f"colocated needs at least 1 device, got {devices}")
+        self.devices = devices
+
+    def targets(self, demand: Demand) -> dict[int, Role]:
+        if demand.gen_pending:
+            role = Role.ROLLOUT
+        elif demand.judge_pending:
+            role = Role.GENRM
+        elif demand.train_ready or demand.training:
+            role = Role.TRAIN
+        else:
+            role = Role.ROLLOUT
+        return dict.fromkeys(range(self.devices), role)
+
+    def train_devices(self) -> tuple[int, ...]:
+        return tuple(range(self.devices))
+
+
+def default_split(devices: int) -> dict[Role, int]:
+    """A split for disaggregated mode when none is given: one trainer, a judge per
+    three devices beyond it, the rest on rollout."""
+    if devices < 3:
+        raise ValueError(f"disaggregated mode needs at least 3 devices (one per role), got {devices}")
+    genrm = max(1, round((devices - 1) / 3))
+    return {Role.ROLLOUT: devices - 1 - genrm, Role.GENRM: genrm, Role.TRAIN: 1}
+
+
+class Disaggregated:
+    """A static split: each device keeps one role for the whole job."""
+
+    name = "disaggregated"
+
+    def __init__(self, devices: int, split: dict[Role, int] | None = None) -> None:
+        split = split or default_split(devices)
+        missing = [r.value for r in Role if split.get(r, 0) < 1]
+        if missing:
+            raise ValueError(f"split: disaggregated mode needs at least one device for {', '.join(missing)}")
+        if sum(split.values()) != devices:
+            layout = ",".join(f"{r.value}:{n}" for r, n in split.items())
+            raise ValueError(f"split: {layout} uses {sum(split.values())} devices, but devices={devices}")
+        self.devices = devices
+        self.split = split
+        self.roles: dict[int, Role] = {}
+        for role in Role:  # rollout devices first, then judge, then train
+            for _ in range(split[role]):
+                self.roles[len(self.roles)] = role
+
+    def targets(self, demand: Demand) -> dict[int, Role]:
+        return dict(self.roles)
+
+    def train_devices(self) -> tuple[int, ...]:
+        return tuple(d for d, r in self.roles.items() if r is Role.TRAIN)
+
+
+def make_policy(mode: str, devices: int, split: dict[str, int] | None = None) -> AllocationPolicy:
+    """The allocation policy registered under ``mode``."""
+    if mode == "colocated":
+        if split:
+            raise ValueError("split: only used with mode=disaggregated")
+        return Colocated(devices)
+    if mode == "disaggregated":
+        return Disaggregated(devices, {Role(k): v for k, v in split.items()} if split else None)
+    known = ", ".join(("colocated", "disaggregated"))
+    raise ValueError(f"mode: {mode!r} is not available (known: {known})")

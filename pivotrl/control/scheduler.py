@@ -1,0 +1,60 @@
+"""Request queues and dispatch.
+
+The scheduler owns the rollout and judge queues. A device is given at most
+``per_device`` requests in flight; the rest stay queued here, so a device
+that becomes free (or newly takes a role) is fed from the queue, and
+work is always handed to the least-loaded device first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
+
+
+class Scheduler:
+    def __init__(self, per_device: int) -> None:
+        if per_device < 1:
+            raise ValueError(f"per_device must be >= 1, got {per_device}")
+        self.per_device = per_device
+        self.gen_queue: deque[GenRequest] = deque()
+        self.judge_queue: deque[JudgeRequest] = deque()
+        self.inflight: dict[int, set[int]] = {}  # device -> uids it is working on
+
+    def load(self, device: int) -> int:
+        return len(self.inflight.get(device, ()))
+
+    def submit_gen(self, reqs: list[GenRequest], front: bool = False) -> None:
+        if front:
+            self.gen_queue.extendleft(reversed(reqs))
+        else:
+            self.gen_queue.extend(reqs)
+
+    def submit_judge(self, reqs: list[JudgeRequest]) -> None:
+        self.judge_queue.extend(reqs)
+
+    def finished(self, device: int, uid: int) -> None:
+        self.inflight[device].discard(uid)
+
+    def dispatch_gen(self, devices: list[int], version: int) -> list[Generate]:
+        batches = self._spread(self.gen_queue, devices)
+        return [Generate(d, tuple(reqs), version) for d, reqs in batches.items()]
+
+    def dispatch_judge(self, devices: list[int]) -> list[Judge]:
+        batches = self._spread(self.judge_queue, devices)
+        return [Judge(d, tuple(reqs)) for d, reqs in batches.items()]
+
+    def _spread(self, queue: deque, devices: list[int]) -> dict[int, list]:
+        """Hand queued requests one at a time to the least-loaded device with room."""
+        batches: dict[int, list] = {}
+        loads = {d: self.load(d) for d in devices}
+        while queue and loads:
+            d = min(loads, key=lambda k: (loads[k], k))
+            if loads[d] >= self.per_device:
+                break
+            req = queue.popleft()
+            batches.setdefault(d, []).append(req)
+            self.inflight.setdefault(d, set()).add(req.uid)
+            loads[d] += 1
+        return batches

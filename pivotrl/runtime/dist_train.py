@@ -1,0 +1,408 @@
+"""Elastic data-parallel GRPO: the train role on however many devices hold it in a step.
+
+Why elastic. Devices shift between rollout, judge and train while a step runs,
+so the number of train devices changes from step to step. The update must not
+depend on it (up to floating-point reduction order): the policy after step v
+is the same whether 1, 2 or 7 devices trained it.
+
+Why that holds. :class:`~pivotrl.train.grpo.GRPOTrainer` backpropagates the
+*unnormalised* token-sum loss and divides once by the token count of the whole
+batch. Sums split over devices: each rank accumulates the groups it was given,
+:meth:`ElasticTrainer.step` all-reduces (SUM) the gradient sums, and every
+rank then runs the same ``GRPOTrainer.step(total_tokens)`` (divide, clip by
+global norm, AdamW) on identical gradients and identical optimizer state, so
+the replicas stay identical without ever exchanging weights.
+
+Layout: plain replicated data parallelism. Every train device holds the full
+weights and the full AdamW state. ZeRO-style sharding of optimizer state (and
+gradients) over the group is future work; it would make a membership change
+re-shard state through the GPS instead of copying it whole.
+
+Membership. A :class:`TrainGroup` is one *membership epoch*: the ranks that
+train one step (or several, while the membership holds). Between epochs the
+group is left and a new one joined (on a fresh port); a process may do this any
+number of times (checked with gloo: destroy then re-init in the same process).
+A device that newly takes the train role first loads the policy weights and
+optimizer state of the current version from the GPS
+(:meth:`ElasticTrainer.import_state`), published by one of the previous train
+devices (:meth:`ElasticTrainer.export_state`). Each step checks that every
+rank holds the same policy version, so a rank that skipped the import fails
+the step on every rank at once instead of silently diverging.
+
+What waits for what in one step::
+
+    rank r: accumulate(its groups) ... accumulate  ──┐
+                                                     ├─ step(): gather stats (1 small collective, checks versions)
+    rank s: accumulate(its groups) ... accumulate  ──┘         all-reduce grads (1 collective per bucket)
+                                                               GRPOTrainer.step on every rank (no communication)
+
+This is the one module that names distributed backends (``backend_for``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pivotrl.gps import ParameterStore, publish_model, publish_optimizer, restore_optimizer
+from pivotrl.log import logger
+from pivotrl.sample import Sample
+from pivotrl.train.grpo import GRPOTrainer
+
+# device type -> torch.distributed backend; an unknown device type fails loudly
+_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+DEFAULT_TIMEOUT_S = 600.0  # how long a collective (or the rendezvous) waits for the slowest rank
+DEFAULT_BUCKET_BYTES = 256 << 20  # gradient bytes per all-reduce; bounds the extra memory of the flat buffer
+
+# Per-rank numbers gathered at every step. Sums merge by addition, extremes by max/min.
+_SUM_KEYS = ("tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum")
+# Columns of the gathered row: version, has-KL flag, the sums, ratio max, ratio min, one has-grad flag per parameter.
+_VERSION, _HAS_KL, _SUMS = 0, 1, 2
+_RATIO_MAX = _SUMS + len(_SUM_KEYS)
+_RATIO_MIN = _RATIO_MAX + 1
+_FLAGS = _RATIO_MIN + 1
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for tensors on ``device``: NCCL between GPUs, gloo between CPU processes."""
+    device = torch.device(device)
+    try:
+        return _BACKENDS[device.type]
+    except KeyError:
+        raise ValueError(
+            f"no distributed backend for device type {device.type!r}; supported: {', '.join(_BACKENDS)}"
+        ) from None
+
+
+def shard_groups(num_groups: int, world_size: int, rank: int) -> list[int]:
+    """The GRPO groups (indices into the step's prompts) that ``rank`` trains: round-robin, ``g % world_size``.
+
+    Whole groups, never split: a group's advantages are computed together and
+    its samples share a prompt. Round-robin rather than contiguous blocks
+    because a group's rank depends only on its index, not on the batch size,
+    so groups can be handed out as they are judged, before the batch is
+    complete; ranks differ by at most one group. Groups differ in token count,
+    so a token-balanced assignment would even out the work better (future
+    work); the update does not depend on the assignment either way.
+    """
+    for name, value, low in (("num_groups", num_groups, 0), ("world_size", world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    return list(range(rank, num_groups, world_size))
+
+
+class TrainGroup:
+    """One membership epoch of the train role: this process's rank in a torch.distributed process group.
+
+    World size 1 creates no process group and makes no ``torch.distributed``
+    call at all: a single train device needs no rendezvous, and this is the
+    common case on one machine. The process group is the default one, so a
+    process is in at most one train group at a time; :meth:`leave` before
+    joining the next. Joining takes tens of milliseconds on loopback with
+    gloo. Re-using the previous epoch's port works (checked: four epochs on
+    one port), but a fresh port per epoch guarantees that a rank still
+    finishing the old epoch can never rendezvous with the new one.
+    """
+
+    __slots__ = ("_joined", "address", "backend", "device", "rank", "world_size")
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, address: str | None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.backend = backend
+        self.address = address
+        self._joined = world_size > 1
+
+    @classmethod
+    def join(
+        cls,
+        rank: int,
+        world_size: int,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        *,
+        device: torch.device | str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> TrainGroup:
+        """Rendezvous with the other ``world_size - 1`` ranks at ``master_addr:master_port`` (rank 0 listens there).
+
+        Blocks until every rank has arrived or ``timeout_s`` passes; the same
+        timeout later bounds each collective, i.e. how long the fastest rank
+        waits for the slowest at :meth:`ElasticTrainer.step`.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        device = torch.device(device)
+        backend = backend_for(device)
+        if world_size == 1:
+            return cls(0, 1, device, backend, None)
+        if not isinstance(master_port, int) or not 0 < master_port < 65536:
+            raise ValueError(f"master_port must be an int in [1, 65535] when world_size > 1, got {master_port!r}")
+        if not dist.is_available():
+            raise RuntimeError("torch.distributed is not available in this torch build")
+        if dist.is_initialized():
+            raise RuntimeError("this process is already in a train group (or another process group); leave() it first")
+        kwargs: dict[str, Any] = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device  # bind the communicator to this GPU now, not at the first collective
+        address = f"tcp://{master_addr}:{master_port}"
+        logger.info("train group: rank %d/%d waiting for the others at %s (%s)", rank, world_size, address, backend)
+        start = time.perf_counter()
+        dist.init_process_group(
+            backend,
+            init_method=address,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        logger.info("train group: rank %d/%d joined in %.2f s", rank, world_size, time.perf_counter() - start)
+        return cls(rank, world_size, device, backend, address)
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`leave`; a world-size-1 group is always active (there is nothing to leave)."""
+        return self._joined or self.world_size == 1
+
+    def leave(self) -> None:
+        """Destroy the process group so this process can join the next membership epoch. Idempotent."""
+        if self._joined:
+            dist.destroy_process_group()
+            self._joined = False
+            logger.info("train group: rank %d/%d left %s", self.rank, self.world_size, self.address)
+
+    def __enter__(self) -> TrainGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    def _check(self) -> None:
+        if not self.active:
+            raise RuntimeError(f"train group {self.address} (rank {self.rank}/{self.world_size}) was left")
+
+    def all_reduce_(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` over the group in place (a no-op for one rank)."""
+        self._check()
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """``tensor`` of every rank stacked in rank order, ``[world_size, *tensor.shape]``.
+
+        Reducing the stack locally (rather than all-reducing) gives every rank
+        the same numbers in the same order, and lets one collective carry
+        sums, maxima and minima together.
+        """
+        self._check()
+        if self.world_size == 1:
+            return tensor[None].clone()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
+
+
+def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Parameters grouped by (dtype, device), in model order, cut into buckets of at most ``bucket_bytes``.
+
+    Depends only on the model, so every replica builds the same buckets and
+    the collectives line up. A parameter larger than a bucket gets its own.
+    """
+    by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    out: list[list[nn.Parameter]] = []
+    for group in by_kind.values():
+        bucket: list[nn.Parameter] = []
+        size = 0
+        for p in group:
+            nbytes = p.numel() * p.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                out.append(bucket)
+                bucket, size = [], 0
+            bucket.append(p)
+            size += nbytes
+        if bucket:
+            out.append(bucket)
+    return out
+
+
+class ElasticTrainer:
+    """A :class:`GRPOTrainer` on one replica of the policy, stepping in lockstep with the rest of its group.
+
+    ``version`` is the policy version the replica's weights hold (the one
+    rollout used for this step's samples); each :meth:`step` advances it, and
+    it names what :meth:`export_state` publishes. ``group`` may be replaced
+    between steps when the membership changes; gradients accumulated so far
+    stay valid, since they are sums. Without a group the trainer is alone
+    (world size 1, no process group).
+    """
+
+    def __init__(
+        self,
+        trainer: GRPOTrainer,
+        group: TrainGroup | None = None,
+        version: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
+        self.trainer = trainer
+        self.version = version
+        self._params = list(trainer.model.parameters())
+        self._buckets = _buckets(self._params, bucket_bytes)
+        self.group = TrainGroup.join(0, 1, device=trainer.device) if group is None else group
+
+    @property
+    def group(self) -> TrainGroup:
+        return self._group
+
+    @group.setter
+    def group(self, group: TrainGroup) -> None:
+        if self.trainer.device.type != group.device.type:
+            raise ValueError(
+                f"the policy is on {self.trainer.device} but the train group communicates over {group.device} "
+                f"({group.backend}); they must be the same kind of device"
+            )
+        self._group = group
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainer.model
+
+    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
+        """Backward this rank's share of the batch (local sums; nothing is communicated until :meth:`step`)."""
+        return self.trainer.accumulate(samples, advantages)
+
+    def global_tokens(self) -> int:
+        """Response tokens accumulated by the whole group since the last step (one collective; call on every rank)."""
+        count = torch.tensor([float(self.trainer._tokens)], dtype=torch.float64, device=self.group.device)
+        return int(self.group.all_reduce_(count).item())
+
+    def _gather(self) -> tuple[list[int], dict[str, float], list[bool]]:
+        """One small collective: every rank's version, stat sums and which parameters have a gradient."""
+        local = self.trainer._stats
+        row = torch.zeros(_FLAGS + len(self._params), dtype=torch.float64)
+        row[_VERSION] = self.version
+        row[_HAS_KL] = float("kl_sum" in local)
+        row[_SUMS:_RATIO_MAX] = torch.tensor([float(local.get(k, 0.0)) for k in _SUM_KEYS], dtype=torch.float64)
+        row[_RATIO_MAX] = local.get("ratio_max", float("-inf"))
+        row[_RATIO_MIN] = local.get("ratio_min", float("inf"))
+        row[_FLAGS:] = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float64)
+        rows = self.group.all_gather(row.to(self.group.device)).cpu()
+        versions = [int(v) for v in rows[:, _VERSION].tolist()]
+        sums = dict(zip(_SUM_KEYS, rows[:, _SUMS:_RATIO_MAX].sum(0).tolist(), strict=True))
+        if not rows[:, _HAS_KL].any():
+            del sums["kl_sum"]
+        ratio_max, ratio_min = float(rows[:, _RATIO_MAX].max()), float(rows[:, _RATIO_MIN].min())
+        if ratio_max != float("-inf"):
+            sums["ratio_max"], sums["ratio_min"] = ratio_max, ratio_min
+        has_grad = rows[:, _FLAGS:].amax(0).bool().tolist()
+        return versions, sums, has_grad
+
+    def _all_reduce_grads(self, has_grad: list[bool]) -> None:
+        """Sum every gradient over the group, one flat buffer per bucket; a missing gradient counts as zeros.
+
+        The reduced buffer becomes the gradients (views into it), so the extra
+        memory is one bucket, not a second copy of every gradient. A parameter
+        with no gradient on any rank keeps ``grad=None``, exactly as in
+        one-rank training (AdamW then leaves it and its state alone).
+        """
+        grad_of = dict(zip(map(id, self._params), has_grad, strict=True))
+        for bucket in self._buckets:
+            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            offset = 0
+            views = []
+            for p in bucket:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                views.append(view)
+                offset += p.numel()
+            self.group.all_reduce_(flat)
+            for p, view in zip(bucket, views, strict=True):
+                if grad_of[id(p)]:
+                    p.grad = view
+
+    def step(self, total_tokens: int | None = None) -> dict[str, float]:
+        """All-reduce the gradient sums, then apply the same token-mean AdamW update on every rank.
+
+        ``total_tokens`` is the response-token count of the whole batch, which
+        the control plane knows; ``None`` takes what the group accumulated.
+        Call on every rank of the group, even one that got no samples: the
+        collectives need all of them. Returns the group's numbers (loss and
+        clip fraction over all ranks' tokens), identical on every rank, plus
+        ``world_size`` and the new ``version``.
+        """
+        group = self.group
+        if group.world_size > 1:
+            versions, sums, has_grad = self._gather()
+            if len(set(versions)) > 1:
+                self.trainer.optimizer.zero_grad(set_to_none=True)
+                self.trainer._stats, self.trainer._tokens = {}, 0
+                raise RuntimeError(
+                    f"train group {group.address}: replicas hold different policy versions {versions} (by rank); "
+                    "a device that newly takes the train role must import_state(...) of the current version first"
+                )
+            accumulated = int(sums["tokens"])
+            n = accumulated if total_tokens is None else total_tokens
+            if n < accumulated:
+                raise ValueError(f"total_tokens={n} is less than the {accumulated} tokens the group accumulated")
+            if n > accumulated:
+                logger.warning("total_tokens=%d, but the group accumulated only %d", n, accumulated)
+            if accumulated:
+                self._all_reduce_grads(has_grad)
+            # GRPOTrainer reports from its running sums; give it the group's, so every rank reports the batch
+            self.trainer._stats, self.trainer._tokens = sums, accumulated
+            total_tokens = n
+        out = self.trainer.step(total_tokens)
+        self.version += 1
+        out["world_size"] = float(group.world_size)
+        out["version"] = float(self.version)
+        return out
+
+    def export_state(self, store: ParameterStore, model_name: str, *, weights: bool = True) -> int:
+        """Publish this replica's optimizer state (and weights) as ``self.version``; returns the bytes published.
+
+        Replicas are identical, so one rank of the group publishes (rank 0 by
+        convention). ``weights=False`` when the weights of this version are
+        published separately, e.g. by the publish phase for rollout.
+        """
+        if self.trainer._tokens or any(p.grad is not None for p in self._params):
+            raise RuntimeError("export_state with accumulated gradients: step() first, the state would be mid-step")
+        nbytes = 0
+        if weights:
+            nbytes += publish_model(store, model_name, self.version, self.model).nbytes
+        nbytes += publish_optimizer(store, model_name, self.version, self.trainer.optimizer, self.model).nbytes
+        return nbytes
+
+    def import_state(self, store: ParameterStore, model_name: str, version: int, *, weights: bool = True) -> None:
+        """Take up the train role at ``version``: load its weights and optimizer state from the GPS.
+
+        ``weights=False`` when the replica already holds that version's
+        weights (e.g. it just served rollout with them).
+        """
+        if self.trainer._tokens or any(p.grad is not None for p in self._params):
+            raise RuntimeError("import_state with accumulated gradients: they belong to other weights; step() first")
+        start = time.perf_counter()
+        if weights:
+            store.fetch(model_name, version).load_into(self.model)
+        restore_optimizer(store, model_name, version, self.trainer.optimizer, self.model)
+        self.version = version
+        logger.debug("train state of %s v%d imported in %.3f s", model_name, version, time.perf_counter() - start)

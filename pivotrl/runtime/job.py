@@ -1,0 +1,153 @@
+"""Run a job: the control plane driven over real devices.
+
+    controller.start() -> commands -> driver -> events -> controller.handle() -> ...
+
+One device runs in this process (``LocalDriver``); more devices, or
+``--ray-address``, run one Ray actor per device (``RayDriver``). Both load
+every role's weights from the Global Parameter Storage.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pivotrl.config import JobConfig, parse_split
+from pivotrl.control.controller import Controller, LoopSpec
+from pivotrl.control.messages import GenParams
+from pivotrl.control.modes import make_policy
+from pivotrl.gps import LocalStore, ParameterStore
+from pivotrl.log import logger
+from pivotrl.model import load_model, save_model
+from pivotrl.reward import GenRM
+from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, build_model, publish_checkpoint
+from pivotrl.runtime.local import LocalDriver
+from pivotrl.runtime.worker import TrainSpec, Worker
+from pivotrl.task.arithmetic import read_jsonl
+from pivotrl.telemetry import RunWriter, Slice
+
+
+def loop_spec(cfg: JobConfig) -> LoopSpec:
+    r, j, e = cfg.rollout, cfg.judge, cfg.eval
+    return LoopSpec(
+        seed=cfg.seed,
+        steps=cfg.steps,
+        prompts_per_step=r.prompts_per_step,
+        group_size=r.group_size,
+        prompt_template=cfg.task.prompt_template,
+        rollout=GenParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k),
+        judge=GenParams(j.max_new_tokens, j.temperature),
+        eval_params=GenParams(e.max_new_tokens, 0.0),
+        eval_every=e.every,
+        scale_by_std=cfg.train.scale_by_std,
+        per_device=r.max_batch,
+    )
+
+
+def context_spec(cfg: JobConfig, device: str = "cpu") -> ContextSpec:
+    return ContextSpec(device, cfg.policy.dtype, cfg.judge.dtype, cfg.rollout.max_batch, 256, cfg.judge.template)
+
+
+def publish_initial(store: ParameterStore, cfg: JobConfig) -> None:
+    """Policy version 0 and the judge go into the GPS; devices load only from there."""
+    policy, ptok = load_model(cfg.policy.path, cfg.policy.dtype)
+    publish_checkpoint(store, POLICY, 0, policy, ptok)
+    judge, jtok = load_model(cfg.judge.path, cfg.judge.dtype)
+    publish_checkpoint(store, JUDGE, 0, judge, jtok)
+
+
+def run_job(cfg: JobConfig, out: str | Path, progress: bool = True, ray_address: str | None = None) -> dict[str, Any]:
+    """Run the whole job; writes the run directory (metrics, summary, events, trace, timeline, policy)."""
+    from tqdm import tqdm
+
+    writer = RunWriter(out)
+    writer.write_json("config.json", cfg.to_dict())
+    train_set = read_jsonl(cfg.task.train_file)
+    heldout = read_jsonl(cfg.task.heldout_file)[: cfg.eval.size]
+    if cfg.rollout.prompts_per_step > len(train_set):
+        raise ValueError(
+            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) exceeds the {len(train_set)} train problems"
+        )
+    policy = make_policy(cfg.mode, cfg.devices, parse_split(cfg.split))
+    origin = time.time()
+    use_ray = cfg.devices > 1 or ray_address is not None
+    if use_ray:
+        from pivotrl.runtime.ray_driver import RayDriver
+
+        driver: Any = RayDriver(cfg, context_spec(cfg), origin, ray_address)
+        store = driver.store
+    else:
+        store = LocalStore()
+        spec = TrainSpec(cfg.train, cfg.rollout.temperature)
+        driver = LocalDriver([Worker(0, store, context_spec(cfg), spec, origin)])
+    try:
+        publish_initial(store, cfg)
+        genrm = GenRM(cfg.judge.template, cfg.judge.verdict_pattern, cfg.judge.rewards, cfg.judge.fallback_reward)
+        clock = lambda: time.time() - origin
+        ctl = Controller(loop_spec(cfg), policy, genrm, train_set, heldout, clock)
+        bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)
+        started = clock()
+        commands = ctl.start()
+        written = 0
+        while not ctl.done:
+            for c in commands:
+                driver.submit(c)
+            commands = []
+            for event in driver.next_events():
+                commands += ctl.handle(event)
+            while written < len(ctl.metrics):
+                m = ctl.metrics[written]
+                writer.step(m)
+                written += 1
+                acc = ctl.accuracy.get(max(ctl.accuracy), 0.0)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
+        bar.close()
+        wall = clock() - started
+        slices = driver.slices()
+        final = store.fetch(POLICY, ctl.version)
+        model, tok = build_model(final, torch.device("cpu"), torch.float32)
+        save_model(model, tok, Path(out) / "policy")
+    finally:
+        driver.close()
+    summary = summarize(cfg, ctl, slices, wall)
+    summary["policy_checkpoint"] = str(Path(out) / "policy")
+    writer.write_json("summary.json", summary)
+    writer.write_events(slices, title=f"{cfg.mode}, {cfg.devices} device(s), {cfg.steps} steps")
+    logger.info("run written to %s", out)
+    return summary
+
+
+def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float) -> dict[str, Any]:
+    samples = cfg.steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    tokens = sum(m["response_tokens"] + m["judge_tokens"] for m in ctl.metrics)
+    agree = sum(m["judge_agreement"] for m in ctl.metrics) / len(ctl.metrics)
+    busy: dict[str, float] = {}
+    for s in slices:
+        busy[s.role] = busy.get(s.role, 0.0) + s.end - s.start
+    capacity = max(wall, 1e-9) * cfg.devices
+    shift_s = [e.seconds for e in ctl.shift_log]
+    return {
+        "mode": cfg.mode,
+        "devices": cfg.devices,
+        "split": cfg.split,
+        "steps": cfg.steps,
+        "samples": samples,
+        "samples_per_s": samples / wall,
+        "tokens_per_s": tokens / wall,
+        "accuracy_start": ctl.accuracy[0],
+        "accuracy_end": ctl.accuracy[cfg.steps],
+        "accuracy_gain": ctl.accuracy[cfg.steps] - ctl.accuracy[0],
+        "genrm_agreement": agree,
+        "genrm_parse_failures": sum(m["parse_failures"] for m in ctl.metrics),
+        "role_busy_fraction": {r: t / capacity for r, t in sorted(busy.items())},
+        "device_idle_fraction": max(0.0, 1.0 - sum(busy.values()) / capacity),
+        "shifts": len(shift_s),
+        "shift_seconds": {"mean": sum(shift_s) / len(shift_s), "max": max(shift_s)}
+        if shift_s
+        else {"mean": 0, "max": 0},
+        "wall_seconds": wall,
+    }

@@ -1,0 +1,57 @@
+"""In-process driver: the devices are ``Worker`` objects in this process.
+
+Used for a one-device job (no Ray start-up) and in tests of the control
+plane with real models. Work is interleaved by time slices, so streaming and
+shifts behave as they do on the Ray driver; a data-parallel update needs
+separate processes and is refused here.
+"""
+
+from __future__ import annotations
+
+from pivotrl.control.messages import Command, Event, Generate, Judge, Shift, Train
+from pivotrl.runtime.worker import Worker
+from pivotrl.telemetry import Slice
+
+
+class StallError(RuntimeError):
+    """The controller waits for events but no device has work: a control-plane bug."""
+
+
+class LocalDriver:
+    def __init__(self, workers: list[Worker], slice_seconds: float = 0.05) -> None:
+        self.workers, self.slice_seconds = workers, slice_seconds
+        self.events: list[Event] = []
+
+    def submit(self, cmd: Command) -> None:
+        if isinstance(cmd, Shift):
+            self.events.append(self.workers[cmd.device].shift(cmd.role, cmd.version))
+        elif isinstance(cmd, Generate):
+            self.workers[cmd.device].generate(cmd)
+        elif isinstance(cmd, Judge):
+            self.workers[cmd.device].judge(cmd)
+        elif isinstance(cmd, Train):
+            if len(cmd.devices) != 1:
+                raise ValueError("the in-process driver trains on one device; use the Ray driver for more")
+            event = self.workers[cmd.devices[0]].train(cmd, rank=0, port=0)
+            assert event is not None
+            self.events.append(event)
+        else:
+            raise TypeError(f"unknown command {cmd!r}")
+
+    def next_events(self) -> list[Event]:
+        if not self.events:
+            busy = [w for w in self.workers if w.has_work]
+            if not busy:
+                raise StallError("the controller waits for events but no device has work")
+            for w in busy:
+                event = w.run(self.slice_seconds)
+                if event is not None:
+                    self.events.append(event)
+        out, self.events = self.events, []
+        return out
+
+    def slices(self) -> list[Slice]:
+        return [s for w in self.workers for s in w.drain_slices()]
+
+    def close(self) -> None:
+        pass

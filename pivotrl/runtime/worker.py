@@ -1,0 +1,213 @@
+"""One device: holds a role context and executes the control plane's commands.
+
+The same class runs in-process (local driver) and inside a Ray actor (Ray
+driver). Generation is time-sliced: ``run(seconds)`` advances the engine for
+about that long and returns what finished, so rewards stream to the judge as
+soon as responses end and a shift command never waits long.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pivotrl.control.messages import (
+    Generate,
+    Generated,
+    GenParams,
+    GenResult,
+    Judge,
+    Judged,
+    JudgeResult,
+    Role,
+    ShiftDone,
+    Train,
+    Trained,
+)
+from pivotrl.engine import SamplingParams, SeqState
+from pivotrl.gps import Kind, ParameterStore, module_tensors, optimizer_tensors
+from pivotrl.log import logger
+from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, checkpoint_meta
+from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup
+from pivotrl.sample import Sample
+from pivotrl.telemetry import Slice
+from pivotrl.train.config import TrainConfig
+from pivotrl.train.grpo import GRPOTrainer
+
+
+class WrongVersionError(RuntimeError):
+    """A request for policy version v reached a device holding another version."""
+
+
+@dataclass(slots=True)
+class TrainSpec:
+    cfg: TrainConfig
+    temperature: float
+    keep_versions: int = 2  # policy versions kept in the GPS
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What a generation request needs back besides the engine state."""
+
+    kind: str  # "gen" | "judge"
+    version: int
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class Worker:
+    def __init__(
+        self, device: int, store: ParameterStore, spec: ContextSpec, train: TrainSpec, origin: float, threads: int = 1
+    ) -> None:
+        torch.set_num_threads(threads)
+        self.device, self.store, self.spec, self.train_spec, self.origin = device, store, spec, train, origin
+        self.role: Role | None = None
+        self.ctx: GenerationContext | TrainContext | None = None
+        self.pending: dict[int, _Pending] = {}
+        self.slices: list[Slice] = []
+
+    def now(self) -> float:
+        return time.time() - self.origin
+
+    # -- shifts ---------------------------------------------------------------------
+    def shift(self, role: Role, version: int) -> ShiftDone:
+        """Release the current context, load ``role`` at ``version`` from the GPS."""
+        if self.has_work:
+            raise RuntimeError(f"device {self.device}: shift to {role.value} with sequences in flight")
+        t0 = self.now()
+        before = self.role
+        if role is self.role and role is Role.ROLLOUT and isinstance(self.ctx, GenerationContext):
+            nbytes = self.ctx.refresh(self.store, version)  # same model, new weights: keep engine and cache
+        elif role is self.role and role is Role.GENRM:
+            nbytes = 0
+        else:
+            if self.ctx is not None:
+                self.ctx.release()
+                self.ctx = None
+            if role is Role.ROLLOUT:
+                self.ctx = GenerationContext(POLICY, version, self.store, self.spec)
+            elif role is Role.GENRM:
+                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec)
+            else:
+                self.ctx = TrainContext(version, self.store, self.spec, self._make_trainer)
+            nbytes = self.ctx.nbytes
+        self.role = role
+        t1 = self.now()
+        name = f"{before.value if before else 'none'}->{role.value}"
+        self.slices.append(Slice(self.device, "shift", name, t0, t1, {"bytes": nbytes, "version": version}))
+        logger.debug("device %d: shift %s v%d, %d bytes in %.3f s", self.device, name, version, nbytes, t1 - t0)
+        return ShiftDone(self.device, role, version, t1 - t0, nbytes)
+
+    def _make_trainer(self, model: torch.nn.Module, version: int) -> ElasticTrainer:
+        return ElasticTrainer(GRPOTrainer(model, self.train_spec.cfg, self.train_spec.temperature), version=version)
+
+    # -- generation -----------------------------------------------------------------
+    def generate(self, cmd: Generate) -> None:
+        ctx = self._generation_ctx(Role.ROLLOUT)
+        if ctx.version != cmd.version:
+            raise WrongVersionError(f"device {self.device} holds policy v{ctx.version}, requests need v{cmd.version}")
+        stop = tuple(ctx.tokenizer.eos_token_ids)
+        for r in cmd.requests:
+            prompt_ids = r.prompt_ids or ctx.tokenizer.encode(r.prompt)
+            state = SeqState(r.uid, prompt_ids, r.seed, _sampling(r.params, stop), list(r.output_ids), list(r.logprobs))
+            ctx.engine.add(state)
+            self.pending[r.uid] = _Pending("gen", ctx.version, prompt_ids)
+
+    def judge(self, cmd: Judge) -> None:
+        ctx = self._generation_ctx(Role.GENRM)
+        stop = tuple(ctx.tokenizer.eos_token_ids)
+        for r in cmd.requests:
+            text = self.spec.judge_template.format(question=r.question, reference=r.reference, response=r.response)
+            ids = ctx.tokenizer.encode(text)
+            ctx.engine.ensure_capacity(len(ids) + r.params.max_new_tokens) if not ctx.engine.has_work else None
+            ctx.engine.add(SeqState(r.uid, ids, r.seed, _sampling(r.params, stop)))
+            self.pending[r.uid] = _Pending("judge", 0)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def run(self, seconds: float) -> Generated | Judged | None:
+        """Advance the engine for about ``seconds``; return what finished."""
+        ctx = self.ctx
+        if not self.pending or not isinstance(ctx, GenerationContext):
+            return None
+        t0 = self.now()
+        finished: list[SeqState] = []
+        while ctx.engine.has_work and self.now() - t0 < seconds:
+            finished += ctx.engine.step()
+        t1 = self.now()
+        role = self.role.value if self.role else "idle"
+        self.slices.append(Slice(self.device, role, f"{role} {len(finished)} done", t0, t1))
+        if not finished:
+            return None
+        if self.role is Role.ROLLOUT:
+            results = []
+            for s in finished:
+                p = self.pending.pop(s.uid)
+                text = ctx.tokenizer.decode(s.output_ids)
+                results.append(
+                    GenResult(s.uid, p.prompt_ids, s.output_ids, s.logprobs, text, s.finish_reason or "", p.version)
+                )
+            return Generated(self.device, tuple(results))
+        out = []
+        for s in finished:
+            self.pending.pop(s.uid)
+            out.append(
+                JudgeResult(s.uid, ctx.tokenizer.decode(s.output_ids), s.finish_reason == "length", len(s.output_ids))
+            )
+        return Judged(self.device, tuple(out))
+
+    def _generation_ctx(self, role: Role) -> GenerationContext:
+        if self.role is not role or not isinstance(self.ctx, GenerationContext):
+            have = self.role.value if self.role else "no role"
+            raise RuntimeError(f"device {self.device} holds {have}, cannot serve {role.value} requests")
+        return self.ctx
+
+    # -- training -------------------------------------------------------------------
+    def train(self, cmd: Train, rank: int, port: int) -> Trained | None:
+        """This device's part of one data-parallel optimizer step; rank 0 publishes the new version."""
+        ctx = self.ctx
+        if not isinstance(ctx, TrainContext):
+            raise RuntimeError(f"device {self.device} is not in the train role")
+        if ctx.version != cmd.version:
+            raise WrongVersionError(f"device {self.device} holds policy v{ctx.version}, update needs v{cmd.version}")
+        t0 = self.now()
+        shard = cmd.shards[rank]
+        samples = [
+            Sample(i, 0, "", "", list(p), 0, response_ids=list(r), logprobs=list(lp))
+            for i, (p, r, lp) in enumerate(zip(shard.prompt_ids, shard.response_ids, shard.logprobs, strict=True))
+        ]
+        trainer = ctx.trainer
+        trainer.group = TrainGroup.join(rank, len(cmd.devices), master_port=port, device=self.spec.device)
+        try:
+            trainer.accumulate(samples, list(shard.advantages))
+            stats = trainer.step(cmd.total_tokens)
+        finally:
+            trainer.group.leave()
+            trainer.group = TrainGroup.join(0, 1, device=self.spec.device)
+        ctx.version = trainer.version
+        assert ctx.version == cmd.version + 1
+        if rank == 0:
+            self._publish(ctx)
+        t1 = self.now()
+        self.slices.append(Slice(self.device, "train", f"train v{cmd.version}->v{ctx.version}", t0, t1))
+        return Trained(cmd.devices, ctx.version, stats, t1 - t0) if rank == 0 else None
+
+    def _publish(self, ctx: TrainContext) -> None:
+        store, v = self.store, ctx.version
+        store.publish(POLICY, v, module_tensors(ctx.model), Kind.WEIGHTS, checkpoint_meta(ctx.model, ctx.tokenizer))
+        tensors, meta = optimizer_tensors(ctx.trainer.trainer.optimizer, ctx.model)
+        store.publish(POLICY, v, tensors, Kind.OPTIMIZER, meta)
+        store.retain(POLICY, self.train_spec.keep_versions, Kind.WEIGHTS)
+        store.retain(POLICY, 1, Kind.OPTIMIZER)
+
+    def drain_slices(self) -> list[Slice]:
+        out, self.slices = self.slices, []
+        return out
+
+
+def _sampling(p: GenParams, stop: tuple[int, ...]) -> SamplingParams:
+    return SamplingParams(p.max_new_tokens, p.temperature, p.top_p, p.top_k, stop)

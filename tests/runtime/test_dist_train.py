@@ -1,0 +1,364 @@
+"""Elastic trainer: the policy after a step does not depend on how many ranks trained it.
+
+One spawn of three real processes (gloo on loopback) plays every multi-rank
+scenario in turn, so the processes also prove that a process can leave a
+train group and join the next one, six times over. Each rank writes its final
+weights and step stats to a file; the tests compare them with one-rank
+training in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
+from pivotrl.model import Decoder, ModelConfig
+from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, backend_for, shard_groups
+from pivotrl.sample import Sample
+from pivotrl.train.config import TrainConfig
+from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
+
+G = 4  # samples per GRPO group
+MODEL = "policy"
+CFG = TrainConfig(micro_batch=5, grad_clip=0.5)  # micro-batches cut across groups; the clip is active
+TIMEOUT_S = 60.0  # a hung rendezvous fails the test instead of hanging it
+Batch = tuple[list[Sample], list[float]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed: int = 0, frozen: bool = False) -> Decoder:
+    """``frozen``: the final norm gets no gradient on any rank, which must leave it out of AdamW as on one rank."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qkv_bias=True,
+    )
+    model = Decoder(cfg).eval()
+    model.model.norm.weight.requires_grad_(not frozen)
+    return model
+
+
+def make_batch(num_groups: int, seed: int) -> Batch:
+    """Random prompts and responses, with rollout log-probs perturbed off the model's so that clipping is active."""
+    gen = torch.Generator().manual_seed(seed)
+    model = tiny_model()
+    samples, rewards = [], []
+    for uid in range(num_groups * G):
+        prompt = torch.randint(1, 64, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen).tolist()
+        response = torch.randint(1, 64, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        with torch.no_grad():
+            lp = token_logprobs(model, torch.tensor([prompt + response]))[0, len(prompt) - 1 :]
+        lp = lp + 0.4 * torch.randn(lp.shape, generator=gen)
+        samples.append(
+            Sample(
+                uid=uid,
+                prompt_index=uid // G,
+                question="",
+                reference="",
+                prompt_ids=prompt,
+                seed=0,
+                response_ids=response,
+                logprobs=lp.tolist(),
+            )
+        )
+        rewards.append(float(torch.rand((), generator=gen) < 0.5))
+    return samples, group_advantages(rewards, G)
+
+
+def local_share(batch: Batch, world_size: int, rank: int) -> Batch:
+    samples, advantages = batch
+    mine = set(shard_groups(len(samples) // G, world_size, rank))
+    keep = [i for i, s in enumerate(samples) if s.prompt_index in mine]
+    return [samples[i] for i in keep], [advantages[i] for i in keep]
+
+
+def batch_tokens(batch: Batch) -> int:
+    return sum(len(s.response_ids) for s in batch[0])
+
+
+def train_step(trainer: ElasticTrainer, batch: Batch, known_total: bool) -> dict[str, float]:
+    group = trainer.group
+    trainer.accumulate(*local_share(batch, group.world_size, group.rank))
+    return trainer.step(batch_tokens(batch) if known_total else None)
+
+
+def snapshot(trainer: ElasticTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module_tensors(trainer.model).items()}
+
+
+# --- the three ranks ------------------------------------------------------------------------------------------------
+
+
+def _join(rank: int, world_size: int, port: int) -> TrainGroup:
+    return TrainGroup.join(rank, world_size, master_port=port, device="cpu", timeout_s=TIMEOUT_S)
+
+
+def _carry(path: Path, store: LocalStore | None = None) -> LocalStore:
+    """Stand-in for a GPS shared between processes (a RayStore in the runtime): write out, or read into a store."""
+    if store is not None:
+        snaps = [store.fetch(MODEL, 1, kind) for kind in Kind]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps([(s.manifest, s.buffer) for s in snaps]))
+        tmp.rename(path)
+        return store
+    store = LocalStore()
+    for manifest, buffer in pickle.loads(path.read_bytes()):
+        snap = Snapshot.of(manifest, buffer)
+        store.publish(MODEL, manifest.version, snap.tensors, manifest.kind, manifest.meta)
+    return store
+
+
+def _worker(rank: int, ports: list[int], batches: list[Batch], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+
+    def save(name: str, trainer: ElasticTrainer, stats: list[dict[str, float]]) -> None:
+        frozen = trainer.model.model.norm.weight
+        result = {
+            "state": snapshot(trainer),
+            "stats": stats,
+            "frozen": (frozen.grad, trainer.trainer.optimizer.state[frozen]),
+        }
+        torch.save(result, out / f"{name}.{rank}.pt")
+
+    # world 2 (rank 2 sits this one out), total_tokens given by the caller
+    if rank < 2:
+        with _join(rank, 2, ports[0]) as group:
+            trainer = ElasticTrainer(GRPOTrainer(tiny_model(), CFG), group)
+            stats = [train_step(trainer, b, known_total=True) for b in batches[:2]]
+        save("w2", trainer, stats)
+
+    # world 3, total_tokens left to the group's own count
+    with _join(rank, 3, ports[1]) as group:
+        trainer = ElasticTrainer(GRPOTrainer(tiny_model(), CFG), group)
+        stats = [train_step(trainer, b, known_total=False) for b in batches[:2]]
+    save("w3", trainer, stats)
+
+    # membership change: ranks 0 and 1 train step 1, then rank 2 takes up the train role from the GPS for step 2
+    handoff = out / "handoff.pkl"
+    if rank < 2:
+        with _join(rank, 2, ports[2]) as group:
+            trainer = ElasticTrainer(GRPOTrainer(tiny_model(), CFG), group)
+            stats = [train_step(trainer, batches[0], known_total=True)]
+        if rank == 0:
+            store = LocalStore()
+            trainer.export_state(store, MODEL)
+            _carry(handoff, store)  # written before joining the next epoch, so it exists once everyone has joined
+    with _join(rank, 3, ports[3]) as group:
+        if rank == 2:
+            trainer = ElasticTrainer(GRPOTrainer(tiny_model(seed=1), CFG), group)  # other weights: only import helps
+            trainer.import_state(_carry(handoff), MODEL, version=1)
+            stats = [{}]
+        else:
+            trainer.group = group
+        stats.append(train_step(trainer, batches[1], known_total=True))
+    save("member", trainer, stats)
+
+    # world 3 on a batch of two groups: rank 2 gets none and still takes part; one parameter has no gradient anywhere
+    with _join(rank, 3, ports[4]) as group:
+        trainer = ElasticTrainer(GRPOTrainer(tiny_model(frozen=True), CFG), group)
+        stats = [train_step(trainer, batches[2], known_total=True)]
+    save("empty", trainer, stats)
+
+    # a rank that joins without importing the state: every rank refuses the step, none hangs
+    if rank < 2:
+        with _join(rank, 2, ports[5]) as group:
+            trainer = ElasticTrainer(GRPOTrainer(tiny_model(), CFG), group, version=0 if rank else 3)
+            try:
+                train_step(trainer, batches[0], known_total=True)
+                error = ""
+            except RuntimeError as e:
+                error = str(e)
+        (out / f"mismatch.{rank}.txt").write_text(error)
+
+
+def free_ports(n: int) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[Batch]:
+    return [make_batch(6, seed=1), make_batch(4, seed=2), make_batch(2, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist_train")
+    mp.spawn(_worker, args=(free_ports(6), batches, str(out)), nprocs=3, join=True)
+    return out
+
+
+def one_rank(batches: list[Batch], frozen: bool = False) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    trainer = ElasticTrainer(GRPOTrainer(tiny_model(frozen=frozen), CFG))
+    stats = [train_step(trainer, b, known_total=True) for b in batches]
+    return snapshot(trainer), stats
+
+
+@pytest.fixture(scope="module")
+def reference(batches: list[Batch]) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    return one_rank(batches[:2])
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def assert_same_stats(got: dict[str, float], want: dict[str, float]) -> None:
+    for key in ("tokens", "loss", "pg_loss", "clip_frac", "grad_norm", "ratio_max", "ratio_min", "version"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def load(runs: Path, name: str, rank: int) -> dict:
+    return torch.load(runs / f"{name}.{rank}.pt")
+
+
+# --- tests ------------------------------------------------------------------------------------------------------------
+
+
+def test_reference_is_a_meaningful_update(reference):
+    state, stats = reference
+    assert max_diff(state, module_tensors(tiny_model())) > 1e-4  # weights moved well beyond the tolerance
+    assert all(s["clip_frac"] > 0 for s in stats)  # the clipped branch of the loss is exercised
+    assert all(s["grad_norm"] > CFG.grad_clip for s in stats)  # and so is gradient clipping
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("w2", 2), ("w3", 3)])
+def test_world_size_does_not_change_the_update(runs, reference, name, world_size):
+    state, stats = reference
+    for rank in range(world_size):
+        got = load(runs, name, rank)
+        assert max_diff(got["state"], state) < 1e-5, f"rank {rank}"
+        for got_step, want_step in zip(got["stats"], stats, strict=True):
+            assert_same_stats(got_step, want_step)
+            assert got_step["world_size"] == world_size
+
+
+def test_membership_change_between_steps_matches_one_rank(runs, reference):
+    state, stats = reference
+    for rank in range(3):
+        got = load(runs, "member", rank)
+        assert max_diff(got["state"], state) < 1e-5, f"rank {rank}"
+        assert_same_stats(got["stats"][-1], stats[-1])
+        assert got["stats"][-1]["world_size"] == 3
+
+
+def test_rank_without_samples_takes_part(runs, batches):
+    state, stats = one_rank(batches[2:], frozen=True)
+    for rank in range(3):
+        got = load(runs, "empty", rank)
+        assert max_diff(got["state"], state) < 1e-5, f"rank {rank}"
+        assert_same_stats(got["stats"][0], stats[0])
+        assert got["frozen"] == (None, {})  # no zero gradient made up for it, so AdamW never touched it
+
+
+def test_replica_at_another_version_fails_the_step_on_every_rank(runs):
+    for rank in range(2):
+        assert "different policy versions [3, 0]" in (runs / f"mismatch.{rank}.txt").read_text()
+
+
+def test_one_rank_makes_no_distributed_calls_and_equals_plain_grpo(batches, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("world size 1 must not touch torch.distributed")
+
+    for name in ("init_process_group", "destroy_process_group", "all_reduce", "all_gather", "is_initialized"):
+        monkeypatch.setattr(dist, name, forbidden)
+    with _join(0, 1, 0) as group:
+        elastic = ElasticTrainer(GRPOTrainer(tiny_model(), CFG), group)
+        plain = GRPOTrainer(tiny_model(), CFG)
+        for batch in batches[:2]:
+            elastic.accumulate(*batch)
+            assert elastic.global_tokens() == batch_tokens(batch)
+            got = elastic.step()
+            want = plain.train_batch(*batch)
+            assert got == want | {"world_size": 1.0, "version": got["version"]}
+    assert elastic.version == 2
+    assert max_diff(snapshot(elastic), module_tensors(plain.model)) == 0.0
+
+
+def test_export_import_hands_the_train_role_over(batches):
+    store = LocalStore()
+    old = ElasticTrainer(GRPOTrainer(tiny_model(), CFG), _join(0, 1, 0), version=5)
+    train_step(old, batches[0], known_total=True)
+    old.accumulate(*batches[1])
+    with pytest.raises(RuntimeError, match="accumulated gradients"):
+        old.export_state(store, MODEL)
+    old.step()
+    assert old.export_state(store, MODEL) > 0
+    assert store.versions(MODEL, Kind.WEIGHTS) == store.versions(MODEL, Kind.OPTIMIZER) == [7]
+
+    new = ElasticTrainer(GRPOTrainer(tiny_model(seed=1), CFG), _join(0, 1, 0))
+    new.import_state(store, MODEL, 7)
+    assert new.version == 7
+    for trainer in (old, new):
+        train_step(trainer, batches[2], known_total=True)
+    assert max_diff(snapshot(old), snapshot(new)) == 0.0
+    assert new.version == old.version == 8
+
+
+@pytest.mark.parametrize(
+    ("num_groups", "world_size"),
+    [(0, 1), (1, 1), (6, 1), (6, 2), (6, 3), (7, 3), (2, 3), (1, 4), (128, 7)],
+)
+def test_shard_groups_assigns_every_group_once_and_balanced(num_groups, world_size):
+    shards = [shard_groups(num_groups, world_size, rank) for rank in range(world_size)]
+    assert sorted(g for shard in shards for g in shard) == list(range(num_groups))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    for rank, shard in enumerate(shards):
+        assert all(g % world_size == rank for g in shard)  # round-robin: a group's rank ignores the batch size
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [((-1, 1, 0), "num_groups"), ((4, 0, 0), "world_size"), ((4, 2, 2), "rank"), ((4, 2, -1), "rank")],
+)
+def test_shard_groups_rejects_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        shard_groups(*args)
+
+
+def test_backend_for_names_one_backend_per_device_type():
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(ValueError, match="supported: cuda, cpu"):
+        backend_for(torch.device("meta"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 0}, "world_size"),
+        ({"rank": 0, "world_size": 2}, "master_port"),
+        ({"rank": 0, "world_size": 2, "master_port": 1234, "timeout_s": 0}, "timeout_s"),
+    ],
+)
+def test_train_group_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainGroup.join(device="cpu", **kwargs)
