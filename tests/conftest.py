@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random checkpoints written the same way as the bundled models."""
+"""Shared fixtures: one Ray for the session, tiny random checkpoints written like the bundled models."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,22 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         save_model(tiny_model(arch, seed), char_tokenizer(), root / name)
         paths[name] = root / name
     return paths
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray for the session: starting it costs seconds and most of a GB."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=512 * 1024**2,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+    yield
+    if started:
+        ray.shutdown()

@@ -63,25 +63,6 @@ def tiny(seed: int, tied: bool = False) -> Decoder:
 TOKENS = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    """One local Ray for the session: starting it costs seconds and most of a GB."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            object_store_memory=512 * 1024**2,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def ray_store(ray_cluster: None) -> Iterator[RayStore]:
     store = RayStore.create(f"gps-test-{uuid.uuid4().hex[:8]}")

@@ -85,6 +85,8 @@ def run_job(cfg: JobConfig, out: str | Path, progress: bool = True, ray_address:
         driver = LocalDriver([Worker(0, store, context_spec(cfg), spec, origin)])
     try:
         publish_initial(store, cfg)
+        origin = time.time()  # the run clock starts once every device is up and the weights are in the GPS
+        driver.start_clock(origin)
         genrm = GenRM(cfg.judge.template, cfg.judge.verdict_pattern, cfg.judge.rewards, cfg.judge.fallback_reward)
         clock = lambda: time.time() - origin
         ctl = Controller(loop_spec(cfg), policy, genrm, train_set, heldout, clock)

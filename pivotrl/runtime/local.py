@@ -50,6 +50,10 @@ class LocalDriver:
         out, self.events = self.events, []
         return out
 
+    def start_clock(self, origin: float) -> None:
+        for w in self.workers:
+            w.origin = origin
+
     def slices(self) -> list[Slice]:
         return [s for w in self.workers for s in w.drain_slices()]
 

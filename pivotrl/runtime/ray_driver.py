@@ -1,0 +1,144 @@
+"""Ray driver: one actor per device, each a ``Worker`` with its own torch.
+
+The embedded default starts a local Ray instance (no dashboard, loopback
+only); ``ray_address`` joins an existing cluster instead (``ray start --head``
+then ``--ray-address auto``). Weights travel through the GPS in Ray's object
+store. Generation is time-sliced: the driver keeps one ``run`` call in
+flight per busy device and turns what each returns into events, so rewards
+stream and shifts are picked up between slices.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from typing import Any
+
+from pivotrl.config import JobConfig
+from pivotrl.control.messages import Command, Event, Generate, Judge, Shift, Train
+from pivotrl.gps import RayStore
+from pivotrl.log import logger
+from pivotrl.runtime.contexts import ContextSpec
+from pivotrl.runtime.worker import TrainSpec, Worker
+from pivotrl.telemetry import Slice
+
+SLICE_SECONDS = 0.05
+
+
+class DeviceActor:
+    """The Ray face of a Worker (methods run one at a time, in call order)."""
+
+    def __init__(self, device: int, store: RayStore, spec: ContextSpec, train: TrainSpec, origin: float) -> None:
+        self.worker = Worker(device, store, spec, train, origin, threads=1)
+
+    def shift(self, role: Any, version: int) -> Event:
+        return self.worker.shift(role, version)
+
+    def generate(self, cmd: Generate) -> None:
+        self.worker.generate(cmd)
+
+    def judge(self, cmd: Judge) -> None:
+        self.worker.judge(cmd)
+
+    def run(self, seconds: float) -> tuple[Event | None, bool]:
+        event = self.worker.run(seconds)
+        return event, self.worker.has_work
+
+    def train(self, cmd: Train, rank: int, port: int) -> Event | None:
+        return self.worker.train(cmd, rank, port)
+
+    def drain_slices(self) -> list[Slice]:
+        return self.worker.drain_slices()
+
+    def set_origin(self, origin: float) -> None:
+        self.worker.origin = origin
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayDriver:
+    def __init__(self, cfg: JobConfig, spec: ContextSpec, origin: float, address: str | None = None) -> None:
+        import ray
+
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False, "log_to_driver": True}
+            if address is None:
+                kwargs.update(num_cpus=max(2, cfg.devices), _node_ip_address="127.0.0.1")
+            ray.init(address=address, **kwargs)
+        self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
+        actor = ray.remote(DeviceActor).options(num_cpus=0)  # torch threads are set per worker; see Worker
+        train = TrainSpec(cfg.train, cfg.rollout.temperature)
+        self.actors = [actor.remote(d, self.store, spec, train, origin) for d in range(cfg.devices)]
+        self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
+        self.running: set[int] = set()  # devices with a run() in flight
+        self.dirty: set[int] = set()  # devices given work since their run() was sent
+        logger.info("ray driver: %d device actors", cfg.devices)
+
+    def start_clock(self, origin: float) -> None:
+        """Wait until every device actor is up, then share the run clock's origin."""
+        import ray
+
+        ray.get([a.set_origin.remote(origin) for a in self.actors])
+
+    def submit(self, cmd: Command) -> None:
+        if isinstance(cmd, Shift):
+            self.pending[self.actors[cmd.device].shift.remote(cmd.role, cmd.version)] = ("event", cmd.device)
+        elif isinstance(cmd, Generate | Judge):
+            actor = self.actors[cmd.device]
+            call = actor.generate if isinstance(cmd, Generate) else actor.judge
+            self.pending[call.remote(cmd)] = ("ack", cmd.device)
+            self.dirty.add(cmd.device)
+            self._run(cmd.device)
+        elif isinstance(cmd, Train):
+            port = free_port()
+            for rank, d in enumerate(cmd.devices):
+                self.pending[self.actors[d].train.remote(cmd, rank, port)] = ("event", d)
+        else:
+            raise TypeError(f"unknown command {cmd!r}")
+
+    def _run(self, device: int) -> None:
+        if device not in self.running:
+            self.running.add(device)
+            self.dirty.discard(device)
+            self.pending[self.actors[device].run.remote(SLICE_SECONDS)] = ("run", device)
+
+    def next_events(self) -> list[Event]:
+        import ray
+
+        if not self.pending:
+            raise RuntimeError("the controller waits for events but no device has work")
+        ready, _ = ray.wait(list(self.pending), num_returns=1)
+        more, _ = ray.wait([r for r in self.pending if r not in ready], num_returns=len(self.pending) - 1, timeout=0)
+        out: list[Event] = []
+        for ref in [*ready, *more]:
+            kind, device = self.pending.pop(ref)
+            result = ray.get(ref)  # re-raises a device's error here, with its traceback
+            if kind == "run":
+                event, has_work = result
+                self.running.discard(device)
+                if event is not None:
+                    out.append(event)
+                if has_work or device in self.dirty:
+                    self._run(device)
+            elif kind == "event" and result is not None:
+                out.append(result)
+        return out
+
+    def slices(self) -> list[Slice]:
+        import ray
+
+        return [s for part in ray.get([a.drain_slices.remote() for a in self.actors]) for s in part]
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.store.shutdown()
+        if self.started_ray:
+            ray.shutdown()
