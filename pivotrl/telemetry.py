@@ -131,6 +131,7 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     slices = list(slices)
     devices = sorted({s.device for s in slices}) or [0]
     end = max((s.end for s in slices), default=1.0)
+    begin = min((s.start for s in slices), default=0.0) if slices and min(s.start for s in slices) > 0.2 * end else 0.0
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.55 * len(devices)))
     for s in slices:
         color = ROLE_COLORS.get(s.role, "#999999")
@@ -138,7 +139,7 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     ax.set_yticks(devices, [f"device {d}" for d in devices])
     ax.set_ylim(min(devices) - 0.6, max(devices) + 0.6)
     ax.invert_yaxis()
-    ax.set_xlim(0, end)
+    ax.set_xlim(begin, end)
     ax.set_xlabel("seconds since start")
     roles = [r for r in ROLE_COLORS if any(s.role == r for s in slices)]
     handles = [Patch(color=ROLE_COLORS[r], label=r) for r in roles]

@@ -110,6 +110,7 @@ def run_job(cfg: JobConfig, out: str | Path, progress: bool = True, ray_address:
         bar.close()
         wall = clock() - started
         slices = driver.slices()
+        gps_memory = store.memory()
         final = store.fetch(POLICY, ctl.version)
         model, tok = build_model(final, torch.device("cpu"), torch.float32)
         save_model(model, tok, Path(out) / "policy")
@@ -117,6 +118,7 @@ def run_job(cfg: JobConfig, out: str | Path, progress: bool = True, ray_address:
         driver.close()
     summary = summarize(cfg, ctl, slices, wall)
     summary["policy_checkpoint"] = str(Path(out) / "policy")
+    summary["gps_bytes"] = gps_memory
     writer.write_json("summary.json", summary)
     writer.write_events(slices, title=f"{cfg.mode}, {cfg.devices} device(s), {cfg.steps} steps")
     logger.info("run written to %s", out)
