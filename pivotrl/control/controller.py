@@ -45,7 +45,8 @@ from pivotrl.task.arithmetic import Problem
 from pivotrl.task.rules import exact_match
 from pivotrl.train.advantages import group_advantages
 
-EVAL_UID = 1 << 40  # evaluation requests live above this uid
+EVAL_UID = 1 << 40  # evaluation requests live above this uid ...
+EVAL_STRIDE = 1 << 24  # ... in one block per evaluation, so two evaluations in flight never mix
 
 
 def sequence_seed(job_seed: int, step: int, uid: int) -> int:
@@ -116,10 +117,9 @@ class Controller:
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}
         self.train_ready = self.training = False
-        self.eval_hits: dict[int, bool] = {}
-        self.eval_for: int | None = None  # the step whose evaluation is running (0: the start)
+        self.eval_hits: dict[int, dict[int, bool]] = {}  # step evaluated after -> held-out index -> correct
         self.accuracy: dict[int, float] = {}  # step -> held-out accuracy after it
-        self.pending_metrics: dict[str, Any] | None = None
+        self.pending_metrics: dict[int, dict[str, Any]] = {}  # finished steps waiting for their evaluation
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
         self.shift_log: list[ShiftDone] = []
         self.done = False
@@ -199,9 +199,12 @@ class Controller:
         self.scheduler.submit_gen(reqs)
 
     def _begin_eval(self, after_step: int) -> None:
-        self.eval_for, self.eval_hits = after_step, {}
+        if len(self.heldout) >= EVAL_STRIDE:
+            raise ValueError(f"at most {EVAL_STRIDE - 1} held-out problems are evaluated, got {len(self.heldout)}")
+        self.eval_hits[after_step] = {}
+        base = EVAL_UID + after_step * EVAL_STRIDE
         reqs = [
-            GenRequest(EVAL_UID + i, self.spec.prompt_template.format(question=p.question), 0, self.spec.eval_params)
+            GenRequest(base + i, self.spec.prompt_template.format(question=p.question), 0, self.spec.eval_params)
             for i, p in enumerate(self.heldout)
         ]
         self.scheduler.submit_gen(reqs, front=True)
@@ -224,7 +227,7 @@ class Controller:
         for r in e.results:
             self.scheduler.finished(e.device, r.uid)
             if r.uid >= EVAL_UID:
-                self.eval_hits[r.uid] = exact_match(r.text, self.heldout[r.uid - EVAL_UID].reference)
+                self._on_evaluated(r.uid, r.text)
                 continue
             s = self.by_uid[r.uid]
             assert r.version == s.policy_version, f"sample {r.uid}: v{r.version} served a v{s.policy_version} step"
@@ -238,9 +241,14 @@ class Controller:
                 self.step.rollout_end = self.clock()
             judge_reqs.append(JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge))
         self.scheduler.submit_judge(judge_reqs)
-        if self.eval_for is not None and len(self.eval_hits) == len(self.heldout):
-            self.accuracy[self.eval_for] = sum(self.eval_hits.values()) / len(self.heldout)
-            self.eval_for = None
+
+    def _on_evaluated(self, uid: int, text: str) -> None:
+        after_step, index = divmod(uid - EVAL_UID, EVAL_STRIDE)
+        hits = self.eval_hits[after_step]
+        hits[index] = exact_match(text, self.heldout[index].reference)
+        if len(hits) == len(self.heldout):
+            self.accuracy[after_step] = sum(hits.values()) / len(self.heldout)
+            del self.eval_hits[after_step]
             self._maybe_close()
 
     def _on_judged(self, e: Judged) -> None:
@@ -291,7 +299,7 @@ class Controller:
         self.training = False
         self.step.train_stats = e.stats
         self.step.finished = self.clock()
-        self.pending_metrics = self._step_metrics(self.step)
+        self.pending_metrics[self.step.step] = self._step_metrics(self.step)
         done_step = self.step.step
         if self._eval_due(done_step):
             self._begin_eval(done_step)
@@ -302,16 +310,17 @@ class Controller:
         self._maybe_close()
 
     def _maybe_close(self) -> None:
-        """Emit the last step's metrics once its evaluation (if due) is in; end the job after the last."""
-        m = self.pending_metrics
-        if m is None or self.eval_for == m["step"]:
-            return
-        if m["step"] in self.accuracy:
-            m["heldout_accuracy"] = self.accuracy[m["step"]]
-        self.metrics.append(m)
-        self.pending_metrics = None
-        if m["step"] == self.spec.steps:
-            self.done = True
+        """Emit finished steps' metrics in order, each once its evaluation (if due) is in; end after the last."""
+        while self.pending_metrics:
+            step = min(self.pending_metrics)
+            if step in self.eval_hits:  # its evaluation is still running
+                return
+            m = self.pending_metrics.pop(step)
+            if step in self.accuracy:
+                m["heldout_accuracy"] = self.accuracy[step]
+            self.metrics.append(m)
+            if step == self.spec.steps:
+                self.done = True
 
     def _step_metrics(self, rec: StepRecord) -> dict[str, Any]:
         samples, n = rec.samples, len(rec.samples)

@@ -27,7 +27,7 @@ from pivotrl.control.messages import (
     Trained,
 )
 from pivotrl.engine import SamplingParams, SeqState
-from pivotrl.gps import Kind, ParameterStore, module_tensors, optimizer_tensors
+from pivotrl.gps import Kind, ParameterStore, VersionError, module_tensors, optimizer_tensors
 from pivotrl.log import logger
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, checkpoint_meta
 from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup
@@ -76,6 +76,10 @@ class Worker:
         """Release the current context, load ``role`` at ``version`` from the GPS."""
         if self.has_work:
             raise RuntimeError(f"device {self.device}: shift to {role.value} with sequences in flight")
+        name, want = (JUDGE, 0) if role is Role.GENRM else (POLICY, version)
+        if want not in self.store.versions(name):  # check before releasing anything: a refused shift changes nothing
+            have = self.store.versions(name)
+            raise VersionError(f"device {self.device}: {name} has no weights version {want} (available: {have})")
         t0 = self.now()
         before = self.role
         if role is self.role and role is Role.ROLLOUT and isinstance(self.ctx, GenerationContext):
@@ -85,7 +89,7 @@ class Worker:
         else:
             if self.ctx is not None:
                 self.ctx.release()
-                self.ctx = None
+                self.ctx, self.role = None, None
             if role is Role.ROLLOUT:
                 self.ctx = GenerationContext(POLICY, version, self.store, self.spec)
             elif role is Role.GENRM:

@@ -1,0 +1,292 @@
+"""The controller driven over fake in-memory devices (pure Python: no torch, no Ray).
+
+The fake answers every command the way a device would, deterministically:
+rollout answers a training prompt correctly for even uids and wrongly for odd
+ones; evaluation of policy version v answers the first v held-out problems
+correctly (so the accuracy reported for a step tells which weights served it);
+the judge says "VERDICT: yes" exactly when the response is correct; an update
+of version v publishes v + 1. Shifts and updates finish at once; generation and
+judging stream ``per_tick`` results per device per tick.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import replace
+
+import pytest
+
+from pivotrl.control.controller import EVAL_STRIDE, EVAL_UID, Controller, LoopSpec
+from pivotrl.control.messages import (
+    Command,
+    Event,
+    Generate,
+    Generated,
+    GenParams,
+    GenResult,
+    Judge,
+    Judged,
+    JudgeResult,
+    Role,
+    Shift,
+    ShiftDone,
+    Train,
+    Trained,
+)
+from pivotrl.control.modes import Colocated, Disaggregated
+from pivotrl.reward.genrm import GenRM
+from pivotrl.sample import Status
+from pivotrl.task.arithmetic import Problem
+
+R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+TEMPLATE = "Q: {question}\nA:"
+TRAIN_SET = [Problem(f"{a}+{a}", str(2 * a)) for a in range(1, 7)]
+HELDOUT = [Problem(f"{a}*3", str(3 * a)) for a in range(1, 5)]
+REFERENCE = {TEMPLATE.format(question=p.question): p.reference for p in TRAIN_SET + HELDOUT}
+STEPS, PROMPTS, GROUP = 3, 4, 2
+SAMPLES = PROMPTS * GROUP
+
+
+def spec(**overrides) -> LoopSpec:
+    base = LoopSpec(
+        seed=0,
+        steps=STEPS,
+        prompts_per_step=PROMPTS,
+        group_size=GROUP,
+        prompt_template=TEMPLATE,
+        rollout=GenParams(8, 1.0),
+        judge=GenParams(8, 0.0),
+        eval_params=GenParams(8, 0.0),
+        eval_every=1,
+        scale_by_std=True,
+        per_device=4,
+    )
+    return replace(base, **overrides)
+
+
+def genrm() -> GenRM:
+    return GenRM("{response}", "VERDICT: *(yes|no)", {"yes": 1.0, "no": 0.0}, 0.0)
+
+
+def expected_accuracy(version: int) -> float:
+    return min(version, len(HELDOUT)) / len(HELDOUT)
+
+
+def response(uid: int, reference: str, version: int) -> str:
+    if uid >= EVAL_UID:
+        right = (uid - EVAL_UID) % EVAL_STRIDE < version  # held-out item i is right once version > i
+    else:
+        right = uid % 2 == 0
+    return f"the answer is {reference if right else int(reference) + 1}"
+
+
+class FakeCluster:
+    """Devices in memory. Checks on every command that the controller asks only what a device can do."""
+
+    def __init__(
+        self, ctl: Controller, per_tick: int = 1, wrong_version: bool = False, eval_last: bool = False
+    ) -> None:
+        self.ctl, self.per_tick, self.wrong_version, self.eval_last = ctl, per_tick, wrong_version, eval_last
+        n = ctl.policy.devices
+        self.role: list[Role | None] = [None] * n
+        self.version = [-1] * n
+        self.work: dict[int, deque[GenResult | JudgeResult]] = {d: deque() for d in range(n)}
+        self.training: set[int] = set()
+        self.ready: list[Event] = []
+        self.log: list[Command | Event] = []  # every command and event, in order
+        self.roles_after_batch: list[tuple[Role | None, ...]] = []
+        self.trains: list[tuple[Train, dict[int, float]]] = []  # each update and the rewards it saw, by uid
+
+    def submit(self, cmd: Command) -> None:
+        self.log.append(cmd)
+        if isinstance(cmd, Shift):
+            d = cmd.device
+            assert not self.work[d] and d not in self.training, f"shift of busy device {d}"
+            self.role[d], self.version[d] = cmd.role, cmd.version
+            self.ready.append(ShiftDone(d, cmd.role, cmd.version, 0.5, 1000))
+        elif isinstance(cmd, Generate):
+            d = cmd.device
+            assert (self.role[d], self.version[d]) == (R, cmd.version), f"device {d}: {self.role[d]} v{self.version[d]}"
+            served = cmd.version + 1 if self.wrong_version else cmd.version
+            for r in cmd.requests:
+                assert all(x.uid != r.uid for x in self.work[d]), f"device {d} already runs sequence {r.uid}"
+                out = [r.uid % EVAL_UID] + [50] * (r.uid % 3)
+                text = response(r.uid, REFERENCE[r.prompt], cmd.version)
+                self.work[d].append(GenResult(r.uid, [7, 8], out, [-0.5] * len(out), text, "stop", served))
+        elif isinstance(cmd, Judge):
+            d = cmd.device
+            assert self.role[d] is G, f"judge requests to device {d} holding {self.role[d]}"
+            for r in cmd.requests:
+                verdict = "yes" if r.response == f"the answer is {r.reference}" else "no"
+                self.work[d].append(JudgeResult(r.uid, f"looks {verdict}. VERDICT: {verdict}", False, 5))
+        elif isinstance(cmd, Train):
+            for d in cmd.devices:
+                assert (self.role[d], self.version[d]) == (T, cmd.version), f"train on device {d}"
+                assert not self.work[d]
+                self.version[d] = cmd.version + 1
+            assert not any(self.work[d] for d in range(len(self.role)) if self.role[d] is G), "judging still runs"
+            samples = self.ctl.step.samples
+            assert all(s.status is Status.JUDGED for s in samples), "an update before every reward is in"
+            self.trains.append((cmd, {s.uid: s.reward for s in samples}))
+            self.training |= set(cmd.devices)
+            self.ready.append(Trained(cmd.devices, cmd.version + 1, {"loss": 0.0}, 1.0))
+        else:
+            raise TypeError(cmd)
+
+    def batch_done(self) -> None:
+        self.roles_after_batch.append(tuple(self.role))
+
+    def next_events(self) -> list[Event]:
+        out, self.ready = self.ready, []
+        if not out:
+            # eval_last: evaluation finishes only once no training sample is generating or being judged
+            hold = self.eval_last and any(r.uid < EVAL_UID for q in self.work.values() for r in q)
+            for d, queue in self.work.items():
+                batch = tuple([r for r in queue if not (hold and r.uid >= EVAL_UID)][: self.per_tick])
+                for r in batch:
+                    queue.remove(r)
+                if batch:
+                    out.append(Generated(d, batch) if self.role[d] is R else Judged(d, batch))
+        assert out, "stall: the controller waits, but no device has work"
+        for e in out:
+            if isinstance(e, Trained):
+                self.training -= set(e.devices)
+        self.log += out
+        return out
+
+
+def run(ctl: Controller, **fake) -> FakeCluster:
+    cluster = FakeCluster(ctl, **fake)
+    commands = ctl.start()
+    for _ in range(10_000):
+        for c in commands:
+            cluster.submit(c)
+        cluster.batch_done()
+        if ctl.done:
+            return cluster
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    raise AssertionError("the job did not end")
+
+
+def controller(policy, **overrides) -> Controller:
+    clock = itertools.count()
+    return Controller(spec(**overrides), policy, genrm(), TRAIN_SET, HELDOUT, lambda: float(next(clock)))
+
+
+def phases(log: list[Command | Event]) -> list[str]:
+    """The kinds of work commands in order, repeats collapsed."""
+    names = {Generate: "rollout", Judge: "genrm", Train: "train"}
+    kinds = [names[type(x)] for x in log if type(x) in names]
+    return [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+
+
+def per_step(log: list[Command | Event]) -> list[list[Command | Event]]:
+    """The log cut after each Train command."""
+    cuts = [i + 1 for i, x in enumerate(log) if isinstance(x, Train)]
+    return [log[a:b] for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
+
+
+def check_results(ctl: Controller, cluster: FakeCluster) -> None:
+    """What every mode must produce with this fake."""
+    assert ctl.done and ctl.version == STEPS
+    assert ctl.accuracy == {v: expected_accuracy(v) for v in range(STEPS + 1)}
+    assert [m["step"] for m in ctl.metrics] == list(range(1, STEPS + 1))
+    for m in ctl.metrics:
+        assert m["heldout_accuracy"] == expected_accuracy(m["step"])
+        assert m["reward_mean"] == 0.5 and m["accuracy"] == 0.5 and m["judge_agreement"] == 1.0
+        assert m["parse_failures"] == 0 and m["judge_outcomes"] == {"parsed": SAMPLES}
+        assert m["judge_tokens"] == 5 * SAMPLES and m["train_loss"] == 0.0
+    assert [cmd.version for cmd, _ in cluster.trains] == list(range(STEPS))
+    train_devices = ctl.policy.train_devices()
+    for cmd, rewards in cluster.trains:
+        assert rewards == {u: 1.0 if u % 2 == 0 else 0.0 for u in range(SAMPLES)}  # the fake verdicts
+        assert cmd.devices == train_devices and len(cmd.shards) == len(train_devices)
+        uids = [resp[0] for shard in cmd.shards for resp in shard.response_ids]
+        assert uids == list(range(SAMPLES))  # every sample exactly once, groups contiguous and in order
+        for shard in cmd.shards:
+            mine = [resp[0] for resp in shard.response_ids]
+            assert all(u // GROUP in {v // GROUP for v in mine} for u in mine)
+            assert len(mine) == GROUP * len({u // GROUP for u in mine})  # whole groups only
+            for u, adv, lp in zip(mine, shard.advantages, shard.logprobs, strict=True):
+                assert adv == pytest.approx(1.0 if u % 2 == 0 else -1.0, abs=1e-4)
+                assert len(lp) == 1 + u % 3
+        assert cmd.total_tokens == sum(1 + u % 3 for u in range(SAMPLES))
+
+
+# -- colocated ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("devices", [1, 3], ids=lambda n: f"{n}dev")
+def test_colocated_runs_every_phase_on_every_device(devices):
+    ctl = controller(Colocated(devices))
+    cluster = run(ctl)
+    check_results(ctl, cluster)
+    for roles in cluster.roles_after_batch:
+        assert len(set(roles)) == 1, f"devices hold different roles at once: {roles}"
+    assert phases(cluster.log) == ["rollout", "genrm", "train"] * STEPS + ["rollout"]  # last: evaluation of v3
+    shifts = [x for x in cluster.log if isinstance(x, Shift)]
+    assert len(shifts) == devices * (3 * STEPS + 1)
+    for step, part in enumerate(per_step(cluster.log)):
+        roles = [x.role for x in part if isinstance(x, Shift)]
+        assert roles == [R] * devices + [G] * devices + [T] * devices
+        assert {x.version for x in part if isinstance(x, Shift) and x.role is not G} == {step}
+    assert all(s.role is R and s.version == STEPS for s in shifts[-devices:])
+    assert [m["shifts"] for m in ctl.metrics] == [3 * devices] * STEPS
+
+
+# -- disaggregated --------------------------------------------------------------------------
+
+
+def test_disaggregated_keeps_roles_refreshes_rollout_and_streams_judging():
+    policy = Disaggregated(4)  # rollout: 0, 1; genrm: 2; train: 3
+    ctl = controller(policy)
+    cluster = run(ctl)
+    check_results(ctl, cluster)
+    roles = policy.targets(ctl.demand())
+    assert roles == {0: R, 1: R, 2: G, 3: T}
+    shifts = [x for x in cluster.log if isinstance(x, Shift)]
+    assert all(s.role is roles[s.device] for s in shifts)  # nobody ever changes role
+    assert shifts[:4] == [Shift(d, roles[d], 0) for d in range(4)]
+    refreshes = [(s.device, s.version) for s in shifts[4:]]
+    assert refreshes == [(d, v) for v in range(1, STEPS + 1) for d in (0, 1)]  # rollout only, after each update
+    for trained in (x for x in cluster.log if isinstance(x, Trained)):
+        at = cluster.log.index(trained)
+        for d in (0, 1):  # the refresh follows the update (the fake checks each Generate against its device's version)
+            assert cluster.log.index(Shift(d, R, trained.version)) > at
+    for part in per_step(cluster.log):
+        rollout_events = [
+            i for i, x in enumerate(part) if isinstance(x, Generated) and any(r.uid < EVAL_UID for r in x.results)
+        ]
+        first_judge = next(i for i, x in enumerate(part) if isinstance(x, Judge))
+        assert first_judge < rollout_events[-1], "judging waited for the whole rollout"
+        last_judged = max(i for i, x in enumerate(part) if isinstance(x, Judged))
+        assert isinstance(part[-1], Train) and last_judged < len(part) - 1
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(Colocated(1), id="colocated-1dev"),
+        pytest.param(
+            Disaggregated(4),
+            id="disaggregated-4dev",
+        ),
+    ],
+)
+def test_slow_evaluation_is_still_reported_with_its_step(policy):
+    """Evaluation runs next to the rollout of the following step; here it finishes after that step's update."""
+    ctl = controller(policy)
+    cluster = run(ctl, eval_last=True)
+    assert ctl.done
+    assert ctl.accuracy == {v: expected_accuracy(v) for v in range(STEPS + 1)}
+    assert [(m["step"], m["heldout_accuracy"]) for m in ctl.metrics] == [
+        (step, expected_accuracy(step)) for step in range(1, STEPS + 1)
+    ]
+    assert len(cluster.trains) == STEPS
+
+
+def test_a_result_served_by_the_wrong_version_trips_the_controller():
+    ctl = controller(Colocated(1))
+    with pytest.raises(AssertionError, match=r"sample \d+: v1 served a v0 step"):
+        run(ctl, wrong_version=True)

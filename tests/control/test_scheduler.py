@@ -1,0 +1,95 @@
+"""Request queues and least-loaded dispatch."""
+
+from __future__ import annotations
+
+import pytest
+
+from pivotrl.control.messages import Generate, GenParams, GenRequest, Judge, JudgeRequest
+from pivotrl.control.scheduler import Scheduler
+
+P = GenParams(max_new_tokens=4)
+
+
+def gen(*uids: int) -> list[GenRequest]:
+    return [GenRequest(u, f"p{u}", seed=u, params=P) for u in uids]
+
+
+def judge(*uids: int) -> list[JudgeRequest]:
+    return [JudgeRequest(u, "q", "r", "a", seed=u, params=P) for u in uids]
+
+
+def placed(cmds: list[Generate] | list[Judge]) -> dict[int, list[int]]:
+    return {c.device: [r.uid for r in c.requests] for c in cmds}
+
+
+DISPATCH = [
+    # per_device, already in flight {device: uids}, queued uids, devices offered, expected placement
+    pytest.param(4, {}, [0, 1, 2, 3], [0, 1], {0: [0, 2], 1: [1, 3]}, id="round-robin-when-equal"),
+    pytest.param(4, {}, [0, 1, 2], [2, 0, 1], {0: [0], 1: [1], 2: [2]}, id="ties-lowest-device-id"),
+    pytest.param(4, {0: [90, 91]}, [0, 1, 2], [0, 1], {1: [0, 1], 0: [2]}, id="least-loaded-first"),
+    pytest.param(4, {0: [90, 91, 92]}, [0, 1, 2, 3], [0, 1], {1: [0, 1, 2], 0: [3]}, id="fill-up-to-balance"),
+    pytest.param(2, {}, [0, 1, 2, 3, 4, 5], [0, 1], {0: [0, 2], 1: [1, 3]}, id="cap-leaves-rest-queued"),
+    pytest.param(2, {0: [90, 91]}, [0, 1, 2], [0, 1], {1: [0, 1]}, id="full-device-gets-nothing"),
+    pytest.param(2, {0: [90, 91], 1: [92, 93]}, [0], [0, 1], {}, id="all-full"),
+    pytest.param(4, {}, [0, 1], [], {}, id="no-device"),
+    pytest.param(4, {}, [], [0, 1], {}, id="empty-queue"),
+    pytest.param(1, {5: [90]}, [0, 1], [3, 5], {3: [0]}, id="only-offered-devices"),
+]
+
+
+def scheduler_with(per_device: int, inflight: dict[int, list[int]]) -> Scheduler:
+    s = Scheduler(per_device)
+    for device, uids in inflight.items():
+        s.submit_gen(gen(*uids))
+        assert placed(s.dispatch_gen([device], 0)) == {device: uids}
+    return s
+
+
+@pytest.mark.parametrize(("per_device", "inflight", "queued", "devices", "expected"), DISPATCH)
+def test_dispatch_gen(per_device, inflight, queued, devices, expected):
+    s = scheduler_with(per_device, inflight)
+    s.submit_gen(gen(*queued))
+    cmds = s.dispatch_gen(devices, version=3)
+    assert placed(cmds) == expected
+    assert all(c.version == 3 for c in cmds)
+    sent = {u for uids in expected.values() for u in uids}
+    assert [r.uid for r in s.gen_queue] == [u for u in queued if u not in sent]  # the rest stays queued, in order
+    for d in devices:
+        assert s.load(d) == len(inflight.get(d, [])) + len(expected.get(d, [])) <= per_device
+
+
+@pytest.mark.parametrize(("per_device", "inflight", "queued", "devices", "expected"), DISPATCH)
+def test_dispatch_judge(per_device, inflight, queued, devices, expected):
+    s = scheduler_with(per_device, inflight)  # generation in flight counts towards a device's load too
+    s.submit_judge(judge(*queued))
+    assert placed(s.dispatch_judge(devices)) == expected
+    sent = {u for uids in expected.values() for u in uids}
+    assert [r.uid for r in s.judge_queue] == [u for u in queued if u not in sent]
+
+
+def test_finished_frees_capacity_for_the_queue():
+    s = Scheduler(per_device=2)
+    s.submit_gen(gen(0, 1, 2, 3, 4))
+    assert placed(s.dispatch_gen([0], 0)) == {0: [0, 1]}
+    assert s.dispatch_gen([0], 0) == []  # full
+    s.finished(0, 1)
+    assert s.load(0) == 1
+    assert placed(s.dispatch_gen([0], 0)) == {0: [2]}
+    s.finished(0, 0)
+    s.finished(0, 2)
+    assert placed(s.dispatch_gen([0], 0)) == {0: [3, 4]}
+    assert not s.gen_queue
+
+
+def test_submit_front_puts_requests_first_in_their_order():
+    s = Scheduler(per_device=10)
+    s.submit_gen(gen(0, 1))
+    s.submit_gen(gen(100, 101, 102), front=True)
+    s.submit_gen(gen(2))
+    assert [r.uid for r in s.gen_queue] == [100, 101, 102, 0, 1, 2]
+    assert placed(s.dispatch_gen([0], 0)) == {0: [100, 101, 102, 0, 1, 2]}
+
+
+def test_per_device_must_be_positive():
+    with pytest.raises(ValueError, match="per_device must be >= 1, got 0"):
+        Scheduler(0)

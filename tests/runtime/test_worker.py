@@ -1,0 +1,383 @@
+"""One device over a LocalStore: shifts between roles, version checks, the train role's publish.
+
+Tiny random models (tests.conftest.tiny_model); no Ray, no process group (one train device).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+
+from pivotrl.control.messages import (
+    Generate,
+    Generated,
+    GenParams,
+    GenRequest,
+    GenResult,
+    Judge,
+    Judged,
+    JudgeRequest,
+    JudgeResult,
+    Role,
+    Train,
+    Trained,
+    TrainShard,
+)
+from pivotrl.gps import Kind, LocalStore, VersionError, module_tensors, publish_optimizer
+from pivotrl.model import char_tokenizer
+from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, publish_checkpoint
+from pivotrl.runtime.worker import TrainSpec, Worker, WrongVersionError
+from pivotrl.train.config import TrainConfig
+from pivotrl.train.grpo import GRPOTrainer
+from tests.conftest import tiny_model
+
+SPEC = ContextSpec(judge_template="Q:{question}\nR:{reference}\nA:{response}\nJ:")
+GREEDY = GenParams(max_new_tokens=6, temperature=0.0)
+SAMPLED = GenParams(max_new_tokens=6, temperature=1.0)
+CONTEXT_TYPE = {Role.ROLLOUT: GenerationContext, Role.GENRM: GenerationContext, Role.TRAIN: TrainContext}
+
+
+def label(role: Role | None) -> str:
+    return role.value if role else "none"
+
+
+@pytest.fixture
+def store() -> LocalStore:
+    """Policy v0 and v1 (different weights), the judge, and optimizer state for v1 (none for v0)."""
+    store = LocalStore()
+    tok = char_tokenizer()
+    publish_checkpoint(store, POLICY, 0, tiny_model(seed=0), tok)
+    v1 = tiny_model(seed=2)
+    publish_checkpoint(store, POLICY, 1, v1, tok)
+    publish_checkpoint(store, JUDGE, 0, tiny_model("LlamaForCausalLM", seed=1), tok)
+    opt = GRPOTrainer(v1, TrainConfig()).optimizer
+    for p in v1.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    publish_optimizer(store, POLICY, 1, opt, v1)
+    return store
+
+
+def make_worker(store: LocalStore, device: int = 0) -> Worker:
+    return Worker(device, store, SPEC, TrainSpec(TrainConfig(), 1.0), origin=time.time())
+
+
+def gen_requests(n: int, params: GenParams = GREEDY) -> tuple[GenRequest, ...]:
+    return tuple(GenRequest(uid, f"{uid}+{uid}=", seed=100 + uid, params=params) for uid in range(n))
+
+
+def judge_requests(n: int) -> tuple[JudgeRequest, ...]:
+    return tuple(
+        JudgeRequest(uid, f"{uid}+1", str(uid + 1), f"it is {uid}", seed=uid, params=GREEDY) for uid in range(n)
+    )
+
+
+def drain(worker: Worker) -> list[GenResult | JudgeResult]:
+    """Run the worker until nothing is in flight; every finished sequence, in uid order."""
+    out: list = []
+    for _ in range(1000):
+        if not worker.has_work:
+            return sorted(out, key=lambda r: r.uid)
+        event = worker.run(10.0)
+        if event is not None:
+            assert isinstance(event, Generated | Judged) and event.device == worker.device
+            out += event.results
+    raise AssertionError("worker did not drain")
+
+
+def loaded_bytes(store: LocalStore, role: Role, version: int) -> int:
+    """What a fresh context of ``role`` at ``version`` brings onto the device."""
+    if role is Role.GENRM:
+        return store.fetch(JUDGE, 0).nbytes
+    nbytes = store.fetch(POLICY, version).nbytes
+    if role is Role.TRAIN and version in store.versions(POLICY, Kind.OPTIMIZER):
+        nbytes += store.fetch(POLICY, version, Kind.OPTIMIZER).nbytes
+    return nbytes
+
+
+def assert_holds(model: torch.nn.Module, store: LocalStore, name: str, version: int) -> None:
+    stored = store.fetch(name, version).tensors
+    live = module_tensors(model)
+    assert live.keys() == stored.keys()
+    assert all(torch.equal(live[k], stored[k]) for k in stored), f"model does not hold {name} v{version}"
+
+
+def adam_steps(ctx: TrainContext) -> list[float]:
+    opt = ctx.trainer.trainer.optimizer
+    return [float(opt.state[p]["step"]) for g in opt.param_groups for p in g["params"] if p in opt.state]
+
+
+# -- shifts -------------------------------------------------------------------------
+
+SHIFT_CASES = [
+    pytest.param(before, after, id=f"{label(before)}->{label(after)}")
+    for before in (None, Role.ROLLOUT, Role.GENRM, Role.TRAIN)
+    for after in (Role.ROLLOUT, Role.GENRM, Role.TRAIN)
+]
+
+
+@pytest.mark.parametrize(("before", "after"), SHIFT_CASES)
+def test_shift_loads_the_role_at_its_version(store, before, after):
+    w = make_worker(store)
+    if before is not None:
+        w.shift(before, 0)
+    old = w.ctx
+    w.drain_slices()
+
+    done = w.shift(after, 1)
+
+    assert (done.device, done.role, done.version) == (0, after, 1)
+    assert w.role is after and type(w.ctx) is CONTEXT_TYPE[after]
+    if after is Role.GENRM:  # the judge is frozen: the requested version does not apply to it
+        assert w.ctx.name == JUDGE and w.ctx.version == 0
+        assert_holds(w.ctx.model, store, JUDGE, 0)
+    else:
+        assert w.ctx.version == 1
+        assert_holds(w.ctx.model, store, POLICY, 1)
+    if before is after is Role.GENRM:  # nothing to load: same judge, same engine
+        assert w.ctx is old and done.nbytes == 0 and done.seconds >= 0
+    elif before is after is Role.ROLLOUT:  # new weights into the same engine
+        assert w.ctx is old and done.nbytes == store.fetch(POLICY, 1).nbytes and done.seconds > 0
+    else:
+        assert w.ctx is not old and done.nbytes == loaded_bytes(store, after, 1) and done.seconds > 0
+    if after is Role.TRAIN:  # v1 has optimizer state in the GPS: the new train context restores it
+        assert adam_steps(w.ctx) and set(adam_steps(w.ctx)) == {1.0}
+    [s] = w.drain_slices()
+    assert (s.device, s.role, s.name) == (0, "shift", f"{label(before)}->{label(after)}")
+    assert s.args == {"bytes": done.nbytes, "version": 1} and s.end >= s.start
+
+
+@pytest.mark.parametrize("before", [None, Role.ROLLOUT, Role.GENRM, Role.TRAIN], ids=label)
+def test_generation_works_after_a_shift_to_rollout(store, before):
+    w = make_worker(store)
+    if before is not None:
+        w.shift(before, 0)
+    w.shift(Role.ROLLOUT, 1)
+    w.generate(Generate(0, gen_requests(3), version=1))
+    results = drain(w)
+    assert [r.uid for r in results] == [0, 1, 2]
+    for r in results:
+        assert r.version == 1 and r.output_ids and len(r.logprobs) == len(r.output_ids)
+        assert r.prompt_ids == w.ctx.tokenizer.encode(f"{r.uid}+{r.uid}=")
+        assert r.finish_reason in ("stop", "length") and r.text == w.ctx.tokenizer.decode(r.output_ids)
+    assert not w.has_work
+
+
+@pytest.mark.parametrize("before", [None, Role.ROLLOUT, Role.GENRM, Role.TRAIN], ids=label)
+def test_judging_works_after_a_shift_to_genrm(store, before):
+    w = make_worker(store)
+    if before is not None:
+        w.shift(before, 0)
+    w.shift(Role.GENRM, 0)
+    w.judge(Judge(0, judge_requests(3)))
+    results = drain(w)
+    assert [r.uid for r in results] == [0, 1, 2]
+    for r in results:
+        assert 0 < r.tokens <= GREEDY.max_new_tokens and (not r.truncated or r.tokens == GREEDY.max_new_tokens)
+    assert not w.has_work
+
+
+# -- releasing and refreshing -------------------------------------------------------
+
+
+def test_shift_rollout_to_train_releases_engine_and_kv_cache(store):
+    w = make_worker(store)
+    w.shift(Role.ROLLOUT, 0)
+    w.generate(Generate(0, gen_requests(2), version=0))
+    drain(w)
+    old_ctx, engine, cache = weakref.ref(w.ctx), weakref.ref(w.ctx.engine), weakref.ref(w.ctx.engine.cache)
+    w.shift(Role.TRAIN, 0)
+    gc.collect()
+    assert isinstance(w.ctx, TrainContext) and w.ctx is not old_ctx()
+    assert old_ctx() is None and engine() is None and cache() is None
+
+
+def test_rollout_to_rollout_refreshes_weights_in_place(store):
+    w = make_worker(store)
+    w.shift(Role.ROLLOUT, 0)
+    ctx, engine = w.ctx, w.ctx.engine
+    w.generate(Generate(0, gen_requests(4), version=0))
+    before = [r.output_ids for r in drain(w)]
+
+    w.shift(Role.ROLLOUT, 1)
+    assert w.ctx is ctx and w.ctx.engine is engine and w.ctx.version == 1
+    assert_holds(w.ctx.model, store, POLICY, 1)
+    w.generate(Generate(0, gen_requests(4), version=1))
+    after = [r.output_ids for r in drain(w)]
+
+    fresh = make_worker(store, device=1)
+    fresh.shift(Role.ROLLOUT, 1)
+    fresh.generate(Generate(1, gen_requests(4), version=1))
+    assert after == [r.output_ids for r in drain(fresh)]  # exactly what v1 loaded from scratch generates
+    assert after != before
+
+
+# -- refusals -------------------------------------------------------------------------
+
+
+def test_generate_for_another_version_is_refused(store):
+    w = make_worker(store)
+    w.shift(Role.ROLLOUT, 0)
+    with pytest.raises(WrongVersionError, match="holds policy v0, requests need v1"):
+        w.generate(Generate(0, gen_requests(2), version=1))
+    assert not w.has_work  # nothing was queued
+
+
+def test_train_for_another_version_is_refused(store):
+    w = make_worker(store)
+    w.shift(Role.TRAIN, 0)
+    shard = TrainShard(((1, 2),), ((3,),), ((-1.0,),), (1.0,))
+    with pytest.raises(WrongVersionError, match="holds policy v0, update needs v1"):
+        w.train(Train((0,), 1, (shard,), 1), rank=0, port=0)
+    assert store.versions(POLICY) == [0, 1]  # nothing published
+
+
+@pytest.mark.parametrize(
+    ("before", "role"),
+    [
+        pytest.param(None, Role.ROLLOUT, id="none->rollout"),
+        pytest.param(None, Role.TRAIN, id="none->train"),
+        pytest.param(Role.ROLLOUT, Role.ROLLOUT, id="rollout->rollout"),
+        pytest.param(Role.ROLLOUT, Role.TRAIN, id="rollout->train"),
+        pytest.param(Role.GENRM, Role.ROLLOUT, id="genrm->rollout"),
+    ],
+)
+def test_shift_to_a_version_absent_from_the_gps_names_it(store, before, role):
+    w = make_worker(store)
+    if before is not None:
+        w.shift(before, 0)
+    with pytest.raises(VersionError, match=r"no weights version 7 \(available: \[0, 1\]\)"):
+        w.shift(role, 7)
+    if before is role is Role.ROLLOUT:  # an in-place refresh fails before touching the weights
+        assert w.ctx.version == 0
+        assert_holds(w.ctx.model, store, POLICY, 0)
+    done = w.shift(role, 1)  # a valid shift afterwards works
+    assert done.role is role and w.ctx.version == 1
+
+
+WRONG_ROLE = [
+    pytest.param(before, kind, id=f"{label(before)}-gets-{kind}")
+    for before, kinds in (
+        (None, ("generate", "judge", "train")),
+        (Role.ROLLOUT, ("judge", "train")),
+        (Role.GENRM, ("generate", "train")),
+        (Role.TRAIN, ("generate", "judge")),
+    )
+    for kind in kinds
+]
+
+
+@pytest.mark.parametrize(("before", "kind"), WRONG_ROLE)
+def test_requests_for_another_role_are_refused(store, before, kind):
+    w = make_worker(store)
+    if before is not None:
+        w.shift(before, 0)
+    with pytest.raises(RuntimeError, match="cannot serve|not in the train role") as info:
+        if kind == "generate":
+            w.generate(Generate(0, gen_requests(1), version=0))
+        elif kind == "judge":
+            w.judge(Judge(0, judge_requests(1)))
+        else:
+            w.train(Train((0,), 0, (TrainShard(((1,),), ((2,),), ((-1.0,),), (1.0,)),), 1), rank=0, port=0)
+    assert not isinstance(info.value, WrongVersionError)
+    assert not w.has_work
+
+
+@pytest.mark.parametrize(
+    ("holding", "to"),
+    [
+        pytest.param(Role.ROLLOUT, Role.TRAIN, id="rollout-busy->train"),
+        pytest.param(Role.ROLLOUT, Role.ROLLOUT, id="rollout-busy->rollout"),
+        pytest.param(Role.GENRM, Role.ROLLOUT, id="genrm-busy->rollout"),
+        pytest.param(Role.GENRM, Role.GENRM, id="genrm-busy->genrm"),
+    ],
+)
+def test_shift_with_sequences_in_flight_is_refused(store, holding, to):
+    w = make_worker(store)
+    w.shift(holding, 0)
+    ctx = w.ctx
+    if holding is Role.ROLLOUT:
+        w.generate(Generate(0, gen_requests(2), version=0))
+    else:
+        w.judge(Judge(0, judge_requests(2)))
+    with pytest.raises(RuntimeError, match="with sequences in flight"):
+        w.shift(to, 1)
+    assert w.ctx is ctx and w.role is holding and ctx.version == 0
+    assert [r.uid for r in drain(w)] == [0, 1]  # the work goes on undisturbed
+
+
+# -- the train role ---------------------------------------------------------------------
+
+
+def rollout_shard(store: LocalStore) -> tuple[TrainShard, int]:
+    """Four sampled responses of policy v0 as one shard (two groups of two), and their token count."""
+    w = make_worker(store, device=9)
+    w.shift(Role.ROLLOUT, 0)
+    w.generate(Generate(9, gen_requests(4, SAMPLED), version=0))
+    results = drain(w)
+    shard = TrainShard(
+        tuple(tuple(r.prompt_ids) for r in results),
+        tuple(tuple(r.output_ids) for r in results),
+        tuple(tuple(r.logprobs) for r in results),
+        (1.0, -1.0, -1.0, 1.0),
+    )
+    return shard, sum(len(r.output_ids) for r in results)
+
+
+def test_train_publishes_weights_and_optimizer_state_and_the_next_trainer_restores_them():
+    store = LocalStore()
+    publish_checkpoint(store, POLICY, 0, tiny_model(seed=0), char_tokenizer())
+    shard, tokens = rollout_shard(store)
+
+    w = make_worker(store)
+    w.shift(Role.ROLLOUT, 0)
+    done = w.shift(Role.TRAIN, 0)
+    assert done.nbytes == store.fetch(POLICY, 0).nbytes  # no optimizer state before the first update
+    w.drain_slices()
+
+    trained = w.train(Train((0,), 0, (shard,), tokens), rank=0, port=0)
+
+    assert isinstance(trained, Trained)
+    assert (trained.devices, trained.version) == ((0,), 1) and trained.seconds > 0
+    assert trained.stats["tokens"] == tokens and trained.stats["skipped"] == 0.0
+    assert w.ctx.version == 1
+    assert store.versions(POLICY, Kind.WEIGHTS) == [0, 1] and store.versions(POLICY, Kind.OPTIMIZER) == [1]
+    assert_holds(w.ctx.model, store, POLICY, 1)
+    old = store.fetch(POLICY, 0).tensors
+    assert any(not torch.equal(t, old[k]) for k, t in store.fetch(POLICY, 1).tensors.items())  # the update moved
+    assert set(adam_steps(w.ctx)) == {1.0}
+    [s] = w.drain_slices()
+    assert (s.role, s.name) == ("train", "train v0->v1")
+
+    w2 = make_worker(store, device=1)
+    done = w2.shift(Role.TRAIN, 1)
+    assert done.nbytes == store.fetch(POLICY, 1).nbytes + store.fetch(POLICY, 1, Kind.OPTIMIZER).nbytes
+    assert adam_steps(w2.ctx) and set(adam_steps(w2.ctx)) == {1.0}  # AdamW state restored, not fresh
+    opt1, opt2 = w.ctx.trainer.trainer.optimizer, w2.ctx.trainer.trainer.optimizer
+    p1, p2 = dict(w.ctx.model.named_parameters()), dict(w2.ctx.model.named_parameters())
+    for name, p in p2.items():
+        assert torch.equal(opt2.state[p]["exp_avg"], opt1.state[p1[name]]["exp_avg"]), name
+
+    trained = w2.train(Train((1,), 1, (shard,), tokens), rank=0, port=0)
+
+    assert trained.version == 2 and set(adam_steps(w2.ctx)) == {2.0}
+    assert store.versions(POLICY, Kind.WEIGHTS) == [1, 2]  # retention: at most two weight versions
+    assert store.versions(POLICY, Kind.OPTIMIZER) == [2]
+
+
+def test_a_trainer_that_missed_an_update_must_shift_to_the_new_version_first():
+    store = LocalStore()
+    publish_checkpoint(store, POLICY, 0, tiny_model(seed=0), char_tokenizer())
+    shard, tokens = rollout_shard(store)
+    a, b = make_worker(store, 0), make_worker(store, 1)
+    a.shift(Role.TRAIN, 0)
+    b.shift(Role.TRAIN, 0)
+    a.train(Train((0,), 0, (shard,), tokens), rank=0, port=0)
+    with pytest.raises(WrongVersionError):
+        b.train(Train((1,), 1, (shard,), tokens), rank=0, port=0)
+    b.shift(Role.TRAIN, 1)
+    assert b.train(Train((1,), 1, (shard,), tokens), rank=0, port=0).version == 2
