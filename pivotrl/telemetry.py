@@ -27,6 +27,7 @@ ROLE_COLORS = {
     "train": "#54a24b",
     "eval": "#b279a2",
     "shift": "#e45756",
+    "migrate": "#222222",
     "idle": "#dddddd",
 }
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pivotrl.control.messages import (
+    Abort,
+    Aborted,
     Command,
     Event,
     Generated,
@@ -78,6 +80,7 @@ class DeviceView:
     version: int = -1
     shifting: bool = False
     training: bool = False
+    aborting: bool = False
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class StepRecord:
     shifts: int = 0
     shift_seconds: float = 0.0
     judge_tokens: int = 0
+    migrations: int = 0
     generated: int = 0
     rollout_end: float | None = None
     first_judged: float | None = None
@@ -140,6 +144,8 @@ class Controller:
             self._on_judged(event)
         elif isinstance(event, Trained):
             self._on_trained(event)
+        elif isinstance(event, Aborted):
+            self._on_aborted(event)
         else:
             raise TypeError(f"unknown event {event!r}")
         return self.pump()
@@ -152,9 +158,14 @@ class Controller:
         cmds: list[Command] = []
         targets = self.policy.targets(self.demand())
         for d in self.devices:
-            if d.shifting or d.training or self.scheduler.load(d.id):
+            if d.shifting or d.training or d.aborting:
                 continue
             want = targets[d.id]
+            if self.scheduler.load(d.id):
+                if d.role is not want and self.policy.preempt:  # leave now: its requests migrate
+                    cmds.append(Abort(d.id))
+                    d.aborting = True
+                continue
             stale = want is not Role.GENRM and d.version != self.version
             if d.role is not want or stale:
                 cmds.append(Shift(d.id, want, self.version))
@@ -172,7 +183,8 @@ class Controller:
         gen = len(s.gen_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.ROLLOUT)
         judge = len(s.judge_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.GENRM)
         unjudged = 0 if self.step is None else len(self.step.samples) - self.step.judged
-        return Demand(gen, max(judge, unjudged if gen == 0 else 0), self.train_ready, self.training)
+        loads = tuple(s.load(d.id) for d in self.devices)
+        return Demand(gen, max(judge, unjudged if gen == 0 else 0), self.train_ready, self.training, loads)
 
     def _ready(self, role: Role) -> list[int]:
         return [
@@ -221,6 +233,19 @@ class Controller:
         if self.step is not None:
             self.step.shifts += 1
             self.step.shift_seconds += e.seconds
+
+    def _on_aborted(self, e: Aborted) -> None:
+        """Requests of a device that left its role go back to the front of their queue."""
+        self.devices[e.device].aborting = False
+        for r in (*e.gen, *e.judge):
+            self.scheduler.finished(e.device, r.uid)
+        gen = [r for r in e.gen if r.uid < EVAL_UID]
+        for r in gen:
+            self.by_uid[r.uid].migrations += 1
+        if self.step is not None:
+            self.step.migrations += len(gen)
+        self.scheduler.submit_gen(list(e.gen), front=True)
+        self.scheduler.submit_judge(list(e.judge), front=True)
 
     def _on_generated(self, e: Generated) -> None:
         judge_reqs = []
@@ -342,6 +367,7 @@ class Controller:
             "tokens_per_s": (resp_tokens + rec.judge_tokens) / seconds if seconds > 0 else 0.0,
             "time_s": phase_times(rec),
             "shifts": rec.shifts,
+            "migrations": rec.migrations,
             "shift_seconds": rec.shift_seconds,
             **{f"train_{k}": v for k, v in rec.train_stats.items()},
         }

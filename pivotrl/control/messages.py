@@ -121,7 +121,14 @@ class Train:
     total_tokens: int
 
 
-Command = Shift | Generate | Judge | Train
+@dataclass(slots=True, frozen=True)
+class Abort:
+    """Stop every request in flight on ``device`` and hand its state back (migration)."""
+
+    device: int
+
+
+Command = Shift | Generate | Judge | Train | Abort
 
 
 # -- events -------------------------------------------------------------------------
@@ -160,4 +167,16 @@ class Trained:
     seconds: float
 
 
-Event = ShiftDone | Generated | Judged | Trained
+@dataclass(slots=True, frozen=True)
+class Aborted:
+    """What a device was working on when aborted: generation requests carry the
+    tokens generated so far (resumed elsewhere with the same seed, they go on
+    exactly as they would have); judge requests start over."""
+
+    device: int
+    gen: tuple[GenRequest, ...]
+    judge: tuple[JudgeRequest, ...]
+    seconds: float
+
+
+Event = ShiftDone | Generated | Judged | Trained | Aborted

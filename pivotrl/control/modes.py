@@ -23,11 +23,13 @@ class Demand:
     judge_pending: int  # judge requests queued or in flight, plus responses still to come
     train_ready: bool  # every reward of the step is in and the update has not started
     training: bool  # the update is running
+    loads: tuple[int, ...] = ()  # requests in flight per device
 
 
 class AllocationPolicy(Protocol):
     name: str
     devices: int
+    preempt: bool  # may a device leave a role with requests in flight (they migrate)?
 
     def targets(self, demand: Demand) -> dict[int, Role]: ...
 
@@ -39,6 +41,7 @@ class Colocated:
     judge, then all train."""
 
     name = "colocated"
+    preempt = False
 
     def __init__(self, devices: int) -> None:
         if devices < 1:
@@ -73,6 +76,7 @@ class Disaggregated:
     """A static split: each device keeps one role for the whole job."""
 
     name = "disaggregated"
+    preempt = False
 
     def __init__(self, devices: int, split: dict[Role, int] | None = None) -> None:
         split = split or default_split(devices)

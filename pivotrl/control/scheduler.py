@@ -31,8 +31,11 @@ class Scheduler:
         else:
             self.gen_queue.extend(reqs)
 
-    def submit_judge(self, reqs: list[JudgeRequest]) -> None:
-        self.judge_queue.extend(reqs)
+    def submit_judge(self, reqs: list[JudgeRequest], front: bool = False) -> None:
+        if front:
+            self.judge_queue.extendleft(reversed(reqs))
+        else:
+            self.judge_queue.extend(reqs)
 
     def finished(self, device: int, uid: int) -> None:
         self.inflight[device].discard(uid)

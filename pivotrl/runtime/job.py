@@ -18,7 +18,7 @@ import torch
 from pivotrl.config import JobConfig, parse_split
 from pivotrl.control.controller import Controller, LoopSpec
 from pivotrl.control.messages import GenParams
-from pivotrl.control.modes import make_policy
+from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.gps import LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
@@ -59,8 +59,20 @@ def publish_initial(store: ParameterStore, cfg: JobConfig) -> None:
     publish_checkpoint(store, JUDGE, 0, judge, jtok)
 
 
-def run_job(cfg: JobConfig, out: str | Path, progress: bool = True, ray_address: str | None = None) -> dict[str, Any]:
-    """Run the whole job; writes the run directory (metrics, summary, events, trace, timeline, policy)."""
+def run_job(
+    cfg: JobConfig,
+    out: str | Path,
+    progress: bool = True,
+    ray_address: str | None = None,
+    policy: AllocationPolicy | None = None,
+    in_process: bool | None = None,
+) -> dict[str, Any]:
+    """Run the whole job; writes the run directory (metrics, summary, events, trace, timeline, policy).
+
+    ``policy`` replaces the one ``cfg.mode`` names (tests, experiments);
+    ``in_process`` forces the in-process driver (default: only for one device
+    and no Ray address).
+    """
     from tqdm import tqdm
 
     writer = RunWriter(out)
@@ -71,10 +83,11 @@ def run_job(cfg: JobConfig, out: str | Path, progress: bool = True, ray_address:
         raise ValueError(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) exceeds the {len(train_set)} train problems"
         )
-    policy = make_policy(cfg.mode, cfg.devices, parse_split(cfg.split))
+    policy = policy or make_policy(cfg.mode, cfg.devices, parse_split(cfg.split))
     origin = time.time()
-    use_ray = cfg.devices > 1 or ray_address is not None
-    if use_ray:
+    if in_process is None:
+        in_process = cfg.devices == 1 and ray_address is None
+    if not in_process:
         from pivotrl.runtime.ray_driver import RayDriver
 
         driver: Any = RayDriver(cfg, context_spec(cfg), origin, ray_address)
@@ -82,7 +95,7 @@ def run_job(cfg: JobConfig, out: str | Path, progress: bool = True, ray_address:
     else:
         store = LocalStore()
         spec = TrainSpec(cfg.train, cfg.rollout.temperature)
-        driver = LocalDriver([Worker(0, store, context_spec(cfg), spec, origin)])
+        driver = LocalDriver([Worker(d, store, context_spec(cfg), spec, origin) for d in range(cfg.devices)])
     try:
         publish_initial(store, cfg)
         origin = time.time()  # the run clock starts once every device is up and the weights are in the GPS
@@ -150,6 +163,7 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
         "role_busy_fraction": {r: t / capacity for r, t in sorted(busy.items())},
         "device_idle_fraction": max(0.0, 1.0 - sum(busy.values()) / capacity),
         "shifts": len(shift_s),
+        "migrations": sum(m["migrations"] for m in ctl.metrics),
         "shift_seconds": {"mean": sum(shift_s) / len(shift_s), "max": max(shift_s)}
         if shift_s
         else {"mean": 0, "max": 0},

@@ -8,9 +8,11 @@ separate processes and is refused here.
 
 from __future__ import annotations
 
-from pivotrl.control.messages import Command, Event, Generate, Judge, Shift, Train
+from pivotrl.control.messages import Abort, Command, Event, Generate, Judge, Shift, Train
 from pivotrl.runtime.worker import Worker
 from pivotrl.telemetry import Slice
+
+SLICE_SECONDS = 0.05  # generation time between two looks at the control plane
 
 
 class StallError(RuntimeError):
@@ -18,8 +20,9 @@ class StallError(RuntimeError):
 
 
 class LocalDriver:
-    def __init__(self, workers: list[Worker], slice_seconds: float = 0.05) -> None:
-        self.workers, self.slice_seconds = workers, slice_seconds
+    def __init__(self, workers: list[Worker], slice_seconds: float | None = None) -> None:
+        self.workers = workers
+        self.slice_seconds = SLICE_SECONDS if slice_seconds is None else slice_seconds
         self.events: list[Event] = []
 
     def submit(self, cmd: Command) -> None:
@@ -35,6 +38,8 @@ class LocalDriver:
             event = self.workers[cmd.devices[0]].train(cmd, rank=0, port=0)
             assert event is not None
             self.events.append(event)
+        elif isinstance(cmd, Abort):
+            self.events.append(self.workers[cmd.device].abort())
         else:
             raise TypeError(f"unknown command {cmd!r}")
 

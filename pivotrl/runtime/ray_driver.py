@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from pivotrl.config import JobConfig
-from pivotrl.control.messages import Command, Event, Generate, Judge, Shift, Train
+from pivotrl.control.messages import Abort, Command, Event, Generate, Judge, Shift, Train
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
 from pivotrl.runtime.contexts import ContextSpec
@@ -43,6 +43,9 @@ class DeviceActor:
     def run(self, seconds: float) -> tuple[Event | None, bool]:
         event = self.worker.run(seconds)
         return event, self.worker.has_work
+
+    def abort(self) -> Event:
+        return self.worker.abort()
 
     def train(self, cmd: Train, rank: int, port: int) -> Event | None:
         return self.worker.train(cmd, rank, port)
@@ -98,6 +101,8 @@ class RayDriver:
             port = free_port()
             for rank, d in enumerate(cmd.devices):
                 self.pending[self.actors[d].train.remote(cmd, rank, port)] = ("event", d)
+        elif isinstance(cmd, Abort):
+            self.pending[self.actors[cmd.device].abort.remote()] = ("event", cmd.device)
         else:
             raise TypeError(f"unknown command {cmd!r}")
 

@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pivotrl.control.messages import (
+    Aborted,
     Generate,
     Generated,
     GenParams,
+    GenRequest,
     GenResult,
     Judge,
     Judged,
+    JudgeRequest,
     JudgeResult,
     Role,
     ShiftDone,
@@ -50,10 +53,10 @@ class TrainSpec:
 
 @dataclass(slots=True)
 class _Pending:
-    """What a generation request needs back besides the engine state."""
+    """What a request needs back besides the engine state."""
 
-    kind: str  # "gen" | "judge"
     version: int
+    request: GenRequest | JudgeRequest
     prompt_ids: list[int] = field(default_factory=list)
 
 
@@ -117,7 +120,7 @@ class Worker:
             prompt_ids = r.prompt_ids or ctx.tokenizer.encode(r.prompt)
             state = SeqState(r.uid, prompt_ids, r.seed, _sampling(r.params, stop), list(r.output_ids), list(r.logprobs))
             ctx.engine.add(state)
-            self.pending[r.uid] = _Pending("gen", ctx.version, prompt_ids)
+            self.pending[r.uid] = _Pending(ctx.version, r, prompt_ids)
 
     def judge(self, cmd: Judge) -> None:
         ctx = self._generation_ctx(Role.GENRM)
@@ -127,21 +130,45 @@ class Worker:
             ids = ctx.tokenizer.encode(text)
             ctx.engine.ensure_capacity(len(ids) + r.params.max_new_tokens) if not ctx.engine.has_work else None
             ctx.engine.add(SeqState(r.uid, ids, r.seed, _sampling(r.params, stop)))
-            self.pending[r.uid] = _Pending("judge", 0)
+            self.pending[r.uid] = _Pending(0, r)
+
+    def abort(self) -> Aborted:
+        """Stop everything in flight; generation requests come back with their tokens so far."""
+        t0 = self.now()
+        gen: list[GenRequest] = []
+        judge: list[JudgeRequest] = []
+        if isinstance(self.ctx, GenerationContext):
+            for state in self.ctx.engine.abort_all():
+                p = self.pending.pop(state.uid)
+                if isinstance(p.request, GenRequest):
+                    r = p.request
+                    gen.append(
+                        GenRequest(r.uid, r.prompt, r.seed, r.params, p.prompt_ids, state.output_ids, state.logprobs)
+                    )
+                else:
+                    judge.append(p.request)
+        assert not self.pending, "requests in flight outside the engine"
+        t1 = self.now()
+        if gen or judge:
+            role = self.role.value if self.role else "idle"
+            self.slices.append(Slice(self.device, "migrate", f"abort {len(gen) + len(judge)} {role}", t0, t1))
+        return Aborted(self.device, tuple(gen), tuple(judge), t1 - t0)
 
     @property
     def has_work(self) -> bool:
         return bool(self.pending)
 
     def run(self, seconds: float) -> Generated | Judged | None:
-        """Advance the engine for about ``seconds``; return what finished."""
+        """Advance the engine by at least one step and for about ``seconds``; return what finished."""
         ctx = self.ctx
         if not self.pending or not isinstance(ctx, GenerationContext):
             return None
         t0 = self.now()
         finished: list[SeqState] = []
-        while ctx.engine.has_work and self.now() - t0 < seconds:
+        while ctx.engine.has_work:  # at least one engine step, then until the slice is used
             finished += ctx.engine.step()
+            if self.now() - t0 >= seconds:
+                break
         t1 = self.now()
         role = self.role.value if self.role else "idle"
         self.slices.append(Slice(self.device, role, f"{role} {len(finished)} done", t0, t1))
