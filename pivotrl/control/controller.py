@@ -18,6 +18,7 @@ policy; the scheduler hands queued requests to devices holding the role.
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from pivotrl.control.messages import (
     Abort,
     Aborted,
+    Accumulate,
+    Accumulated,
     Command,
     Event,
     Generated,
@@ -35,7 +38,7 @@ from pivotrl.control.messages import (
     Role,
     Shift,
     ShiftDone,
-    Train,
+    Step,
     Trained,
     TrainShard,
 )
@@ -79,8 +82,11 @@ class DeviceView:
     role: Role | None = None
     version: int = -1
     shifting: bool = False
-    training: bool = False
-    aborting: bool = False
+    training: bool = False  # in the optimizer step
+    aborting: bool = False  # an Abort in flight
+    accumulating: bool = False  # an Accumulate in flight
+    grads: bool = False  # holds gradients of this step: stays in the train role until the step
+    groups: int = 0  # groups accumulated on it in this step
 
 
 @dataclass(slots=True)
@@ -97,6 +103,8 @@ class StepRecord:
     judge_tokens: int = 0
     migrations: int = 0
     generated: int = 0
+    group_judged: dict[int, int] = field(default_factory=dict)  # prompt index -> judged members
+    accumulated: int = 0  # groups whose backward is done
     rollout_end: float | None = None
     first_judged: float | None = None
     judge_end: float | None = None
@@ -120,7 +128,8 @@ class Controller:
         self.version = 0
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}
-        self.train_ready = self.training = False
+        self.train_ready = self.training = False  # every reward in / optimizer step running
+        self.train_queue: deque[int] = deque()  # judged groups waiting for their backward
         self.eval_hits: dict[int, dict[int, bool]] = {}  # step evaluated after -> held-out index -> correct
         self.accuracy: dict[int, float] = {}  # step -> held-out accuracy after it
         self.pending_metrics: dict[int, dict[str, Any]] = {}  # finished steps waiting for their evaluation
@@ -146,6 +155,8 @@ class Controller:
             self._on_trained(event)
         elif isinstance(event, Aborted):
             self._on_aborted(event)
+        elif isinstance(event, Accumulated):
+            self._on_accumulated(event)
         else:
             raise TypeError(f"unknown event {event!r}")
         return self.pump()
@@ -158,7 +169,7 @@ class Controller:
         cmds: list[Command] = []
         targets = self.policy.targets(self.demand())
         for d in self.devices:
-            if d.shifting or d.training or d.aborting:
+            if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
                 continue
             want = targets[d.id]
             if self.scheduler.load(d.id):
@@ -172,10 +183,7 @@ class Controller:
                 d.shifting = True
         cmds += self.scheduler.dispatch_gen(self._ready(Role.ROLLOUT), self.version)
         cmds += self.scheduler.dispatch_judge(self._ready(Role.GENRM))
-        if self.train_ready and not self.training:
-            devs = self.policy.train_devices()
-            if all(self.devices[i].role is Role.TRAIN and not self.devices[i].shifting for i in devs):
-                cmds.append(self._train_command(devs))
+        cmds += self._dispatch_train()
         return cmds
 
     def demand(self) -> Demand:
@@ -288,39 +296,73 @@ class Controller:
             s.judge_text, s.reward, s.verdict, s.status = r.text, j.reward, j.label, Status.JUDGED
             self.step.judged += 1
             self.step.judge_tokens += r.tokens
+            done = self.step.group_judged.get(s.prompt_index, 0) + 1
+            self.step.group_judged[s.prompt_index] = done
+            if done == self.spec.group_size:  # the whole group is judged: its advantages are known
+                self.train_queue.append(s.prompt_index)
         if self.step.judged == len(self.step.samples):
             self.train_ready = True
             self.step.judge_end = self.clock()
 
-    def _train_command(self, devs: tuple[int, ...]) -> Train:
+    def _dispatch_train(self) -> list[Command]:
+        """Backward of judged groups on the train devices as they come in; the optimizer
+        step once every group of the step is in."""
+        if self.step is None or self.training:
+            return []
+        train_devs = self.policy.train_devices()
+        groups = len(self.step.samples) // self.spec.group_size
+        quota = -(-groups // len(train_devs))  # groups per device, so the backward spreads evenly
+        cmds: list[Command] = []
+        for i in train_devs:
+            d = self.devices[i]
+            if not self.train_queue:
+                break
+            if d.role is not Role.TRAIN or d.version != self.version or d.shifting or d.accumulating:
+                continue
+            take = [self.train_queue.popleft() for _ in range(min(quota - d.groups, len(self.train_queue)))]
+            if take:
+                cmds.append(Accumulate(i, self.version, self._shard(take)))
+                d.accumulating, d.grads, d.groups = True, True, d.groups + len(take)
+                if self.step.train_start is None:
+                    self.step.train_start = self.clock()
+        ready = all(
+            self.devices[i].role is Role.TRAIN and self.devices[i].version == self.version
+            and not (self.devices[i].shifting or self.devices[i].accumulating)
+            for i in train_devs
+        )  # fmt: skip
+        if self.step.accumulated == groups and ready:
+            assert all(not d.grads or d.id in train_devs for d in self.devices), "gradients on a non-train device"
+            self.training, self.train_ready = True, False
+            for i in train_devs:
+                self.devices[i].training = True
+            cmds.append(Step(train_devs, self.version, sum(len(s.response_ids) for s in self.step.samples)))
+        return cmds
+
+    def _shard(self, groups: list[int]) -> TrainShard:
         assert self.step is not None
-        samples = self.step.samples
-        adv = group_advantages([s.reward for s in samples], self.spec.group_size, self.spec.scale_by_std)
-        groups = len(samples) // self.spec.group_size
-        shards = []
-        for part in split_groups(groups, len(devs)):
-            idx = [g * self.spec.group_size + m for g in part for m in range(self.spec.group_size)]
-            shards.append(
-                TrainShard(
-                    tuple(tuple(samples[i].prompt_ids) for i in idx),
-                    tuple(tuple(samples[i].response_ids) for i in idx),
-                    tuple(tuple(samples[i].logprobs) for i in idx),
-                    tuple(adv[i] for i in idx),
-                )
-            )
-        self.train_ready, self.training = False, True
-        self.step.train_start = self.clock()
-        for i in devs:
-            self.devices[i].training = True
-        total = sum(len(s.response_ids) for s in samples)
-        return Train(devs, self.version, tuple(shards), total)
+        g, samples = self.spec.group_size, self.step.samples
+        idx = [p * g + m for p in groups for m in range(g)]
+        adv = [a for p in groups for a in group_advantages([samples[p * g + m].reward for m in range(g)], g,
+                                                          self.spec.scale_by_std)]  # fmt: skip
+        return TrainShard(
+            tuple(tuple(samples[i].prompt_ids) for i in idx),
+            tuple(tuple(samples[i].response_ids) for i in idx),
+            tuple(tuple(samples[i].logprobs) for i in idx),
+            tuple(adv),
+        )
+
+    def _on_accumulated(self, e: Accumulated) -> None:
+        assert self.step is not None
+        self.devices[e.device].accumulating = False
+        self.step.accumulated += e.samples // self.spec.group_size
 
     def _on_trained(self, e: Trained) -> None:
         assert self.step is not None
         self.version = e.version
         for i in e.devices:
-            self.devices[i].training = False
-            self.devices[i].version = e.version  # the trainer's replica is the new version
+            d = self.devices[i]
+            d.training, d.grads, d.groups = False, False, 0
+            d.version = e.version  # the trainer's replica is the new version
         self.training = False
         self.step.train_stats = e.stats
         self.step.finished = self.clock()

@@ -110,14 +110,25 @@ class TrainShard:
 
 
 @dataclass(slots=True, frozen=True)
-class Train:
-    """One optimizer step of policy ``version`` -> ``version + 1`` over ``devices``.
-    ``total_tokens`` is the response-token count of the whole batch: every device
-    normalises by it, so the update does not depend on how the batch is split."""
+class Accumulate:
+    """Forward/backward of some judged GRPO groups on a train device: gradients of
+    the token-sum loss add up in place; nothing changes the weights yet. Groups
+    arrive as soon as they are judged, while the rollout tail still runs."""
+
+    device: int
+    version: int  # the policy version the groups were generated with
+    shard: TrainShard
+
+
+@dataclass(slots=True, frozen=True)
+class Step:
+    """The optimizer step of policy ``version`` -> ``version + 1`` over ``devices``:
+    gradients are summed across them and divided by ``total_tokens``, the
+    response-token count of the whole batch, so the update does not depend on
+    how groups were spread or in which order they came."""
 
     devices: tuple[int, ...]
     version: int
-    shards: tuple[TrainShard, ...]  # one per device, same order
     total_tokens: int
 
 
@@ -128,7 +139,7 @@ class Abort:
     device: int
 
 
-Command = Shift | Generate | Judge | Train | Abort
+Command = Shift | Generate | Judge | Accumulate | Step | Abort
 
 
 # -- events -------------------------------------------------------------------------
@@ -158,6 +169,14 @@ class Judged:
 
 
 @dataclass(slots=True, frozen=True)
+class Accumulated:
+    device: int
+    samples: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(slots=True, frozen=True)
 class Trained:
     """The optimizer step is done and policy ``version`` is published to the GPS."""
 
@@ -179,4 +198,4 @@ class Aborted:
     seconds: float
 
 
-Event = ShiftDone | Generated | Judged | Trained | Aborted
+Event = ShiftDone | Generated | Judged | Accumulated | Trained | Aborted

@@ -8,7 +8,7 @@ separate processes and is refused here.
 
 from __future__ import annotations
 
-from pivotrl.control.messages import Abort, Command, Event, Generate, Judge, Shift, Train
+from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate, Judge, Shift, Step
 from pivotrl.runtime.worker import Worker
 from pivotrl.telemetry import Slice
 
@@ -32,10 +32,12 @@ class LocalDriver:
             self.workers[cmd.device].generate(cmd)
         elif isinstance(cmd, Judge):
             self.workers[cmd.device].judge(cmd)
-        elif isinstance(cmd, Train):
+        elif isinstance(cmd, Accumulate):
+            self.events.append(self.workers[cmd.device].accumulate(cmd))
+        elif isinstance(cmd, Step):
             if len(cmd.devices) != 1:
-                raise ValueError("the in-process driver trains on one device; use the Ray driver for more")
-            event = self.workers[cmd.devices[0]].train(cmd, rank=0, port=0)
+                raise ValueError("the in-process driver steps on one device; use the Ray driver for more")
+            event = self.workers[cmd.devices[0]].step(cmd, rank=0, port=0)
             assert event is not None
             self.events.append(event)
         elif isinstance(cmd, Abort):

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from pivotrl.config import JobConfig
-from pivotrl.control.messages import Abort, Command, Event, Generate, Judge, Shift, Train
+from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate, Judge, Shift, Step
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
 from pivotrl.runtime.contexts import ContextSpec
@@ -47,8 +47,11 @@ class DeviceActor:
     def abort(self) -> Event:
         return self.worker.abort()
 
-    def train(self, cmd: Train, rank: int, port: int) -> Event | None:
-        return self.worker.train(cmd, rank, port)
+    def accumulate(self, cmd: Accumulate) -> Event:
+        return self.worker.accumulate(cmd)
+
+    def step(self, cmd: Step, rank: int, port: int) -> Event | None:
+        return self.worker.step(cmd, rank, port)
 
     def drain_slices(self) -> list[Slice]:
         return self.worker.drain_slices()
@@ -97,10 +100,12 @@ class RayDriver:
             self.pending[call.remote(cmd)] = ("ack", cmd.device)
             self.dirty.add(cmd.device)
             self._run(cmd.device)
-        elif isinstance(cmd, Train):
+        elif isinstance(cmd, Accumulate):
+            self.pending[self.actors[cmd.device].accumulate.remote(cmd)] = ("event", cmd.device)
+        elif isinstance(cmd, Step):
             port = free_port()
             for rank, d in enumerate(cmd.devices):
-                self.pending[self.actors[d].train.remote(cmd, rank, port)] = ("event", d)
+                self.pending[self.actors[d].step.remote(cmd, rank, port)] = ("event", d)
         elif isinstance(cmd, Abort):
             self.pending[self.actors[cmd.device].abort.remote()] = ("event", cmd.device)
         else:

@@ -15,6 +15,8 @@ import torch
 
 from pivotrl.control.messages import (
     Aborted,
+    Accumulate,
+    Accumulated,
     Generate,
     Generated,
     GenParams,
@@ -26,7 +28,7 @@ from pivotrl.control.messages import (
     JudgeResult,
     Role,
     ShiftDone,
-    Train,
+    Step,
     Trained,
 )
 from pivotrl.engine import SamplingParams, SeqState
@@ -198,23 +200,27 @@ class Worker:
         return self.ctx
 
     # -- training -------------------------------------------------------------------
-    def train(self, cmd: Train, rank: int, port: int) -> Trained | None:
-        """This device's part of one data-parallel optimizer step; rank 0 publishes the new version."""
-        ctx = self.ctx
-        if not isinstance(ctx, TrainContext):
-            raise RuntimeError(f"device {self.device} is not in the train role")
-        if ctx.version != cmd.version:
-            raise WrongVersionError(f"device {self.device} holds policy v{ctx.version}, update needs v{cmd.version}")
+    def accumulate(self, cmd: Accumulate) -> Accumulated:
+        """Backward of some judged groups; gradients add up until the step."""
+        ctx = self._train_ctx(cmd.version)
         t0 = self.now()
-        shard = cmd.shards[rank]
+        shard = cmd.shard
         samples = [
             Sample(i, 0, "", "", list(p), 0, response_ids=list(r), logprobs=list(lp))
             for i, (p, r, lp) in enumerate(zip(shard.prompt_ids, shard.response_ids, shard.logprobs, strict=True))
         ]
+        stats = ctx.trainer.accumulate(samples, list(shard.advantages))
+        t1 = self.now()
+        self.slices.append(Slice(self.device, "train", f"accumulate {len(samples)}", t0, t1))
+        return Accumulated(self.device, len(samples), int(stats.get("tokens", 0)), t1 - t0)
+
+    def step(self, cmd: Step, rank: int, port: int) -> Trained | None:
+        """This device's part of the data-parallel optimizer step; rank 0 publishes the new version."""
+        ctx = self._train_ctx(cmd.version)
+        t0 = self.now()
         trainer = ctx.trainer
         trainer.group = TrainGroup.join(rank, len(cmd.devices), master_port=port, device=self.spec.device)
         try:
-            trainer.accumulate(samples, list(shard.advantages))
             stats = trainer.step(cmd.total_tokens)
         finally:
             trainer.group.leave()
@@ -224,8 +230,16 @@ class Worker:
         if rank == 0:
             self._publish(ctx)
         t1 = self.now()
-        self.slices.append(Slice(self.device, "train", f"train v{cmd.version}->v{ctx.version}", t0, t1))
+        self.slices.append(Slice(self.device, "train", f"step v{cmd.version}->v{ctx.version}", t0, t1))
         return Trained(cmd.devices, ctx.version, stats, t1 - t0) if rank == 0 else None
+
+    def _train_ctx(self, version: int) -> TrainContext:
+        ctx = self.ctx
+        if not isinstance(ctx, TrainContext):
+            raise RuntimeError(f"device {self.device} is not in the train role")
+        if ctx.version != version:
+            raise WrongVersionError(f"device {self.device} holds policy v{ctx.version}, update needs v{version}")
+        return ctx
 
     def _publish(self, ctx: TrainContext) -> None:
         store, v = self.store, ctx.version

@@ -19,6 +19,8 @@ import pytest
 
 from pivotrl.control.controller import EVAL_STRIDE, EVAL_UID, Controller, LoopSpec
 from pivotrl.control.messages import (
+    Accumulate,
+    Accumulated,
     Command,
     Event,
     Generate,
@@ -31,7 +33,7 @@ from pivotrl.control.messages import (
     Role,
     Shift,
     ShiftDone,
-    Train,
+    Step,
     Trained,
 )
 from pivotrl.control.modes import Colocated, Disaggregated
@@ -96,7 +98,10 @@ class FakeCluster:
         self.ready: list[Event] = []
         self.log: list[Command | Event] = []  # every command and event, in order
         self.roles_after_batch: list[tuple[Role | None, ...]] = []
-        self.trains: list[tuple[Train, dict[int, float]]] = []  # each update and the rewards it saw, by uid
+        self.trains: list[
+            tuple[Step, dict[int, float], list[Accumulate]]
+        ] = []  # each update, its rewards, its backwards
+        self.accumulates: list[Accumulate] = []  # backwards of the step in progress
 
     def submit(self, cmd: Command) -> None:
         self.log.append(cmd)
@@ -120,15 +125,24 @@ class FakeCluster:
             for r in cmd.requests:
                 verdict = "yes" if r.response == f"the answer is {r.reference}" else "no"
                 self.work[d].append(JudgeResult(r.uid, f"looks {verdict}. VERDICT: {verdict}", False, 5))
-        elif isinstance(cmd, Train):
+        elif isinstance(cmd, Accumulate):
+            d = cmd.device
+            assert (self.role[d], self.version[d]) == (T, cmd.version), f"backward on device {d}"
+            by_uid = {s.uid: s for s in self.ctl.step.samples}
+            uids = [resp[0] for resp in cmd.shard.response_ids]
+            assert all(by_uid[u].status is Status.JUDGED for u in uids), "a backward before its group's rewards"
+            self.accumulates.append(cmd)
+            self.ready.append(Accumulated(d, len(uids), sum(map(len, cmd.shard.response_ids)), 0.1))
+        elif isinstance(cmd, Step):
             for d in cmd.devices:
-                assert (self.role[d], self.version[d]) == (T, cmd.version), f"train on device {d}"
+                assert (self.role[d], self.version[d]) == (T, cmd.version), f"step on device {d}"
                 assert not self.work[d]
                 self.version[d] = cmd.version + 1
             assert not any(self.work[d] for d in range(len(self.role)) if self.role[d] is G), "judging still runs"
             samples = self.ctl.step.samples
             assert all(s.status is Status.JUDGED for s in samples), "an update before every reward is in"
-            self.trains.append((cmd, {s.uid: s.reward for s in samples}))
+            self.trains.append((cmd, {s.uid: s.reward for s in samples}, self.accumulates))
+            self.accumulates = []
             self.training |= set(cmd.devices)
             self.ready.append(Trained(cmd.devices, cmd.version + 1, {"loss": 0.0}, 1.0))
         else:
@@ -176,14 +190,14 @@ def controller(policy, **overrides) -> Controller:
 
 def phases(log: list[Command | Event]) -> list[str]:
     """The kinds of work commands in order, repeats collapsed."""
-    names = {Generate: "rollout", Judge: "genrm", Train: "train"}
+    names = {Generate: "rollout", Judge: "genrm", Accumulate: "train", Step: "train"}
     kinds = [names[type(x)] for x in log if type(x) in names]
     return [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
 
 
 def per_step(log: list[Command | Event]) -> list[list[Command | Event]]:
-    """The log cut after each Train command."""
-    cuts = [i + 1 for i, x in enumerate(log) if isinstance(x, Train)]
+    """The log cut after each Step command."""
+    cuts = [i + 1 for i, x in enumerate(log) if isinstance(x, Step)]
     return [log[a:b] for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
 
 
@@ -197,18 +211,18 @@ def check_results(ctl: Controller, cluster: FakeCluster) -> None:
         assert m["reward_mean"] == 0.5 and m["accuracy"] == 0.5 and m["judge_agreement"] == 1.0
         assert m["parse_failures"] == 0 and m["judge_outcomes"] == {"parsed": SAMPLES}
         assert m["judge_tokens"] == 5 * SAMPLES and m["train_loss"] == 0.0
-    assert [cmd.version for cmd, _ in cluster.trains] == list(range(STEPS))
+    assert [cmd.version for cmd, _, _ in cluster.trains] == list(range(STEPS))
     train_devices = ctl.policy.train_devices()
-    for cmd, rewards in cluster.trains:
+    for cmd, rewards, backwards in cluster.trains:
         assert rewards == {u: 1.0 if u % 2 == 0 else 0.0 for u in range(SAMPLES)}  # the fake verdicts
-        assert cmd.devices == train_devices and len(cmd.shards) == len(train_devices)
-        uids = [resp[0] for shard in cmd.shards for resp in shard.response_ids]
-        assert uids == list(range(SAMPLES))  # every sample exactly once, groups contiguous and in order
-        for shard in cmd.shards:
-            mine = [resp[0] for resp in shard.response_ids]
-            assert all(u // GROUP in {v // GROUP for v in mine} for u in mine)
+        assert cmd.devices == train_devices
+        assert {b.device for b in backwards} <= set(train_devices)
+        uids = sorted(resp[0] for b in backwards for resp in b.shard.response_ids)
+        assert uids == list(range(SAMPLES))  # every sample exactly once
+        for b in backwards:
+            mine = [resp[0] for resp in b.shard.response_ids]
             assert len(mine) == GROUP * len({u // GROUP for u in mine})  # whole groups only
-            for u, adv, lp in zip(mine, shard.advantages, shard.logprobs, strict=True):
+            for u, adv, lp in zip(mine, b.shard.advantages, b.shard.logprobs, strict=True):
                 assert adv == pytest.approx(1.0 if u % 2 == 0 else -1.0, abs=1e-4)
                 assert len(lp) == 1 + u % 3
         assert cmd.total_tokens == sum(1 + u % 3 for u in range(SAMPLES))
@@ -261,7 +275,9 @@ def test_disaggregated_keeps_roles_refreshes_rollout_and_streams_judging():
         first_judge = next(i for i, x in enumerate(part) if isinstance(x, Judge))
         assert first_judge < rollout_events[-1], "judging waited for the whole rollout"
         last_judged = max(i for i, x in enumerate(part) if isinstance(x, Judged))
-        assert isinstance(part[-1], Train) and last_judged < len(part) - 1
+        assert isinstance(part[-1], Step) and last_judged < len(part) - 1
+        first_backward = next(i for i, x in enumerate(part) if isinstance(x, Accumulate))
+        assert first_backward < last_judged, "the backward waited for the last reward"
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pivotrl.control.messages import (
+    Accumulate,
     Generate,
     Generated,
     GenParams,
@@ -23,7 +24,7 @@ from pivotrl.control.messages import (
     JudgeRequest,
     JudgeResult,
     Role,
-    Train,
+    Step,
     Trained,
     TrainShard,
 )
@@ -39,6 +40,12 @@ SPEC = ContextSpec(judge_template="Q:{question}\nR:{reference}\nA:{response}\nJ:
 GREEDY = GenParams(max_new_tokens=6, temperature=0.0)
 SAMPLED = GenParams(max_new_tokens=6, temperature=1.0)
 CONTEXT_TYPE = {Role.ROLLOUT: GenerationContext, Role.GENRM: GenerationContext, Role.TRAIN: TrainContext}
+
+
+def train(w: Worker, device: int, version: int, shard: TrainShard, tokens: int):
+    """One update on one device: the backward of the shard, then the optimizer step."""
+    w.accumulate(Accumulate(device, version, shard))
+    return w.step(Step((device,), version, tokens), rank=0, port=0)
 
 
 def label(role: Role | None) -> str:
@@ -232,7 +239,7 @@ def test_train_for_another_version_is_refused(store):
     w.shift(Role.TRAIN, 0)
     shard = TrainShard(((1, 2),), ((3,),), ((-1.0,),), (1.0,))
     with pytest.raises(WrongVersionError, match="holds policy v0, update needs v1"):
-        w.train(Train((0,), 1, (shard,), 1), rank=0, port=0)
+        train(w, 0, 1, shard, 1)
     assert store.versions(POLICY) == [0, 1]  # nothing published
 
 
@@ -282,7 +289,7 @@ def test_requests_for_another_role_are_refused(store, before, kind):
         elif kind == "judge":
             w.judge(Judge(0, judge_requests(1)))
         else:
-            w.train(Train((0,), 0, (TrainShard(((1,),), ((2,),), ((-1.0,),), (1.0,)),), 1), rank=0, port=0)
+            train(w, 0, 0, TrainShard(((1,),), ((2,),), ((-1.0,),), (1.0,)), 1)
     assert not isinstance(info.value, WrongVersionError)
     assert not w.has_work
 
@@ -339,7 +346,7 @@ def test_train_publishes_weights_and_optimizer_state_and_the_next_trainer_restor
     assert done.nbytes == store.fetch(POLICY, 0).nbytes  # no optimizer state before the first update
     w.drain_slices()
 
-    trained = w.train(Train((0,), 0, (shard,), tokens), rank=0, port=0)
+    trained = train(w, 0, 0, shard, tokens)
 
     assert isinstance(trained, Trained)
     assert (trained.devices, trained.version) == ((0,), 1) and trained.seconds > 0
@@ -350,8 +357,9 @@ def test_train_publishes_weights_and_optimizer_state_and_the_next_trainer_restor
     old = store.fetch(POLICY, 0).tensors
     assert any(not torch.equal(t, old[k]) for k, t in store.fetch(POLICY, 1).tensors.items())  # the update moved
     assert set(adam_steps(w.ctx)) == {1.0}
-    [s] = w.drain_slices()
-    assert (s.role, s.name) == ("train", "train v0->v1")
+    backward, step = w.drain_slices()
+    assert (backward.role, backward.name) == ("train", f"accumulate {len(shard.response_ids)}")
+    assert (step.role, step.name) == ("train", "step v0->v1")
 
     w2 = make_worker(store, device=1)
     done = w2.shift(Role.TRAIN, 1)
@@ -362,7 +370,7 @@ def test_train_publishes_weights_and_optimizer_state_and_the_next_trainer_restor
     for name, p in p2.items():
         assert torch.equal(opt2.state[p]["exp_avg"], opt1.state[p1[name]]["exp_avg"]), name
 
-    trained = w2.train(Train((1,), 1, (shard,), tokens), rank=0, port=0)
+    trained = train(w2, 1, 1, shard, tokens)
 
     assert trained.version == 2 and set(adam_steps(w2.ctx)) == {2.0}
     assert store.versions(POLICY, Kind.WEIGHTS) == [1, 2]  # retention: at most two weight versions
@@ -376,8 +384,8 @@ def test_a_trainer_that_missed_an_update_must_shift_to_the_new_version_first():
     a, b = make_worker(store, 0), make_worker(store, 1)
     a.shift(Role.TRAIN, 0)
     b.shift(Role.TRAIN, 0)
-    a.train(Train((0,), 0, (shard,), tokens), rank=0, port=0)
+    train(a, 0, 0, shard, tokens)
     with pytest.raises(WrongVersionError):
-        b.train(Train((1,), 1, (shard,), tokens), rank=0, port=0)
+        train(b, 1, 1, shard, tokens)
     b.shift(Role.TRAIN, 1)
-    assert b.train(Train((1,), 1, (shard,), tokens), rank=0, port=0).version == 2
+    assert train(b, 1, 1, shard, tokens).version == 2
