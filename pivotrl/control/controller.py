@@ -35,6 +35,7 @@ from pivotrl.control.messages import (
     GenRequest,
     Judged,
     JudgeRequest,
+    Progress,
     Role,
     Shift,
     ShiftDone,
@@ -135,6 +136,7 @@ class Controller:
         self.pending_metrics: dict[int, dict[str, Any]] = {}  # finished steps waiting for their evaluation
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
         self.shift_log: list[ShiftDone] = []
+        self.tokens_so_far: dict[int, int] = {}  # uid -> response tokens generated, for running sequences
         self.done = False
         self.top_reward = max(genrm.rewards.values())
 
@@ -157,6 +159,8 @@ class Controller:
             self._on_aborted(event)
         elif isinstance(event, Accumulated):
             self._on_accumulated(event)
+        elif isinstance(event, Progress):
+            self._on_progress(event)
         else:
             raise TypeError(f"unknown event {event!r}")
         return self.pump()
@@ -242,6 +246,11 @@ class Controller:
             self.step.shifts += 1
             self.step.shift_seconds += e.seconds
 
+    def _on_progress(self, e: Progress) -> None:
+        """Live measurements; the planner of shiftable mode learns its profiles from them."""
+        for uid, n in e.tokens_so_far:
+            self.tokens_so_far[uid] = n
+
     def _on_aborted(self, e: Aborted) -> None:
         """Requests of a device that left its role go back to the front of their queue."""
         self.devices[e.device].aborting = False
@@ -263,6 +272,7 @@ class Controller:
                 self._on_evaluated(r.uid, r.text)
                 continue
             s = self.by_uid[r.uid]
+            self.tokens_so_far.pop(r.uid, None)
             assert r.version == s.policy_version, f"sample {r.uid}: v{r.version} served a v{s.policy_version} step"
             s.prompt_ids, s.response_ids, s.logprobs, s.response_text = r.prompt_ids, r.output_ids, r.logprobs, r.text
             s.truncated = r.finish_reason == "length"

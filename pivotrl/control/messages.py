@@ -169,6 +169,18 @@ class Judged:
 
 
 @dataclass(slots=True, frozen=True)
+class Progress:
+    """What one generation slice of a device did: the planner's live measurements."""
+
+    device: int
+    role: Role
+    seconds: float
+    tokens: int  # tokens sampled in the slice
+    running: int  # sequences in the engine when the slice started
+    tokens_so_far: tuple[tuple[int, int], ...] = ()  # (uid, response tokens) of sequences still running
+
+
+@dataclass(slots=True, frozen=True)
 class Accumulated:
     device: int
     samples: int
@@ -198,4 +210,4 @@ class Aborted:
     seconds: float
 
 
-Event = ShiftDone | Generated | Judged | Accumulated | Trained | Aborted
+Event = ShiftDone | Generated | Judged | Progress | Accumulated | Trained | Aborted

@@ -69,6 +69,7 @@ class EngineStats:
     decode_tokens: int = 0
     finished: int = 0
     aborted: int = 0
+    generated_tokens: int = 0  # tokens sampled (one per sequence per step)
 
 
 class Engine:
@@ -198,6 +199,7 @@ class Engine:
             torch.tensor([s.params.top_p for s in batch], device=dev),
         )
         finished = []
+        self.stats.generated_tokens += len(batch)
         for s, n, tok, lp in zip(batch, lengths.tolist(), tokens.tolist(), logprobs.tolist(), strict=True):
             self.cached[s.uid] += n
             s.output_ids.append(tok)

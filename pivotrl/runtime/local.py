@@ -51,9 +51,7 @@ class LocalDriver:
             if not busy:
                 raise StallError("the controller waits for events but no device has work")
             for w in busy:
-                event = w.run(self.slice_seconds)
-                if event is not None:
-                    self.events.append(event)
+                self.events += w.run(self.slice_seconds)
         out, self.events = self.events, []
         return out
 

@@ -40,9 +40,9 @@ class DeviceActor:
     def judge(self, cmd: Judge) -> None:
         self.worker.judge(cmd)
 
-    def run(self, seconds: float) -> tuple[Event | None, bool]:
-        event = self.worker.run(seconds)
-        return event, self.worker.has_work
+    def run(self, seconds: float) -> tuple[list[Event], bool]:
+        events = self.worker.run(seconds)
+        return events, self.worker.has_work
 
     def abort(self) -> Event:
         return self.worker.abort()
@@ -129,10 +129,9 @@ class RayDriver:
             kind, device = self.pending.pop(ref)
             result = ray.get(ref)  # re-raises a device's error here, with its traceback
             if kind == "run":
-                event, has_work = result
+                events, has_work = result
                 self.running.discard(device)
-                if event is not None:
-                    out.append(event)
+                out += events
                 if has_work or device in self.dirty:
                     self._run(device)
             elif kind == "event" and result is not None:

@@ -17,6 +17,7 @@ from pivotrl.control.messages import (
     Aborted,
     Accumulate,
     Accumulated,
+    Event,
     Generate,
     Generated,
     GenParams,
@@ -26,6 +27,7 @@ from pivotrl.control.messages import (
     Judged,
     JudgeRequest,
     JudgeResult,
+    Progress,
     Role,
     ShiftDone,
     Step,
@@ -160,23 +162,27 @@ class Worker:
     def has_work(self) -> bool:
         return bool(self.pending)
 
-    def run(self, seconds: float) -> Generated | Judged | None:
-        """Advance the engine by at least one step and for about ``seconds``; return what finished."""
+    def run(self, seconds: float) -> list[Event]:
+        """Advance the engine by at least one step and for about ``seconds``: a
+        ``Progress`` event, and what finished (``Generated`` or ``Judged``)."""
         ctx = self.ctx
-        if not self.pending or not isinstance(ctx, GenerationContext):
-            return None
+        if not self.pending or not isinstance(ctx, GenerationContext) or self.role is None:
+            return []
         t0 = self.now()
+        running, before = ctx.engine.load, ctx.engine.stats.generated_tokens
         finished: list[SeqState] = []
         while ctx.engine.has_work:  # at least one engine step, then until the slice is used
             finished += ctx.engine.step()
             if self.now() - t0 >= seconds:
                 break
         t1 = self.now()
-        role = self.role.value if self.role else "idle"
-        self.slices.append(Slice(self.device, role, f"{role} {len(finished)} done", t0, t1))
-        if not finished:
-            return None
-        if self.role is Role.ROLLOUT:
+        role = self.role
+        self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1))
+        so_far = tuple((s.uid, len(s.output_ids)) for s in ctx.engine.running.values()) if role is Role.ROLLOUT else ()
+        events: list[Event] = [
+            Progress(self.device, role, t1 - t0, ctx.engine.stats.generated_tokens - before, running, so_far)
+        ]
+        if role is Role.ROLLOUT and finished:
             results = []
             for s in finished:
                 p = self.pending.pop(s.uid)
@@ -184,14 +190,15 @@ class Worker:
                 results.append(
                     GenResult(s.uid, p.prompt_ids, s.output_ids, s.logprobs, text, s.finish_reason or "", p.version)
                 )
-            return Generated(self.device, tuple(results))
-        out = []
-        for s in finished:
-            self.pending.pop(s.uid)
-            out.append(
-                JudgeResult(s.uid, ctx.tokenizer.decode(s.output_ids), s.finish_reason == "length", len(s.output_ids))
-            )
-        return Judged(self.device, tuple(out))
+            events.append(Generated(self.device, tuple(results)))
+        elif finished:
+            out = []
+            for s in finished:
+                self.pending.pop(s.uid)
+                text = ctx.tokenizer.decode(s.output_ids)
+                out.append(JudgeResult(s.uid, text, s.finish_reason == "length", len(s.output_ids)))
+            events.append(Judged(self.device, tuple(out)))
+        return events
 
     def _generation_ctx(self, role: Role) -> GenerationContext:
         if self.role is not role or not isinstance(self.ctx, GenerationContext):

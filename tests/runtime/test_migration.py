@@ -36,9 +36,9 @@ def requests(n=16):
 def drain(w):
     out = {}
     while w.has_work:
-        e = w.run(1.0)
-        if isinstance(e, Generated):
-            out.update({r.uid: r for r in e.results})
+        for e in w.run(1.0):
+            if isinstance(e, Generated):
+                out.update({r.uid: r for r in e.results})
     return out
 
 
@@ -51,9 +51,9 @@ def test_aborted_sequences_resume_elsewhere_with_identical_tokens(store):
     a.generate(Generate(0, requests(), 0))
     done = {}
     for _ in range(6):  # a few engine steps on device 0 only
-        e = a.run(0.0)
-        if isinstance(e, Generated):
-            done.update({r.uid: r for r in e.results})
+        for e in a.run(0.0):
+            if isinstance(e, Generated):
+                done.update({r.uid: r for r in e.results})
     aborted = a.abort()
     assert not a.has_work and not aborted.judge
     moved = aborted.gen
@@ -79,9 +79,9 @@ def test_abort_twice_and_back(store):
     for hop in range(4):
         src, dst = (a, b) if hop % 2 == 0 else (b, a)
         for _ in range(3):
-            e = src.run(0.0)
-            if isinstance(e, Generated):
-                done.update({r.uid: r for r in e.results})
+            for e in src.run(0.0):
+                if isinstance(e, Generated):
+                    done.update({r.uid: r for r in e.results})
         moved = src.abort().gen
         if moved:
             dst.generate(Generate(dst.device, moved, 0))

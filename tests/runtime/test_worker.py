@@ -23,6 +23,7 @@ from pivotrl.control.messages import (
     Judged,
     JudgeRequest,
     JudgeResult,
+    Progress,
     Role,
     Step,
     Trained,
@@ -89,8 +90,9 @@ def drain(worker: Worker) -> list[GenResult | JudgeResult]:
     for _ in range(1000):
         if not worker.has_work:
             return sorted(out, key=lambda r: r.uid)
-        event = worker.run(10.0)
-        if event is not None:
+        progress, *finished = worker.run(10.0)
+        assert isinstance(progress, Progress) and progress.device == worker.device and progress.seconds > 0
+        for event in finished:
             assert isinstance(event, Generated | Judged) and event.device == worker.device
             out += event.results
     raise AssertionError("worker did not drain")
