@@ -138,6 +138,13 @@ def run_job(
     return summary
 
 
+def steady_rate(metrics: list[dict[str, Any]], per_step: int) -> float:
+    """Samples per second after the first step (which pays the devices' first loads)."""
+    later = metrics[1:] or metrics
+    seconds = sum(m["step_seconds"] for m in later)
+    return per_step * len(later) / seconds if seconds > 0 else 0.0
+
+
 def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float) -> dict[str, Any]:
     samples = cfg.steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size
     tokens = sum(m["response_tokens"] + m["judge_tokens"] for m in ctl.metrics)
@@ -154,6 +161,7 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
         "steps": cfg.steps,
         "samples": samples,
         "samples_per_s": samples / wall,
+        "steady_samples_per_s": steady_rate(ctl.metrics, cfg.rollout.prompts_per_step * cfg.rollout.group_size),
         "tokens_per_s": tokens / wall,
         "accuracy_start": ctl.accuracy[0],
         "accuracy_end": ctl.accuracy[cfg.steps],
