@@ -7,6 +7,7 @@ CONTROL_PLANE = [
     "pivotrl.control.controller",
     "pivotrl.control.scheduler",
     "pivotrl.control.modes",
+    "pivotrl.control.planner",
     "pivotrl.control.messages",
     "pivotrl.config",
     "pivotrl.reward.genrm",

@@ -1,0 +1,651 @@
+"""The planner of shiftable mode: when, and how many, devices move between roles.
+
+It turns live demand (a ``Workload``) and measured ``Profiles`` into a decision,
+in three pure steps:
+
+1. ``estimate``: a fluid model of the rest of the step gives, for one allocation
+   (devices per role), the time until the step completes and when each phase ends.
+2. ``Planner.plan``: every allocation is estimated; moving there costs the shift
+   overhead of the devices that would move. The best one replaces the current
+   one only when it wins by more than a margin (hysteresis), and a device that
+   just moved may not go back for a while (cooldown): demand that oscillates
+   faster than shifts pay off must not make devices flap.
+3. The devices that move are the cheapest to take: idle first, then the least
+   loaded (fewest sequences to migrate), never pinned ones.
+
+Every decision that moves something is logged with a one-line reason carrying
+the numbers it was made from, so a timeline can be read next to the log.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right, insort
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from pivotrl.control.messages import ROLES, Role
+
+INF = math.inf
+Alloc = tuple[int, int, int]  # devices on rollout, genrm, train (the order of ``ROLES``)
+Move = tuple[int, Role | None, Role]  # device, role it leaves (None: it had none), role it takes
+
+
+def _positive(name: str, value: float, strict: bool = True) -> None:
+    bad = value <= 0 if strict else value < 0
+    if bad or math.isnan(value):
+        allowed = "> 0" if strict else ">= 0"
+        raise ValueError(f"{name}: got {value!r}, must be {allowed}")
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2f}s" if seconds < INF else "inf"
+
+
+def fmt_alloc(alloc: Alloc | dict[Role, int]) -> str:
+    """``r3 g1 t0``: the short form used in decision reasons and ``pivotrl plan``."""
+    counts = tuple(alloc[r] for r in ROLES) if isinstance(alloc, dict) else alloc
+    return " ".join(f"{r.value[0]}{n}" for r, n in zip(ROLES, counts, strict=True))
+
+
+# -- measurements -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LengthModel:
+    """Response lengths of finished sequences, for the expected rest of running ones.
+
+    The tail of a rollout is a few long sequences; how long they still run is
+    the expected excess ``E[L - t | L > t]`` of the length distribution past
+    what each has already generated. The distribution is the empirical one of
+    the last ``window`` responses, so it follows the policy as its lengths drift.
+    """
+
+    prior_mean: float = 256.0  # mean response length assumed before ``min_samples`` are seen
+    prior_max: float = 1024.0  # no response runs longer (the generation limit)
+    min_samples: int = 32
+    window: int = 4096
+    floor: float = 1.0  # tokens still expected from a sequence that outlived every observed one
+    _recent: deque[int] = field(default_factory=deque, init=False, repr=False)
+    _sorted: list[int] = field(default_factory=list, init=False, repr=False)
+    _suffix: list[float] | None = field(default=None, init=False, repr=False)  # sums of _sorted[i:], lazily
+
+    def __post_init__(self) -> None:
+        _positive("prior_mean", self.prior_mean)
+        _positive("prior_max", self.prior_max)
+        _positive("floor", self.floor)
+        if self.min_samples < 1 or self.window < self.min_samples:
+            raise ValueError(f"min_samples={self.min_samples}, window={self.window}: need 1 <= min_samples <= window")
+
+    @property
+    def samples(self) -> int:
+        return len(self._sorted)
+
+    @property
+    def mean(self) -> float:
+        if self.samples < self.min_samples:
+            return self.prior_mean
+        return self._sums()[0] / self.samples
+
+    def observe(self, length: int) -> None:
+        if length < 0:
+            raise ValueError(f"length: got {length}, must be >= 0")
+        self._recent.append(length)
+        insort(self._sorted, length)
+        if len(self._recent) > self.window:
+            old = self._recent.popleft()
+            del self._sorted[bisect_right(self._sorted, old) - 1]
+        self._suffix = None
+
+    def expected_remaining(self, tokens_so_far: float) -> float:
+        """``E[L - t | L > t]``, at least ``floor``.
+
+        Before ``min_samples`` responses the prior is memoryless (exponential
+        lengths of mean ``prior_mean``): having run long says nothing yet about
+        how much is left; only the generation limit ``prior_max`` bounds it.
+        Past every observed length the data say nothing either; ``floor`` keeps
+        such a sequence counted as unfinished work without inventing a tail.
+        """
+        t = tokens_so_far
+        if self.samples < self.min_samples:
+            return min(self.prior_mean, max(self.prior_max - t, self.floor))
+        i = bisect_right(self._sorted, t)
+        longer = self.samples - i
+        if longer == 0:
+            return self.floor
+        return max(self.floor, self._sums()[i] / longer - t)
+
+    def max_remaining(self, tokens_so_far: float) -> float:
+        """The most a sequence may still generate: up to the longest observed
+        response (``prior_max`` before ``min_samples``), at least ``floor``."""
+        longest = self.prior_max if self.samples < self.min_samples else self._sorted[-1]
+        return max(longest - tokens_so_far, self.floor)
+
+    def _sums(self) -> list[float]:
+        if self._suffix is None:
+            acc, out = 0.0, [0.0] * (self.samples + 1)
+            for i in range(self.samples - 1, -1, -1):
+                acc += self._sorted[i]
+                out[i] = acc
+            self._suffix = out
+        return self._suffix
+
+
+@dataclass(slots=True)
+class RoleProfile:
+    """Throughput of one device in a role, learned online: a roofline.
+
+    ``rate(b) = min(b * seq_rate, device_rate)``: each sequence decodes at
+    ``seq_rate`` until the device saturates at ``device_rate``. A measurement
+    updates (EWMA) the term that binds at its batch, because that is the one it
+    tells about: a tail slice of two sequences says how fast a sequence goes,
+    not how much a full device does. A measurement beyond the other term raises
+    it too. Priors come from the config or the simulator's cost model.
+    """
+
+    device_rate: float  # tokens/s of one device at saturation
+    seq_rate: float  # tokens/s of one sequence (decode speed; for train: of one sample)
+    alpha: float = 0.3  # weight of a new measurement
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("device_rate", self.device_rate)
+        _positive("seq_rate", self.seq_rate)
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha: got {self.alpha!r}, must be in (0, 1]")
+
+    def observe(self, tokens: int, seconds: float, batch: int) -> None:
+        """One measured slice: ``tokens`` produced in ``seconds`` by ``batch`` sequences.
+        A slice without tokens (prefill only) says nothing about decoding and is skipped."""
+        _positive("seconds", seconds)
+        if tokens < 0 or batch < 1:
+            raise ValueError(f"tokens={tokens}, batch={batch}: need tokens >= 0 and batch >= 1")
+        if tokens == 0:
+            return
+        rate, a = tokens / seconds, self.alpha
+        saturated = batch * self.seq_rate >= self.device_rate
+        if saturated or rate > self.device_rate:
+            self.device_rate += a * (rate - self.device_rate)
+        if not saturated or rate / batch > self.seq_rate:
+            self.seq_rate += a * (rate / batch - self.seq_rate)
+        self.samples += 1
+
+    def rate(self, batch: float) -> float:
+        """Tokens/s of one device running ``batch`` sequences (fractional in the fluid model)."""
+        return min(batch * self.seq_rate, self.device_rate) if batch > 0 else 0.0
+
+
+@dataclass(slots=True)
+class ShiftCosts:
+    """Measured seconds of a shift per (from role, to role), and the cost of re-prefilling
+    migrated sequences. ``from`` None is a device's first load."""
+
+    prior: float = 0.05  # seconds of a shift never measured
+    prefill_rate: float = 5000.0  # tokens/s a device re-prefills when a sequence migrates to it
+    _seen: dict[tuple[Role | None, Role], tuple[float, int]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _positive("prior", self.prior, strict=False)
+        _positive("prefill_rate", self.prefill_rate)
+
+    def observe(self, src: Role | None, dst: Role, seconds: float) -> None:
+        _positive("seconds", seconds, strict=False)
+        total, n = self._seen.get((src, dst), (0.0, 0))
+        self._seen[(src, dst)] = (total + seconds, n + 1)
+
+    def cost(self, src: Role | None, dst: Role) -> float:
+        if src is dst:
+            return 0.0
+        total, n = self._seen.get((src, dst), (0.0, 0))
+        return total / n if n else self.prior
+
+    def migration_cost(self, tokens: float) -> float:
+        return tokens / self.prefill_rate
+
+
+@dataclass(slots=True)
+class Profiles:
+    rollout: RoleProfile
+    judge: RoleProfile
+    train: RoleProfile
+    lengths: LengthModel = field(default_factory=LengthModel)
+    costs: ShiftCosts = field(default_factory=ShiftCosts)
+
+
+@dataclass(slots=True)
+class Workload:
+    """What is left of the step, as the controller sees it now."""
+
+    rollout_remaining: list[int] = field(default_factory=list)  # tokens so far per unfinished sequence (queued: 0)
+    judge_queued: int = 0  # judgments waiting or running
+    judge_future: int = 0  # responses that will still need judging (= unfinished rollout sequences)
+    judge_tokens_mean: float = 64.0  # tokens a judgment writes
+    train_groups_left: int = 0  # groups whose backward is not done
+    train_tokens_per_group: float = 512.0
+    step_seconds: float = 0.0  # the optimizer step, after the last backward
+    prompt_tokens_mean: float = 0.0  # prompt tokens re-prefilled with a migrated sequence
+
+    def __post_init__(self) -> None:
+        if any(t < 0 for t in self.rollout_remaining):
+            raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
+        for name in ("judge_queued", "judge_future", "train_groups_left", "step_seconds", "prompt_tokens_mean"):
+            _positive(name, getattr(self, name), strict=False)
+        _positive("judge_tokens_mean", self.judge_tokens_mean)
+        _positive("train_tokens_per_group", self.train_tokens_per_group)
+
+
+# -- the model ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class _Work:
+    """A workload reduced to the numbers the model needs, computed once per plan."""
+
+    seqs: int
+    tokens: float  # expected tokens still to generate, all sequences
+    longest: float  # expected remaining tokens of the longest-running sequence
+    worst: float  # the most any sequence may still generate
+    judge_items: int
+    judge_future: int
+    judge_tokens: float
+    groups: int
+    group_tokens: float
+    step_seconds: float
+    gen_context: float  # tokens re-prefilled per migrated rollout sequence
+    judge_context: float  # tokens re-read per restarted judgment
+
+
+def _summarize(w: Workload, p: Profiles) -> _Work:
+    lm, by_t = p.lengths, Counter(w.rollout_remaining)  # queued sequences share t=0: one lookup each
+    exp = {t: lm.expected_remaining(t) for t in by_t}
+    running = [t for t in w.rollout_remaining if t > 0]
+    return _Work(
+        seqs=len(w.rollout_remaining),
+        tokens=sum(exp[t] * n for t, n in by_t.items()),
+        longest=max(exp.values(), default=0.0),
+        worst=max((lm.max_remaining(t) for t in by_t), default=0.0),
+        judge_items=w.judge_queued + w.judge_future,
+        judge_future=w.judge_future,
+        judge_tokens=w.judge_tokens_mean,
+        groups=w.train_groups_left,
+        group_tokens=w.train_tokens_per_group,
+        step_seconds=w.step_seconds,
+        gen_context=w.prompt_tokens_mean + (sum(running) / len(running) if running else 0.0),
+        judge_context=w.prompt_tokens_mean + lm.mean + w.judge_tokens_mean / 2,
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class Estimate:
+    """When each phase of the rest of the step ends (seconds from now) with ``alloc``."""
+
+    alloc: Alloc
+    rollout_end: float
+    judge_end: float
+    backward_end: float
+    total: float  # the step completes: last phase + optimizer step
+    seqs: int
+    tail: bool  # the rollout end is bound by its longest sequence, not by throughput
+    worst_rollout_end: float  # if the longest sequence runs to the longest length seen
+
+    def count(self, role: Role) -> int:
+        return self.alloc[ROLES.index(role)]
+
+    def describe(self) -> str:
+        return (
+            f"{fmt_alloc(self.alloc)}: rollout {self.rollout_end:.2f}s judge {self.judge_end:.2f}s "
+            f"backward {self.backward_end:.2f}s step {self.total:.2f}s"
+        )
+
+
+def _drain(work: float, per_device: Callable[[int], float], arrivals: list[tuple[float, int]]) -> float:
+    """Fluid completion time of ``work`` when devices join at the given times;
+    ``per_device(n)`` is the rate of each of ``n`` devices sharing the work."""
+    if work <= 0:
+        return 0.0
+    t, n, left = 0.0, 0, work
+    for at, k in sorted(arrivals):
+        if k <= 0 or at == INF:
+            continue
+        if n:
+            rate = n * per_device(n)
+            if t + left / rate <= at:
+                return t + left / rate
+            left -= rate * (at - t)
+        t, n = at, n + k
+    return t + left / (n * per_device(n)) if n else INF
+
+
+def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: int) -> Estimate:
+    """Seconds until the step completes with ``alloc`` devices per role from now on.
+
+    A fluid model with the step's dependencies:
+
+    - rollout ends at max(expected tokens left / throughput of its devices,
+      expected rest of the longest sequence / the speed of one sequence); the
+      second bound is the tail, which more devices do not shorten;
+    - judging runs on its devices from now, and cannot end before the rollout
+      does plus one judgment;
+    - the backward runs on the train devices from now (an optimistic bound:
+      it waits for judged groups), and cannot end before judging does plus one
+      group; the optimizer step follows.
+
+    Devices of a phase that ends later in the step join the next phase with work
+    when it ends, at no charge: that shift happens when they would idle anyway,
+    and every allocation gets it. Only moves made now are charged (by the
+    planner), which makes the planner wait unless moving early buys overlap.
+    Devices whose role has no work now stay idle: moving them is the decision
+    at hand. A role with work and no device, now or later, never ends (inf).
+    """
+    return _estimate(_summarize(workload, profiles), profiles, tuple(alloc.get(r, 0) for r in ROLES), max_batch)
+
+
+def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int) -> Estimate:
+    n_r, n_g, n_t = alloc
+    seq_speed = p.rollout.rate(1)
+    # rollout
+    tail = False
+    if w.seqs == 0:
+        t_r = worst = 0.0
+    elif n_r == 0:
+        t_r = worst = INF
+    else:
+        bulk = _drain(w.tokens, lambda n: p.rollout.rate(min(max_batch, w.seqs / n)), [(0.0, n_r)])
+        t_r, tail = max(bulk, w.longest / seq_speed), w.longest / seq_speed >= bulk
+        worst = max(bulk, w.worst / seq_speed)
+    handoff_r = 0.0 < t_r < INF  # rollout devices free up later in the step
+    # judging
+    t_g, r_judged = 0.0, False
+    if w.judge_items:
+        arrivals = [(0.0, n_g)] + ([(t_r, n_r)] if handoff_r else [])
+        bulk = _drain(
+            w.judge_items * w.judge_tokens, lambda n: p.judge.rate(min(max_batch, w.judge_items / n)), arrivals
+        )
+        latency = w.judge_tokens / p.judge.rate(1)
+        t_g = max(bulk, latency, t_r + latency if w.judge_future else 0.0)
+        r_judged = handoff_r and t_r < t_g
+    # backward
+    t_b = 0.0
+    if w.groups:
+        arrivals = [(0.0, n_t)]
+        if 0.0 < t_g < INF:
+            arrivals.append((t_g, n_g + (n_r if r_judged else 0)))
+        if handoff_r and not r_judged:
+            arrivals.append((t_r, n_r))
+        group = w.group_tokens / p.train.device_rate
+        bulk = _drain(w.groups * w.group_tokens, lambda n: p.train.device_rate, arrivals)
+        t_b = max(bulk, group, t_g + group if w.judge_items else 0.0)
+    total = max(t_r, t_g, t_b) + w.step_seconds
+    return Estimate(alloc, t_r, t_g, t_b, total, w.seqs, tail, worst)
+
+
+def _allocations(devices: int, floor: Alloc) -> Iterator[Alloc]:
+    for n_r in range(floor[0], devices - floor[1] - floor[2] + 1):
+        for n_g in range(floor[1], devices - n_r - floor[2] + 1):
+            yield n_r, n_g, devices - n_r - n_g
+
+
+def initial_split(workload: Workload, profiles: Profiles, devices: int, max_batch: int) -> dict[Role, int]:
+    """The best allocation from scratch (no shift charged): the start split ``pivotrl plan``
+    recommends. Ties go to more rollout devices, then more judge devices."""
+    _positive("devices", devices)
+    w = _summarize(workload, profiles)
+    best = min(
+        _allocations(devices, (0, 0, 0)),
+        key=lambda a: (_estimate(w, profiles, a, max_batch).total, -a[0], -a[1]),
+    )
+    return dict(zip(ROLES, best, strict=True))
+
+
+# -- decisions ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Decision:
+    now: float
+    targets: dict[int, Role]
+    moves: list[Move]
+    reason: str
+    before: Estimate | None = None  # the allocation kept as the baseline
+    after: Estimate | None = None  # the allocation chosen
+    overhead: float = 0.0  # seconds charged for the moves
+
+
+@dataclass(slots=True)
+class _Candidate:
+    bound: float  # est + the shift part of the overhead: a lower bound of total
+    moved: int
+    alloc: Alloc
+    flows: dict[tuple[Role | None, Role], int]
+    est: Estimate
+    shift: float  # the slowest of the shifts, which run in parallel
+    total: float = INF
+    overhead: float = 0.0
+    moves: list[Move] = field(default_factory=list)
+
+    def key(self) -> tuple[float, int, Alloc]:
+        return self.total, self.moved, self.alloc
+
+
+def _flows(counts: Alloc, unassigned: int, alloc: Alloc) -> dict[tuple[Role | None, Role], int]:
+    """Devices moving (from, to) to get from ``counts`` to ``alloc``: unassigned ones
+    fill the roles short of devices first, then surplus roles give theirs. With
+    three roles the rest is determined."""
+    need = {r: max(0, a - c) for r, a, c in zip(ROLES, alloc, counts, strict=True)}
+    give = {r: max(0, c - a) for r, a, c in zip(ROLES, alloc, counts, strict=True)}
+    flows: dict[tuple[Role | None, Role], int] = {}
+    for src, pool in ((None, unassigned), *give.items()):
+        for dst in ROLES:
+            k = min(pool, need[dst])
+            if k:
+                flows[(src, dst)] = k
+                need[dst] -= k
+                pool -= k
+    return flows
+
+
+class Planner:
+    """Decides the role of every device, from demand and profiles, with hysteresis.
+
+    ``hysteresis`` is the relative gain (of the current estimate) a change must
+    bring beyond its overhead, ``min_gain_s`` the absolute one; a device that
+    moved does not move back to the role it left within ``cooldown_s``.
+    """
+
+    def __init__(self, devices: int, hysteresis: float = 0.1, min_gain_s: float = 0.1, cooldown_s: float = 2.0) -> None:
+        if devices < 1:
+            raise ValueError(f"devices: got {devices}, must be >= 1")
+        _positive("hysteresis", hysteresis, strict=False)
+        _positive("min_gain_s", min_gain_s, strict=False)
+        _positive("cooldown_s", cooldown_s, strict=False)
+        self.devices, self.hysteresis, self.min_gain_s, self.cooldown_s = devices, hysteresis, min_gain_s, cooldown_s
+        self.log: list[Decision] = []
+        self._left: dict[int, tuple[float, Role | None]] = {}  # device -> (when it last moved, role it left)
+
+    def plan(
+        self,
+        now: float,
+        current: dict[int, Role | None],
+        busy: dict[int, int],
+        pinned: set[int],
+        workload: Workload,
+        profiles: Profiles,
+        max_batch: int,
+    ) -> Decision:
+        """The role of every device from now on. Every split of the devices is a candidate,
+        pinned devices keeping theirs; a role may get none even with work left, since
+        ``estimate`` hands it the devices of the phase before (or calls it never-ending).
+        Devices with no role yet (None) always get one, with no margin to beat."""
+        if set(current) != set(range(self.devices)):
+            raise ValueError(f"current: names devices {sorted(current)}, expected 0..{self.devices - 1}")
+        if not pinned <= set(current):
+            raise ValueError(f"pinned: {sorted(pinned - set(current))} are not devices")
+        _positive("max_batch", max_batch)
+        w = _summarize(workload, profiles)
+        counts = tuple(sum(1 for r in current.values() if r is role) for role in ROLES)
+        floor = tuple(sum(1 for d in pinned if current[d] is role) for role in ROLES)
+        unassigned = sorted(d for d, r in current.items() if r is None and d not in pinned)
+        movable = {r: sum(1 for d, x in current.items() if x is r and d not in pinned) for r in ROLES}
+        cands = []
+        for alloc in _allocations(sum(counts) + len(unassigned), floor):
+            flows = _flows(counts, len(unassigned), alloc)
+            gives = Counter[Role]()
+            for (src, _), k in flows.items():
+                if src is not None:
+                    gives[src] += k
+            if any(k > movable[r] for r, k in gives.items()):
+                continue
+            est = _estimate(w, profiles, alloc, max_batch)
+            shift = max((profiles.costs.cost(s, d) for s, d in flows), default=0.0)
+            cands.append(_Candidate(est.total + shift, sum(flows.values()), alloc, flows, est, shift))
+        cands.sort(key=lambda c: (c.bound, c.moved, c.alloc))
+        best = stay = None  # stay: the best candidate that moves no device holding a role
+        for c in cands:
+            if best is not None and stay is not None and c.bound > max(best.total, stay.total):
+                break
+            if not self._pick(c, now, current, busy, pinned, unassigned, w, profiles.costs):
+                continue
+            if best is None or c.key() < best.key():
+                best = c
+            if not any(s is not None for s, _ in c.flows) and (stay is None or c.key() < stay.key()):
+                stay = c
+        if best is None or stay is None:  # cannot happen: keeping every role is always feasible
+            raise AssertionError("planner: no feasible allocation")
+        alt = best if best is not stay else None
+        if alt is None:  # the best alternative, to say in the log what keeping saved
+            for c in sorted(cands, key=lambda c: (c.est.total, c.bound, c.moved, c.alloc)):
+                if any(s is not None for s, _ in c.flows) and (
+                    c.moves or self._pick(c, now, current, busy, pinned, unassigned, w, profiles.costs)
+                ):
+                    alt = c
+                    break
+        chosen, reason = self._choose(alt, stay, w)
+        targets = {d: r for d, r in current.items() if r is not None}
+        for d, _, dst in chosen.moves:
+            targets[d] = dst
+        decision = Decision(now, targets, chosen.moves, reason, stay.est, chosen.est, chosen.overhead)
+        if chosen.moves:
+            for d, src, _ in chosen.moves:
+                self._left[d] = (now, src)
+            self.log.append(decision)
+        return decision
+
+    def _choose(self, alt: _Candidate | None, stay: _Candidate, w: _Work) -> tuple[_Candidate, str]:
+        """Move to ``alt`` (the best allocation that moves a device holding a role) only if
+        it beats keeping ``stay`` by its overhead plus the margin; say why either way."""
+        why = _situation(stay.est, w)
+        base = stay.total
+        if alt is None:
+            return stay, f"{why}: keep {fmt_alloc(stay.alloc)}, est {_s(base)}; no device can move"
+        gain = base - alt.est.total
+        margin = max(self.hysteresis * base, self.min_gain_s) if base < INF else 0.0
+        if alt.total < INF and (base == INF or gain > alt.overhead + margin):
+            return alt, (
+                f"{why}: est {_s(base)} -> {_s(alt.est.total)} with {_delta(stay.alloc, alt.alloc)}; "
+                f"gain {_s(gain)} > cost {_s(alt.overhead)} + margin {_s(margin)}"
+            )
+        return stay, (
+            f"{why}: keep {fmt_alloc(stay.alloc)}, est {_s(base)}; best move {fmt_alloc(alt.alloc)} "
+            f"est {_s(alt.est.total)}, gain {_s(gain)} <= cost {_s(alt.overhead)} + margin {_s(margin)}"
+        )
+
+    def _pick(
+        self,
+        c: _Candidate,
+        now: float,
+        current: dict[int, Role | None],
+        busy: dict[int, int],
+        pinned: set[int],
+        unassigned: list[int],
+        w: _Work,
+        costs: ShiftCosts,
+    ) -> bool:
+        """Which devices make the candidate's moves: the least loaded, so the fewest
+        sequences migrate, and none that would go back to a role it left within
+        the cooldown. Fills in the moves and the overhead; False if impossible."""
+        moves: list[Move] = []
+        migrate = 0.0
+        fresh = iter(unassigned)
+        for (src, dst), k in c.flows.items():
+            if src is None:
+                moves += [(next(fresh), None, dst) for _ in range(k)]
+        for src in ROLES:
+            slots = {dst: k for (s, dst), k in c.flows.items() if s is src}
+            if not slots:
+                continue
+            order = sorted(
+                (d for d, r in current.items() if r is src and d not in pinned), key=lambda d: (busy.get(d, 0), d)
+            )
+            chosen = _take(order, slots, lambda d: self._barred(d, now))
+            if chosen is None:
+                return False
+            context = {Role.ROLLOUT: w.gen_context, Role.GENRM: w.judge_context}.get(src, 0.0)
+            for d, dst in chosen:
+                moves.append((d, src, dst))
+                migrate += costs.migration_cost(busy.get(d, 0) * context)
+        c.moves = sorted(moves, key=lambda m: m[0])
+        c.overhead = c.shift + migrate
+        c.total = c.est.total + c.overhead
+        return True
+
+    def _barred(self, device: int, now: float) -> Role | None:
+        """The role ``device`` may not go back to yet (anti-flapping), if any."""
+        when, left = self._left.get(device, (-INF, None))
+        return left if now - when < self.cooldown_s else None
+
+
+def _take(
+    order: list[int], slots: dict[Role, int], barred: Callable[[int], Role | None]
+) -> list[tuple[int, Role]] | None:
+    """The cheapest devices (in ``order``) to fill ``slots`` (destination -> count), where a
+    device may not go to its barred role. Greedy is optimal here: the constraints only cap
+    how many devices barred from each destination may be taken (a partition matroid)."""
+    total = sum(slots.values())
+    chosen: list[int] = []
+    capped = Counter[Role]()
+    for d in order:
+        if len(chosen) == total:
+            break
+        bar = barred(d)
+        if bar in slots:
+            if capped[bar] + 1 > total - slots[bar]:
+                continue
+            capped[bar] += 1
+        chosen.append(d)
+    if len(chosen) < total:
+        return None
+    left = dict(slots)
+    out: list[tuple[int, Role]] = []
+    flexible = []
+    for d in chosen:
+        bar = barred(d)
+        if bar in slots:  # with two destinations, the other one; with one, never taken
+            dst = next(r for r in slots if r is not bar)
+            left[dst] -= 1
+            out.append((d, dst))
+        else:
+            flexible.append(d)
+    for d in flexible:
+        dst = next(r for r in slots if left[r] > 0)
+        left[dst] -= 1
+        out.append((d, dst))
+    return out
+
+
+def _situation(est: Estimate, w: _Work) -> str:
+    """What the current allocation waits on, for the decision log."""
+    if w.seqs and est.tail:
+        return f"rollout tail: {w.seqs} seqs, longest ~{w.longest:.0f} tokens left"
+    if w.seqs:
+        return f"rollout: {w.seqs} seqs, ~{w.tokens:.0f} tokens left"
+    if w.judge_items:
+        return f"judge backlog: {w.judge_items} judgments"
+    if w.groups:
+        return f"train: {w.groups} groups left"
+    return "idle"
+
+
+def _delta(before: Alloc, after: Alloc) -> str:
+    parts = [f"{r.value}{b - a:+d}" for r, a, b in zip(ROLES, before, after, strict=True) if b != a]
+    return " ".join(parts)

@@ -1,0 +1,396 @@
+"""The planner: its measurements, its model of the step, and its decisions, case by case."""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import pytest
+
+from pivotrl.control.messages import Role
+from pivotrl.control.planner import (
+    Estimate,
+    LengthModel,
+    Planner,
+    Profiles,
+    RoleProfile,
+    ShiftCosts,
+    Workload,
+    estimate,
+    fmt_alloc,
+    initial_split,
+)
+
+R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+MAX_BATCH = 32
+
+
+def profiles(shift: float = 0.05, prior_mean: float = 1000.0, prior_max: float = 2048.0) -> Profiles:
+    """Rollout and judge: 20 tok/s per sequence, 400 tok/s per device; train: 1000 tok/s.
+    Lengths: the prior only (memoryless, mean ``prior_mean``)."""
+    return Profiles(
+        rollout=RoleProfile(device_rate=400, seq_rate=20),
+        judge=RoleProfile(device_rate=400, seq_rate=20),
+        train=RoleProfile(device_rate=1000, seq_rate=50),
+        lengths=LengthModel(prior_mean=prior_mean, prior_max=prior_max),
+        costs=ShiftCosts(prior=shift),
+    )
+
+
+def alloc(r: int, g: int, t: int) -> dict[Role, int]:
+    return {R: r, G: g, T: t}
+
+
+def roles(spec: str) -> dict[int, Role | None]:
+    """``"rrgt"`` -> {0: rollout, 1: rollout, 2: genrm, 3: train}; ``-`` is no role yet."""
+    table = {"r": R, "g": G, "t": T, "-": None}
+    return {i: table[c] for i, c in enumerate(spec)}
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+TAIL = Workload(rollout_remaining=[600, 700], judge_queued=600, judge_future=2, judge_tokens_mean=100)
+JUDGE_BURST = Workload(judge_queued=400, judge_tokens_mean=100, train_groups_left=8, train_tokens_per_group=500)
+REWARDS_IN = Workload(train_groups_left=16, train_tokens_per_group=2000, step_seconds=1.0)
+EARLY = Workload(
+    rollout_remaining=[0] * 64,
+    judge_future=64,
+    judge_tokens_mean=50,
+    train_groups_left=8,
+    train_tokens_per_group=800,
+    step_seconds=0.5,
+)
+
+
+# -- LengthModel ------------------------------------------------------------------------------
+
+
+def lengths(*observed: int, min_samples: int = 4, window: int = 4096, **prior: float) -> LengthModel:
+    lm = LengthModel(min_samples=min_samples, window=window, **prior)
+    for n in observed:
+        lm.observe(n)
+    return lm
+
+
+EXPECTED_REMAINING = [
+    # lengths seen: 10, 20, 30, 40
+    pytest.param(0, 25.0, id="nothing-yet:the-mean"),
+    pytest.param(10, 20.0, id="past-10:(20+30+40)/3-10"),
+    pytest.param(15, 15.0, id="between:(20+30+40)/3-15"),
+    pytest.param(35, 5.0, id="only-the-longest-left:40-35"),
+    pytest.param(40, 1.0, id="at-the-longest:floor"),
+    pytest.param(500, 1.0, id="past-every-length:floor"),
+]
+
+
+@pytest.mark.parametrize(("t", "expected"), EXPECTED_REMAINING)
+def test_expected_remaining_is_the_mean_excess_of_the_lengths_seen(t, expected):
+    assert lengths(10, 20, 30, 40).expected_remaining(t) == pytest.approx(expected)
+
+
+PRIOR = [
+    pytest.param(0, 100.0, 300.0, id="fresh:prior-mean"),
+    pytest.param(150, 100.0, 150.0, id="memoryless:still-prior-mean"),
+    pytest.param(250, 50.0, 50.0, id="near-the-limit:what-the-limit-leaves"),
+    pytest.param(400, 1.0, 1.0, id="past-the-limit:floor"),
+]
+
+
+@pytest.mark.parametrize(("t", "expected", "most"), PRIOR)
+def test_too_few_lengths_fall_back_to_the_prior(t, expected, most):
+    lm = lengths(10, 20, 30, prior_mean=100.0, prior_max=300.0)  # 3 < min_samples
+    assert lm.expected_remaining(t) == pytest.approx(expected)
+    assert lm.max_remaining(t) == pytest.approx(most)
+    assert lm.mean == 100.0
+
+
+def test_max_remaining_runs_to_the_longest_length_seen():
+    lm = lengths(10, 20, 30, 40)
+    assert [lm.max_remaining(t) for t in (0, 15, 40, 90)] == [40.0, 25.0, 1.0, 1.0]
+    assert lm.mean == 25.0
+
+
+def test_length_window_keeps_the_most_recent():
+    lm = lengths(1000, 10, 20, 30, 40, window=4)  # 1000 falls out
+    assert lm.samples == 4
+    assert lm.expected_remaining(0) == pytest.approx(25.0)
+    assert lm.max_remaining(0) == 40.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"prior_mean": 0}, id="prior_mean"),
+        pytest.param({"floor": -1}, id="floor"),
+        pytest.param({"min_samples": 8, "window": 4}, id="window-below-min_samples"),
+    ],
+)
+def test_length_model_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        LengthModel(**kwargs)
+
+
+# -- RoleProfile --------------------------------------------------------------------------------
+
+OBSERVE = [
+    # device_rate=100, seq_rate=10, alpha=0.5; one slice (tokens, seconds, batch) -> (device_rate, seq_rate)
+    pytest.param((60, 1.0, 4), (100.0, 12.5), id="unsaturated:learns-seq-rate"),
+    pytest.param((80, 1.0, 16), (90.0, 10.0), id="saturated:learns-device-rate"),
+    pytest.param((300, 1.0, 16), (200.0, 14.375), id="saturated-but-faster-seqs:both"),
+    pytest.param((130, 1.0, 2), (115.0, 37.5), id="unsaturated-but-above-device-rate:both"),
+    pytest.param((0, 1.0, 4), (100.0, 10.0), id="no-tokens:skipped"),
+]
+
+
+@pytest.mark.parametrize(("slice_", "after"), OBSERVE)
+def test_role_profile_updates_the_term_that_binds(slice_, after):
+    p = RoleProfile(device_rate=100, seq_rate=10, alpha=0.5)
+    p.observe(*slice_)
+    assert (p.device_rate, p.seq_rate) == pytest.approx(after)
+
+
+def test_role_profile_is_an_ewma():
+    p = RoleProfile(device_rate=100, seq_rate=10, alpha=0.5)
+    for _ in range(20):
+        p.observe(8, 1.0, 1)  # a sequence alone goes at 8 tok/s
+    assert p.seq_rate == pytest.approx(8.0, abs=1e-4)
+    assert p.samples == 20
+
+
+@pytest.mark.parametrize(("batch", "rate"), [(0, 0.0), (0.5, 5.0), (4, 40.0), (10, 100.0), (64, 100.0)])
+def test_role_profile_rate_is_a_roofline(batch, rate):
+    assert RoleProfile(device_rate=100, seq_rate=10).rate(batch) == rate
+
+
+@pytest.mark.parametrize("slice_", [pytest.param((10, 0.0, 1), id="seconds"), pytest.param((10, 1.0, 0), id="batch")])
+def test_role_profile_rejects_bad_measurements(slice_):
+    with pytest.raises(ValueError):
+        RoleProfile(device_rate=100, seq_rate=10).observe(*slice_)
+
+
+# -- ShiftCosts -----------------------------------------------------------------------------------
+
+
+def test_shift_costs_are_measured_means_with_a_prior():
+    c = ShiftCosts(prior=0.05, prefill_rate=1000)
+    c.observe(R, G, 0.2)
+    c.observe(R, G, 0.4)
+    c.observe(None, T, 1.0)
+    assert c.cost(R, G) == pytest.approx(0.3)
+    assert c.cost(G, R) == 0.05  # never measured: the prior
+    assert c.cost(None, T) == 1.0
+    assert c.cost(T, T) == 0.0
+    assert c.migration_cost(2500) == pytest.approx(2.5)
+
+
+# -- estimate ---------------------------------------------------------------------------------------
+
+
+def test_estimate_of_the_tail_by_hand():
+    # 2 sequences, ~1000 tokens left each at 20 tok/s: rollout ends at 50 s whatever the devices.
+    # 602 judgments x 100 tokens = 60200 tokens. One judge device (400 tok/s) does 20000 by 50 s;
+    # then the 3 rollout devices join: 4 x min(32 x 20, 400) = 1600 tok/s for 40200 -> 25.125 s.
+    e = estimate(TAIL, profiles(), alloc(3, 1, 0), MAX_BATCH)
+    assert (e.rollout_end, e.judge_end, e.backward_end, e.total) == pytest.approx((50.0, 75.125, 0.0, 75.125))
+    assert e.tail and e.seqs == 2
+    assert e.worst_rollout_end == pytest.approx((2048 - 600) / 20)
+
+
+def test_tail_bound_dominates_with_few_sequences():
+    few = Workload(rollout_remaining=[0, 0], judge_future=2)
+    many = Workload(rollout_remaining=[0] * 200, judge_future=200)
+    for n in (1, 2, 4, 8):
+        e = estimate(few, profiles(), alloc(n, 1, 0), MAX_BATCH)
+        assert e.tail and e.rollout_end == pytest.approx(1000 / 20)  # one sequence's speed, however many devices
+    e = estimate(many, profiles(), alloc(2, 1, 0), MAX_BATCH)
+    assert not e.tail and e.rollout_end == pytest.approx(200 * 1000 / (2 * 400))
+
+
+PHASE = {R: "rollout_end", G: "judge_end", T: "backward_end"}
+
+
+@pytest.mark.parametrize(
+    "workload", [TAIL, JUDGE_BURST, REWARDS_IN, EARLY], ids=["tail", "burst", "rewards-in", "early"]
+)
+@pytest.mark.parametrize("role", [R, G, T], ids=lambda r: r.value)
+def test_more_devices_never_slow_a_phase(workload, role):
+    ends = []
+    for n in range(1, 9):
+        counts = {R: 2, G: 2, T: 2, role: n}
+        ends.append(getattr(estimate(workload, profiles(), counts, MAX_BATCH), PHASE[role]))
+    assert all(b <= a + 1e-9 for a, b in pairwise(ends)), ends
+
+
+NEVER = [
+    pytest.param(EARLY, alloc(0, 2, 2), "rollout_end", id="rollout-work-no-rollout-device"),
+    pytest.param(JUDGE_BURST, alloc(4, 0, 0), "judge_end", id="judge-work-only-idle-rollout-devices"),
+    pytest.param(REWARDS_IN, alloc(2, 2, 0), "backward_end", id="train-work-no-train-device"),
+]
+
+
+@pytest.mark.parametrize(("workload", "counts", "phase"), NEVER)
+def test_a_role_with_work_and_no_device_never_ends(workload, counts, phase):
+    e = estimate(workload, profiles(), counts, MAX_BATCH)
+    assert getattr(e, phase) == math.inf and e.total == math.inf
+
+
+def test_devices_of_a_phase_ending_later_join_the_next_one():
+    e = estimate(EARLY, profiles(), alloc(4, 0, 0), MAX_BATCH)  # judge and train get the rollout devices
+    assert e.rollout_end < e.judge_end < e.backward_end < e.total < math.inf
+
+
+# -- decisions --------------------------------------------------------------------------------------
+
+DECISIONS = [
+    # current roles, busy, pinned, workload, shift cost, expected role counts after (None: unchanged)
+    pytest.param("rrrr", {}, set(), TAIL, 0.05, (1, 3, 0), id="long-rollout-tail-idle-judge:shift-to-judge"),
+    pytest.param("rrrr", {}, set(), TAIL, 1000.0, None, id="shift-cost-above-gain:no-shift"),
+    pytest.param("rrgt", {}, set(), JUDGE_BURST, 0.05, (0, 4, 0), id="judge-burst:more-judge-devices"),
+    pytest.param("rrgt", {}, set(), REWARDS_IN, 0.05, (0, 0, 4), id="all-rewards-in:train"),
+    pytest.param("rrgt", {}, {2}, REWARDS_IN, 0.05, (0, 1, 3), id="all-rewards-in:pinned-judge-stays"),
+    pytest.param("rrgt", {}, set(), EARLY, 0.05, (4, 0, 0), id="step-start:all-roll-out-then-hand-on"),
+    pytest.param("----", {}, set(), EARLY, 0.05, (4, 0, 0), id="fresh-devices:get-a-role"),
+    pytest.param("rgt", {}, set(), Workload(), 0.05, None, id="nothing-left:no-shift"),
+]
+
+
+@pytest.mark.parametrize(("spec", "busy", "pinned", "workload", "shift", "after"), DECISIONS)
+def test_planner_decisions(spec, busy, pinned, workload, shift, after):
+    current = roles(spec)
+    planner = Planner(len(current))
+    d = planner.plan(0.0, current, busy, pinned, workload, profiles(shift), MAX_BATCH)
+    counts = tuple(sum(1 for r in d.targets.values() if r is role) for role in (R, G, T))
+    if after is None:
+        assert d.moves == [] and d.targets == current and planner.log == []
+    else:
+        assert counts == after, d.reason
+        assert planner.log == [d]
+    assert {dev for dev, _, _ in d.moves}.isdisjoint(pinned)
+    for dev, src, dst in d.moves:
+        assert current[dev] is src and d.targets[dev] is dst and src is not dst
+
+
+WHICH = [
+    # busy per device (all rollout, TAIL moves 3 of 4 to genrm), pinned, devices expected to move
+    pytest.param({0: 1, 2: 1}, set(), {1, 3, 0}, id="idle-first-then-lowest-id"),
+    pytest.param({0: 5, 1: 2, 2: 3, 3: 4}, set(), {1, 2, 3}, id="least-loaded"),
+    pytest.param({0: 5, 1: 2, 2: 3, 3: 4}, {1}, {2, 3, 0}, id="pinned-never-moves"),
+    pytest.param({}, {0, 1, 2}, {3}, id="only-unpinned-can-move"),
+]
+
+
+@pytest.mark.parametrize(("busy", "pinned", "moved"), WHICH)
+def test_planner_moves_the_cheapest_devices(busy, pinned, moved):
+    d = Planner(4).plan(0.0, roles("rrrr"), busy, pinned, TAIL, profiles(), MAX_BATCH)
+    assert {dev for dev, _, _ in d.moves} == moved, d.reason
+
+
+def test_migrations_count_in_the_overhead():
+    # the rollout context is prompt + mean tokens so far (650); 5000 tok/s re-prefill
+    idle = Planner(4).plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
+    busy = Planner(4).plan(0.0, roles("rrrr"), {0: 4, 1: 4, 2: 4, 3: 4}, set(), TAIL, profiles(), MAX_BATCH)
+    assert idle.overhead == pytest.approx(0.05)
+    assert busy.overhead == pytest.approx(0.05 + len(busy.moves) * 4 * 650 / 5000)
+
+
+def test_reason_carries_the_numbers():
+    d = Planner(4).plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
+    assert d.before is not None and d.after is not None
+    assert d.reason.startswith("rollout tail: 2 seqs")
+    for number in (d.before.total, d.after.total, d.before.total - d.after.total, d.overhead):
+        assert f"{number:.2f}s" in d.reason, d.reason
+    assert "rollout-3 genrm+3" in d.reason
+    kept = Planner(4).plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(1000.0), MAX_BATCH)
+    assert "keep r4 g0 t0" in kept.reason and f"{kept.before.total:.2f}s" in kept.reason
+    assert "best move r1 g3 t0" in kept.reason
+
+
+def test_hysteresis_keeps_small_gains():
+    # EARLY from rrgt: idle judge and train devices to rollout gain 35% (83.8 s -> 54.6 s)
+    eager = Planner(4, hysteresis=0.2).plan(0.0, roles("rrgt"), {}, set(), EARLY, profiles(), MAX_BATCH)
+    calm = Planner(4, hysteresis=0.5).plan(0.0, roles("rrgt"), {}, set(), EARLY, profiles(), MAX_BATCH)
+    assert eager.moves and not calm.moves
+    assert "margin" in calm.reason
+
+
+def test_cooldown_bars_moving_back_but_not_on():
+    p = Planner(4, cooldown_s=2.0)
+    d = p.plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
+    current = dict(d.targets)  # r1 g3 t0
+    back = p.plan(0.5, current, {}, set(), EARLY, profiles(), MAX_BATCH)  # wants rollout devices again
+    assert back.moves == []  # the genrm devices just left rollout
+    on = p.plan(0.6, dict(back.targets), {}, set(), REWARDS_IN, profiles(), MAX_BATCH)
+    assert {dst for _, _, dst in on.moves} == {T} and len(on.moves) >= 3  # the judge devices may go on to train
+    later = Planner(4, cooldown_s=2.0)
+    later.plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
+    again = later.plan(3.0, current, {}, set(), EARLY, profiles(), MAX_BATCH)
+    assert any(src is G and dst is R for _, src, dst in again.moves)  # the cooldown has passed
+
+
+def test_oscillating_demand_does_not_flap():
+    rollout_heavy = Workload(rollout_remaining=[0] * 64, judge_queued=2, judge_future=64, judge_tokens_mean=50)
+    judge_heavy = Workload(rollout_remaining=[500], judge_queued=200, judge_future=1, judge_tokens_mean=50)
+
+    def moves(planner: Planner) -> int:
+        current, total = roles("rrgt"), 0
+        for i in range(40):  # demand flips every 0.1 s for 4 s
+            workload = rollout_heavy if i % 2 == 0 else judge_heavy
+            d = planner.plan(i * 0.1, current, {}, set(), workload, profiles(prior_mean=200), MAX_BATCH)
+            current, total = dict(d.targets), total + len(d.moves)
+        return total
+
+    flappy = moves(Planner(4, hysteresis=0.0, min_gain_s=0.0, cooldown_s=0.0))
+    damped = moves(Planner(4))
+    assert flappy >= 40  # moves back and forth on every call
+    assert damped <= 4 * 3  # at most each device once per cooldown window (2 s)
+    assert damped * 4 <= flappy
+
+
+def test_log_keeps_only_decisions_that_move():
+    p = Planner(4)
+    d1 = p.plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
+    d2 = p.plan(0.1, dict(d1.targets), {}, set(), TAIL, profiles(), MAX_BATCH)
+    assert d1.moves and not d2.moves
+    assert p.log == [d1]
+
+
+# -- initial split ---------------------------------------------------------------------------------
+
+SPLITS = [
+    pytest.param(EARLY, 4, (4, 0, 0), id="step-start:everyone-rolls-out-then-hands-on"),
+    pytest.param(JUDGE_BURST, 4, (0, 4, 0), id="judge-burst:all-judge-then-train"),
+    pytest.param(REWARDS_IN, 4, (0, 0, 4), id="train-only"),
+    pytest.param(EARLY, 1, (1, 0, 0), id="one-device"),
+]
+
+
+@pytest.mark.parametrize(("workload", "devices", "expected"), SPLITS)
+def test_initial_split(workload, devices, expected):
+    split = initial_split(workload, profiles(), devices, MAX_BATCH)
+    assert (split[R], split[G], split[T]) == expected
+    assert sum(split.values()) == devices
+
+
+# -- validation ----------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="devices"):
+        Planner(0)
+    with pytest.raises(ValueError, match="hysteresis"):
+        Planner(2, hysteresis=-0.1)
+    with pytest.raises(ValueError, match="current"):
+        Planner(3).plan(0.0, roles("rr"), {}, set(), TAIL, profiles(), MAX_BATCH)
+    with pytest.raises(ValueError, match="pinned"):
+        Planner(2).plan(0.0, roles("rr"), {}, {5}, TAIL, profiles(), MAX_BATCH)
+    with pytest.raises(ValueError, match="judge_queued"):
+        Workload(judge_queued=-1)
+    with pytest.raises(ValueError, match="rollout_remaining"):
+        Workload(rollout_remaining=[3, -1])
+
+
+def test_estimate_describes_itself():
+    e = estimate(TAIL, profiles(), alloc(3, 1, 0), MAX_BATCH)
+    assert isinstance(e, Estimate) and e.count(G) == 1
+    assert e.describe().startswith("r3 g1 t0: rollout 50.00s judge 75.12s")
+    assert fmt_alloc(alloc(2, 1, 1)) == "r2 g1 t1"
