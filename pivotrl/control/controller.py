@@ -44,7 +44,9 @@ from pivotrl.control.messages import (
     TrainShard,
 )
 from pivotrl.control.modes import AllocationPolicy, Demand
+from pivotrl.control.planner import Workload
 from pivotrl.control.scheduler import Scheduler
+from pivotrl.control.shiftable import PlanView
 from pivotrl.reward.genrm import GenRM, JudgeStats
 from pivotrl.sample import Sample, Status
 from pivotrl.task.arithmetic import Problem
@@ -137,6 +139,12 @@ class Controller:
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
         self.shift_log: list[ShiftDone] = []
         self.tokens_so_far: dict[int, int] = {}  # uid -> response tokens generated, for running sequences
+        self.measured = {  # running means (priors until measured)
+            "judge_tokens": float(spec.judge.max_new_tokens) / 2,
+            "response_tokens": float(spec.rollout.max_new_tokens) / 2,
+            "prompt_tokens": 16.0,
+            "step_seconds": 0.1,
+        }
         self.done = False
         self.top_reward = max(genrm.rewards.values())
 
@@ -147,6 +155,9 @@ class Controller:
         return self.pump()
 
     def handle(self, event: Event) -> list[Command]:
+        previous = self.devices[event.device].role if isinstance(event, ShiftDone) else None
+        self.policy.observe(event, previous)
+        self._measure(event)
         if isinstance(event, ShiftDone):
             self._on_shift(event)
         elif isinstance(event, Generated):
@@ -196,7 +207,47 @@ class Controller:
         judge = len(s.judge_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.GENRM)
         unjudged = 0 if self.step is None else len(self.step.samples) - self.step.judged
         loads = tuple(s.load(d.id) for d in self.devices)
-        return Demand(gen, max(judge, unjudged if gen == 0 else 0), self.train_ready, self.training, loads)
+        view = self._plan_view() if self.policy.wants_view else None
+        return Demand(gen, max(judge, unjudged if gen == 0 else 0), self.train_ready, self.training, loads, view)
+
+    def _plan_view(self) -> PlanView:
+        pinned = frozenset(
+            d.id for d in self.devices if d.shifting or d.training or d.accumulating or d.grads or d.aborting
+        )
+        return PlanView(self.clock(), tuple(d.role for d in self.devices), pinned, self.workload())
+
+    def workload(self) -> Workload:
+        """What is left in the step, in the planner's terms."""
+        s = self.scheduler
+        running = [uid for d in self.devices if d.role is Role.ROLLOUT for uid in s.inflight.get(d.id, ())]
+        gen_uids = [r.uid for r in s.gen_queue] + running
+        judge_running = sum(s.load(d.id) for d in self.devices if d.role is Role.GENRM)
+        step, g = self.step, self.spec.group_size
+        groups_left = 0 if step is None else len(step.samples) // g - step.accumulated
+        return Workload(
+            rollout_remaining=[self.tokens_so_far.get(uid, 0) for uid in gen_uids],
+            judge_queued=len(s.judge_queue) + judge_running,
+            judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
+            judge_tokens_mean=self.measured["judge_tokens"],
+            train_groups_left=groups_left,
+            train_tokens_per_group=self.measured["response_tokens"] * g,
+            step_seconds=self.measured["step_seconds"],
+            prompt_tokens_mean=self.measured["prompt_tokens"],
+        )
+
+    def _measure(self, event: Event) -> None:
+        """Running means the planner's workload is expressed in."""
+        m, a = self.measured, 0.2
+        if isinstance(event, Judged) and event.results:
+            mean = sum(r.tokens for r in event.results) / len(event.results)
+            m["judge_tokens"] += a * (mean - m["judge_tokens"])
+        elif isinstance(event, Generated) and event.results:
+            mean = sum(len(r.output_ids) for r in event.results) / len(event.results)
+            m["response_tokens"] += a * (mean - m["response_tokens"])
+            prompt = sum(len(r.prompt_ids) for r in event.results) / len(event.results)
+            m["prompt_tokens"] += a * (prompt - m["prompt_tokens"])
+        elif isinstance(event, Trained):
+            m["step_seconds"] += a * (event.seconds - m["step_seconds"])
 
     def _ready(self, role: Role) -> list[int]:
         return [
@@ -320,6 +371,8 @@ class Controller:
         if self.step is None or self.training:
             return []
         train_devs = self.policy.train_devices()
+        if not train_devs:
+            return []
         groups = len(self.step.samples) // self.spec.group_size
         quota = -(-groups // len(train_devs))  # groups per device, so the backward spreads evenly
         cmds: list[Command] = []

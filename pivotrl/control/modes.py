@@ -10,7 +10,7 @@ loudly with the list of known ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pivotrl.control.messages import Role
 
@@ -24,19 +24,32 @@ class Demand:
     train_ready: bool  # every reward of the step is in and the update has not started
     training: bool  # the update is running
     loads: tuple[int, ...] = ()  # requests in flight per device
+    view: Any = None  # the controller's PlanView, for policies that plan (shiftable)
 
 
 class AllocationPolicy(Protocol):
     name: str
     devices: int
     preempt: bool  # may a device leave a role with requests in flight (they migrate)?
+    wants_view: bool  # does targets() need demand.view (the controller builds it only then)?
+
+    def observe(self, event: Any, previous_role: Role | None) -> None: ...
 
     def targets(self, demand: Demand) -> dict[int, Role]: ...
 
     def train_devices(self) -> tuple[int, ...]: ...
 
 
-class Colocated:
+class StaticPolicy:
+    """Policies that ignore live measurements."""
+
+    wants_view = False
+
+    def observe(self, event: object, previous_role: Role | None) -> None:
+        pass
+
+
+class Colocated(StaticPolicy):
     """Every device takes every role, phase after phase: all generate, then all
     judge, then all train."""
 
@@ -72,7 +85,7 @@ def default_split(devices: int) -> dict[Role, int]:
     return {Role.ROLLOUT: devices - 1 - genrm, Role.GENRM: genrm, Role.TRAIN: 1}
 
 
-class Disaggregated:
+class Disaggregated(StaticPolicy):
     """A static split: each device keeps one role for the whole job."""
 
     name = "disaggregated"
@@ -100,7 +113,14 @@ class Disaggregated:
         return tuple(d for d, r in self.roles.items() if r is Role.TRAIN)
 
 
-def make_policy(mode: str, devices: int, split: dict[str, int] | None = None) -> AllocationPolicy:
+def make_policy(
+    mode: str,
+    devices: int,
+    split: dict[str, int] | None = None,
+    max_batch: int = 64,
+    rollout_tokens: int = 64,
+    judge_tokens: int = 64,
+) -> AllocationPolicy:
     """The allocation policy registered under ``mode``."""
     if mode == "colocated":
         if split:
@@ -108,5 +128,11 @@ def make_policy(mode: str, devices: int, split: dict[str, int] | None = None) ->
         return Colocated(devices)
     if mode == "disaggregated":
         return Disaggregated(devices, {Role(k): v for k, v in split.items()} if split else None)
-    known = ", ".join(("colocated", "disaggregated"))
+    if mode == "shiftable":
+        if split:
+            raise ValueError("split: only used with mode=disaggregated")
+        from pivotrl.control.shiftable import Shiftable
+
+        return Shiftable(devices, max_batch, rollout_tokens, judge_tokens)
+    known = ", ".join(("colocated", "disaggregated", "shiftable"))
     raise ValueError(f"mode: {mode!r} is not available (known: {known})")

@@ -83,7 +83,14 @@ def run_job(
         raise ValueError(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) exceeds the {len(train_set)} train problems"
         )
-    policy = policy or make_policy(cfg.mode, cfg.devices, parse_split(cfg.split))
+    policy = policy or make_policy(
+        cfg.mode,
+        cfg.devices,
+        parse_split(cfg.split),
+        cfg.rollout.max_batch,
+        cfg.rollout.max_new_tokens,
+        cfg.judge.max_new_tokens,
+    )
     origin = time.time()
     if in_process is None:
         in_process = cfg.devices == 1 and ray_address is None

@@ -64,3 +64,15 @@ def test_same_seed_same_samples(tiny_checkpoints, tmp_path):
 def test_sequence_seeds_are_distinct_per_step_and_sample():
     seeds = {sequence_seed(0, step, uid) for step in range(20) for uid in range(256)}
     assert len(seeds) == 20 * 256
+
+
+def test_shiftable_mode_runs_and_keeps_the_samples_of_colocated(tiny_checkpoints, tmp_path):
+    """The planner decides where work runs, never what is sampled."""
+    plain = run_job(small_job(tiny_checkpoints, "steps=2"), tmp_path / "colocated", progress=False)
+    planned = run_job(small_job(tiny_checkpoints, "steps=2", "mode=shiftable"), tmp_path / "shiftable", progress=False)
+    assert planned["mode"] == "shiftable" and planned["shifts"] > 0
+    a = [json.loads(x) for x in (tmp_path / "colocated/metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "shiftable/metrics.jsonl").read_text().splitlines()]
+    for x, y in zip(a, b, strict=True):
+        assert (x["reward_mean"], x["response_tokens"]) == (y["reward_mean"], y["response_tokens"])
+    assert planned["accuracy_end"] == plain["accuracy_end"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pivotrl.control.messages import Generate, Generated, GenParams, GenRequest, Role
+from pivotrl.control.modes import StaticPolicy
 from pivotrl.gps import LocalStore
 from pivotrl.model import char_tokenizer
 from pivotrl.runtime.contexts import ContextSpec, publish_checkpoint
@@ -90,7 +91,7 @@ def test_abort_twice_and_back(store):
     assert {u: r.output_ids for u, r in done.items()} == {u: r.output_ids for u, r in expected.items()}
 
 
-class LeaveMidRollout:
+class LeaveMidRollout(StaticPolicy):
     """Two devices generate; once some responses of a step are in and device 0 still has
     sequences in flight, device 0 leaves for the judge role, so they migrate to device 1.
     Device 0 trains."""
