@@ -103,6 +103,18 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pivotrl.control.plan_cli import format_report, plan_report
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.profile) if args.profile else None
+    if run_dir is not None and not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"--profile: {str(run_dir)!r} is not a run directory (no metrics.jsonl)")
+    report = plan_report(cfg, run_dir)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -121,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--force", action="store_true", help="rebuild even if up to date")
     pr.add_argument("--quiet", action="store_true")
     pr.set_defaults(func=cmd_prepare)
+    pl = sub.add_parser("plan", help="recommended start split and expected step timeline, without running")
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--profile", help="a finished run directory whose measured lengths and throughputs to use")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
     tl = sub.add_parser("timeline", help="redraw a run's timeline picture from its events.jsonl")
     tl.add_argument("run_dir")
     tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png)")

@@ -57,3 +57,16 @@ def test_real_process_exit_status_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "rollout.group_size: expected an integer >= 2, got 1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_plan_prints_a_start_split_and_timeline(capsys, tmp_path):
+    assert main(["plan", CONFIG, "devices=4"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended start split: rollout:" in out and "step" in out
+    assert main(["plan", CONFIG, "devices=4", "--json"]) == 0
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    assert sum(report["recommended"].values()) == 4 and report["estimates"]
+    assert main(["plan", CONFIG, "--profile", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
