@@ -13,13 +13,10 @@ import sys
 from pathlib import Path
 
 from pivotrl.config import ConfigError, JobConfig, load_config, parse_split
+from pivotrl.errors import UserError
 from pivotrl.log import logger, setup_logging
 
 USAGE_ERROR = 2
-
-
-class UserError(Exception):
-    """A mistake in what the user asked for; reported without a traceback."""
 
 
 def check_inputs(cfg: JobConfig) -> None:

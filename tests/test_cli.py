@@ -70,3 +70,11 @@ def test_plan_prints_a_start_split_and_timeline(capsys, tmp_path):
     assert sum(report["recommended"].values()) == 4 and report["estimates"]
     assert main(["plan", CONFIG, "--profile", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_unreachable_ray_address_is_a_user_error(capsys, tmp_path, tiny_checkpoints):
+    args = [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}", "devices=2"]
+    out = tmp_path / "run"
+    assert main(["train", CONFIG, *args, "--ray-address", "127.0.0.1:1", "--out", str(out)]) == 2
+    assert "--ray-address 127.0.0.1:1: nothing answers there" in capsys.readouterr().err
+    assert not out.exists()

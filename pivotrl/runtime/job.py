@@ -75,8 +75,6 @@ def run_job(
     """
     from tqdm import tqdm
 
-    writer = RunWriter(out)
-    writer.write_json("config.json", cfg.to_dict())
     train_set = read_jsonl(cfg.task.train_file)
     heldout = read_jsonl(cfg.task.heldout_file)[: cfg.eval.size]
     if cfg.rollout.prompts_per_step > len(train_set):
@@ -103,6 +101,8 @@ def run_job(
         store = LocalStore()
         spec = TrainSpec(cfg.train, cfg.rollout.temperature)
         driver = LocalDriver([Worker(d, store, context_spec(cfg), spec, origin) for d in range(cfg.devices)])
+    writer = RunWriter(out)  # only once the devices are up: a failed start leaves no half-written run
+    writer.write_json("config.json", cfg.to_dict())
     try:
         publish_initial(store, cfg)
         origin = time.time()  # the run clock starts once every device is up and the weights are in the GPS

@@ -16,6 +16,7 @@ from typing import Any
 
 from pivotrl.config import JobConfig
 from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate, Judge, Shift, Step
+from pivotrl.errors import UserError
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
 from pivotrl.runtime.contexts import ContextSpec
@@ -66,16 +67,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_reachable(address: str) -> None:
+    """Fail fast on a HOST:PORT nobody answers at: ray.init retries such an address for minutes."""
+    host, sep, port = address.rpartition(":")
+    if sep and port.isdigit():
+        try:
+            socket.create_connection((host.removeprefix("ray://"), int(port)), timeout=5).close()
+        except OSError as e:
+            raise UserError(f"--ray-address {address}: nothing answers there ({e.strerror or e})") from None
+
+
+def _join_cluster(address: str, kwargs: dict[str, Any]) -> None:
+    """Join an existing cluster. Clusters started with ``ray start`` use token auth by
+    default; a client finds the token in ~/.ray/auth_token (or RAY_AUTH_TOKEN) but only
+    uses it when RAY_AUTH_MODE=token, so set that when a token is there."""
+    import os
+    from pathlib import Path
+
+    import ray
+
+    has_token = "RAY_AUTH_TOKEN" in os.environ or (Path.home() / ".ray" / "auth_token").is_file()
+    if "RAY_AUTH_MODE" not in os.environ and has_token:
+        os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[-1][:300]
+        raise UserError(
+            f"--ray-address {address}: cannot join the Ray cluster ({reason}); start it with `ray start --head` "
+            "and, if it uses token auth, make its token available (~/.ray/auth_token or RAY_AUTH_TOKEN)"
+        ) from None
+
+
 class RayDriver:
     def __init__(self, cfg: JobConfig, spec: ContextSpec, origin: float, address: str | None = None) -> None:
         import ray
 
+        if address is not None:
+            check_reachable(address)
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False, "log_to_driver": True}
             if address is None:
-                kwargs.update(num_cpus=max(2, cfg.devices), _node_ip_address="127.0.0.1")
-            ray.init(address=address, **kwargs)
+                ray.init(num_cpus=max(2, cfg.devices), _node_ip_address="127.0.0.1", **kwargs)
+            else:
+                _join_cluster(address, kwargs)
         self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
         actor = ray.remote(DeviceActor).options(num_cpus=0)  # torch threads are set per worker; see Worker
         train = TrainSpec(cfg.train, cfg.rollout.temperature)
