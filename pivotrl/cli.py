@@ -55,18 +55,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         if latest.is_symlink() or not latest.exists():
             latest.unlink(missing_ok=True)
             latest.symlink_to(out.resolve(), target_is_directory=True)
-    keys = (
-        "mode",
-        "steps",
-        "samples_per_s",
-        "accuracy_start",
-        "accuracy_end",
-        "genrm_agreement",
-        "genrm_parse_failures",
-    )
-    print(json.dumps({k: summary[k] for k in keys}, indent=2))
-    print(f"run written to {out}")
+    print(format_summary(summary, out))
     return 0
+
+
+def format_summary(s: dict, out: Path) -> str:
+    """The few lines a person reads at the end of a run; the rest is in summary.json."""
+    shift = s["shift_seconds"]
+    return "\n".join(
+        [
+            f"{s['mode']} on {s['devices']} device(s), {s['steps']} steps",
+            f"held-out accuracy {s['accuracy_start']:.3f} -> {s['accuracy_end']:.3f} ({s['accuracy_gain']:+.3f}); "
+            f"judge agreement {s['genrm_agreement']:.4f}, {s['genrm_parse_failures']} unparsable verdicts",
+            f"{s['samples_per_s']:.0f} samples/s ({s['steady_samples_per_s']:.0f} after the first step); "
+            f"{s['shifts']} shifts (mean {shift['mean'] * 1000:.0f} ms, max {shift['max'] * 1000:.0f} ms), "
+            f"{s['migrations']} migrations",
+            f"timeline: {out / 'timeline.png'}   trace: {out / 'trace.json'} (open in Perfetto)",
+            f"run written to {out}",
+        ]
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

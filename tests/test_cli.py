@@ -78,3 +78,16 @@ def test_unreachable_ray_address_is_a_user_error(capsys, tmp_path, tiny_checkpoi
     assert main(["train", CONFIG, *args, "--ray-address", "127.0.0.1:1", "--out", str(out)]) == 2
     assert "--ray-address 127.0.0.1:1: nothing answers there" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_run_summary_lines_name_the_outputs():
+    from pivotrl.cli import format_summary
+
+    s = {"mode": "colocated", "devices": 1, "steps": 3, "accuracy_start": 0.59, "accuracy_end": 0.7,
+         "accuracy_gain": 0.11, "genrm_agreement": 0.999, "genrm_parse_failures": 2, "samples_per_s": 300.0,
+         "steady_samples_per_s": 320.0, "shifts": 9, "shift_seconds": {"mean": 0.012, "max": 0.03},
+         "migrations": 0}  # fmt: skip
+    text = format_summary(s, Path("runs/latest"))
+    assert "0.590 -> 0.700 (+0.110)" in text and "2 unparsable verdicts" in text
+    assert "9 shifts (mean 12 ms, max 30 ms), 0 migrations" in text
+    assert "runs/latest/timeline.png" in text and "runs/latest/trace.json" in text
