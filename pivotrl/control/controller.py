@@ -307,11 +307,11 @@ class Controller:
         self.devices[e.device].aborting = False
         for r in (*e.gen, *e.judge):
             self.scheduler.finished(e.device, r.uid)
-        gen = [r for r in e.gen if r.uid < EVAL_UID]
-        for r in gen:
+        moved = [r for r in (*e.gen, *e.judge) if r.uid < EVAL_UID]  # every sequence moved, either role
+        for r in moved:
             self.by_uid[r.uid].migrations += 1
         if self.step is not None:
-            self.step.migrations += len(gen)
+            self.step.migrations += len(moved)
         self.scheduler.submit_gen(list(e.gen), front=True)
         self.scheduler.submit_judge(list(e.judge), front=True)
 

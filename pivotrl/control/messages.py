@@ -63,6 +63,8 @@ class JudgeRequest:
     response: str
     seed: int
     params: GenParams
+    prompt_ids: tuple[int, ...] = ()  # set when a migrated judgment resumes: the rendered, encoded prompt ...
+    output_ids: tuple[int, ...] = ()  # ... and the judgment written so far
 
 
 @dataclass(slots=True, frozen=True)

@@ -64,7 +64,8 @@ class ContextSpec:
     policy_dtype: str = "float32"
     judge_dtype: str = "float32"
     max_batch: int = 64
-    max_len: int = 256
+    max_len: int = 256  # policy sequences: prompt + response tokens
+    judge_max_len: int = 512  # judge sequences: template + question + reference + response + judgment
     judge_template: str = "{response}"
 
 
@@ -79,7 +80,7 @@ class GenerationContext:
         snap = store.fetch(name, version)
         self.name, self.version, self.nbytes = name, version, snap.nbytes
         self.model, self.tokenizer = build_model(snap, torch.device(spec.device), dtype)
-        self.engine = Engine(self.model, spec.max_batch, spec.max_len)
+        self.engine = Engine(self.model, spec.max_batch, spec.max_len if name == POLICY else spec.judge_max_len)
 
     def refresh(self, store: ParameterStore, version: int) -> int:
         """Load another version of the same model in place (the engine must be idle)."""

@@ -48,7 +48,18 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
 
 
 def context_spec(cfg: JobConfig, device: str = "cpu") -> ContextSpec:
-    return ContextSpec(device, cfg.policy.dtype, cfg.judge.dtype, cfg.rollout.max_batch, 256, cfg.judge.template)
+    prompt_budget = 256  # tokens of a policy prompt; the judge's adds the template, question and reference
+    policy_len = prompt_budget + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    judge_len = 2 * prompt_budget + cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens
+    return ContextSpec(
+        device=device,
+        policy_dtype=cfg.policy.dtype,
+        judge_dtype=cfg.judge.dtype,
+        max_batch=cfg.rollout.max_batch,
+        max_len=policy_len,
+        judge_max_len=judge_len,
+        judge_template=cfg.judge.template,
+    )
 
 
 def publish_initial(store: ParameterStore, cfg: JobConfig) -> None:

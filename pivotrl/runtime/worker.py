@@ -9,7 +9,7 @@ soon as responses end and a shift command never waits long.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -130,14 +130,17 @@ class Worker:
         ctx = self._generation_ctx(Role.GENRM)
         stop = tuple(ctx.tokenizer.eos_token_ids)
         for r in cmd.requests:
-            text = self.spec.judge_template.format(question=r.question, reference=r.reference, response=r.response)
-            ids = ctx.tokenizer.encode(text)
-            ctx.engine.ensure_capacity(len(ids) + r.params.max_new_tokens) if not ctx.engine.has_work else None
-            ctx.engine.add(SeqState(r.uid, ids, r.seed, _sampling(r.params, stop)))
-            self.pending[r.uid] = _Pending(0, r)
+            ids = list(r.prompt_ids)
+            if not ids:
+                text = self.spec.judge_template.format(question=r.question, reference=r.reference, response=r.response)
+                ids = ctx.tokenizer.encode(text)
+            if not ctx.engine.has_work:
+                ctx.engine.ensure_capacity(len(ids) + r.params.max_new_tokens)
+            ctx.engine.add(SeqState(r.uid, ids, r.seed, _sampling(r.params, stop), list(r.output_ids)))
+            self.pending[r.uid] = _Pending(0, r, ids)
 
     def abort(self) -> Aborted:
-        """Stop everything in flight; generation requests come back with their tokens so far."""
+        """Stop everything in flight; requests come back with their tokens so far."""
         t0 = self.now()
         gen: list[GenRequest] = []
         judge: list[JudgeRequest] = []
@@ -149,8 +152,8 @@ class Worker:
                     gen.append(
                         GenRequest(r.uid, r.prompt, r.seed, r.params, p.prompt_ids, state.output_ids, state.logprobs)
                     )
-                else:
-                    judge.append(p.request)
+                else:  # a judgment resumes too (same seed, same tokens)
+                    judge.append(replace(p.request, prompt_ids=tuple(p.prompt_ids), output_ids=tuple(state.output_ids)))
         assert not self.pending, "requests in flight outside the engine"
         t1 = self.now()
         if gen or judge:

@@ -135,3 +135,36 @@ def test_job_with_forced_migrations_matches_the_unmigrated_run(tiny_checkpoints,
         assert b["train_grad_norm"] == pytest.approx(a["train_grad_norm"], rel=1e-5)
     events = [json.loads(x) for x in (tmp_path / "moved" / "events.jsonl").read_text().splitlines()]
     assert any(e["role"] == "migrate" for e in events)
+
+
+def test_a_judgment_moved_mid_way_resumes_with_identical_text():
+    from pivotrl.control.messages import Judge, Judged, JudgeRequest
+
+    s = LocalStore()
+    publish_checkpoint(s, "judge", 0, tiny_model("LlamaForCausalLM", 1), char_tokenizer())
+    spec = ContextSpec(max_batch=8, judge_template="Q:{question}\nR:{reference}\nA:{response}\nJ:")
+
+    def judge_worker(device):
+        w = Worker(device, s, spec, TrainSpec(TrainConfig(), 1.0), origin=0.0)
+        w.shift(Role.GENRM, 0)
+        return w
+
+    reqs = tuple(JudgeRequest(u, f"{u:02d}+11=", str(u + 11), str(u + 10), 7 + u, GenParams(20, 0.0)) for u in range(6))
+
+    def texts(events):
+        return {r.uid: r.text for e in events if isinstance(e, Judged) for r in e.results}
+
+    ref = judge_worker(9)
+    ref.judge(Judge(9, reqs))
+    expected = {}
+    while ref.has_work:
+        expected |= texts(ref.run(1.0))
+    a, b = judge_worker(0), judge_worker(1)
+    a.judge(Judge(0, reqs))
+    got = texts(a.run(0.0)) | texts(a.run(0.0))
+    moved = a.abort().judge
+    assert moved and all(r.prompt_ids and 0 < len(r.output_ids) < 20 for r in moved)
+    b.judge(Judge(1, moved))
+    while b.has_work:
+        got |= texts(b.run(1.0))
+    assert got == expected
