@@ -76,3 +76,10 @@ def test_shiftable_mode_runs_and_keeps_the_samples_of_colocated(tiny_checkpoints
     for x, y in zip(a, b, strict=True):
         assert (x["reward_mean"], x["response_tokens"]) == (y["reward_mean"], y["response_tokens"])
     assert planned["accuracy_end"] == plain["accuracy_end"]
+
+
+def test_shiftable_run_writes_its_decision_log(tiny_checkpoints, tmp_path):
+    run_job(small_job(tiny_checkpoints, "steps=1", "mode=shiftable"), tmp_path, progress=False)
+    decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert decisions and all(d["moves"] and d["reason"] for d in decisions)
+    assert {m[2] for d in decisions for m in d["moves"]} == {"rollout", "genrm", "train"}
