@@ -11,11 +11,17 @@ from pivotrl.model import Decoder, ModelConfig, char_tokenizer, save_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny_model(arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Decoder:
-    tok = char_tokenizer()
-    cfg = ModelConfig(
+def tiny_config(
+    arch: str = "Qwen2ForCausalLM",
+    vocab: int = 64,
+    tied: bool = False,
+    bos: int | None = None,
+    eos: list[int] | None = None,
+) -> ModelConfig:
+    """The one tiny architecture the tests build models from (2 layers, GQA 4:2, head_dim 8)."""
+    return ModelConfig(
         architecture=arch,
-        vocab_size=tok.vocab_size,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -23,10 +29,16 @@ def tiny_model(arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Decoder:
         num_key_value_heads=2,
         head_dim=8,
         qkv_bias=arch == "Qwen2ForCausalLM",
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=list(tok.eos_token_ids),
+        tie_word_embeddings=tied,
+        bos_token_id=bos,
+        eos_token_id=list(eos or []),
     )
+
+
+def tiny_model(arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Decoder:
+    """A random model over the character tokenizer, with weights large enough that outputs vary."""
+    tok = char_tokenizer()
+    cfg = tiny_config(arch, tok.vocab_size, tied=True, bos=tok.bos_token_id, eos=list(tok.eos_token_ids))
     torch.manual_seed(seed)
     model = Decoder(cfg)
     with torch.no_grad():

@@ -35,29 +35,15 @@ from pivotrl.gps import (
     unpack,
 )
 from pivotrl.model import Decoder, ModelConfig
+from tests.conftest import tiny_config
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 
-def tiny_config(tied: bool = False) -> ModelConfig:
-    return ModelConfig(
-        architecture="Qwen2ForCausalLM",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        qkv_bias=True,
-        tie_word_embeddings=tied,
-    )
-
-
 def tiny(seed: int, tied: bool = False) -> Decoder:
     torch.manual_seed(seed)
-    return Decoder(tiny_config(tied))
+    return Decoder(tiny_config(tied=tied))
 
 
 TOKENS = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))

@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
-from pivotrl.model import Decoder, ModelConfig
+from pivotrl.model import Decoder
 from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, backend_for, shard_groups
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
+from tests.conftest import tiny_config
 
 G = 4  # samples per GRPO group
 MODEL = "policy"
@@ -44,17 +45,7 @@ def one_thread():
 def tiny_model(seed: int = 0, frozen: bool = False) -> Decoder:
     """``frozen``: the final norm gets no gradient on any rank, which must leave it out of AdamW as on one rank."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(
-        architecture="Qwen2ForCausalLM",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        qkv_bias=True,
-    )
+    cfg = tiny_config()
     model = Decoder(cfg).eval()
     model.model.norm.weight.requires_grad_(not frozen)
     return model

@@ -5,10 +5,11 @@ import random
 import pytest
 import torch
 
-from pivotrl.model import Decoder, ModelConfig
+from pivotrl.model import Decoder
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer, group_advantages, grpo_loss_sum, token_logprobs
+from tests.conftest import tiny_config
 
 G = 4  # group size
 
@@ -24,17 +25,7 @@ def one_thread():
 
 def tiny_model(seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
-    cfg = ModelConfig(
-        architecture="Qwen2ForCausalLM",
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        qkv_bias=True,
-    )
+    cfg = tiny_config(vocab=32)
     return Decoder(cfg).eval()
 
 
