@@ -50,11 +50,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     summary = run_job(cfg, out, progress=not args.quiet, ray_address=args.ray_address)
-    latest = out.parent / "latest"
-    if args.link_latest and out.name != "latest":
-        if latest.is_symlink() or not latest.exists():
-            latest.unlink(missing_ok=True)
-            latest.symlink_to(out.resolve(), target_is_directory=True)
     print(format_summary(summary, out))
     return 0
 
@@ -108,7 +103,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pivotrl.control.plan_cli import format_report, plan_report
+    from pivotrl.plan import format_report, plan_report
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.profile) if args.profile else None
@@ -126,7 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="job config (YAML), e.g. examples/default.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 steps=10")
     t.add_argument("--out", required=True, help="run directory to write")
-    t.add_argument("--link-latest", action="store_true", help="point OUT/../latest at this run")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--ray-address", help="join this Ray cluster (e.g. 'auto') instead of starting a local one")
     t.set_defaults(func=cmd_train)

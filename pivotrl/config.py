@@ -175,11 +175,10 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # response sampling
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO update
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
-    log_every: int = 1  # log metrics every this many steps
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "seed")
-        _at_least(self, 1, "devices", "steps", "log_every")
+        _at_least(self, 1, "devices", "steps")
         parse_split(self.split)
 
     def to_dict(self) -> dict[str, Any]:

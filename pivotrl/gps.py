@@ -489,7 +489,24 @@ def _manifest(key: Key, entries: tuple[TensorEntry, ...], nbytes: int, meta: Map
 # LocalStore
 
 
-class LocalStore:
+def _published(key: Key, nbytes: int, start: float) -> PublishInfo:
+    info = PublishInfo(nbytes, time.perf_counter() - start)
+    logger.debug("gps: published %s %s v%d, %d bytes in %.3f s", key[0], key[2], key[1], info.nbytes, info.seconds)
+    return info
+
+
+class _Latest:
+    """``latest`` from ``versions``, the same for every backend."""
+
+    def versions(self, model_name: str, kind: Kind | str = Kind.WEIGHTS) -> list[int]:
+        raise NotImplementedError
+
+    def latest(self, model_name: str, kind: Kind | str = Kind.WEIGHTS) -> int | None:
+        have = self.versions(model_name, kind)
+        return have[-1] if have else None
+
+
+class LocalStore(_Latest):
     """Buffers in this process; fetch returns views of the stored buffer itself."""
 
     def __init__(self) -> None:
@@ -512,17 +529,11 @@ class LocalStore:
             self._index.abandon(key)
             raise
         self._index.commit(key, _manifest(key, entries, buffer.nbytes, meta), buffer)
-        info = PublishInfo(buffer.nbytes, time.perf_counter() - start)
-        logger.debug("gps: published %s %s v%d, %d bytes in %.3f s", key[0], key[2], key[1], info.nbytes, info.seconds)
-        return info
+        return _published(key, buffer.nbytes, start)
 
     def fetch(self, model_name: str, version: int, kind: Kind | str = Kind.WEIGHTS) -> Snapshot:
         manifest, buffer = self._index.get(_key(model_name, version, kind))
         return Snapshot.of(manifest, buffer)
-
-    def latest(self, model_name: str, kind: Kind | str = Kind.WEIGHTS) -> int | None:
-        have = self.versions(model_name, kind)
-        return have[-1] if have else None
 
     def versions(self, model_name: str, kind: Kind | str = Kind.WEIGHTS) -> list[int]:
         name, _, kind = _key(model_name, 0, kind)
@@ -593,7 +604,7 @@ class GPSDirectory:
         return self._index.memory()
 
 
-class RayStore:
+class RayStore(_Latest):
     """GPS in Ray's object store. Picklable: hand it to actors, which then publish and fetch themselves.
 
     Create the directory once from the driver with :meth:`create`; workers use
@@ -651,9 +662,7 @@ class RayStore:
         error = ray.get(self.directory.put.remote(key, _manifest(key, entries, buffer.nbytes, meta), buffer))
         if error is not None:
             raise VersionError(error)
-        info = PublishInfo(buffer.nbytes, time.perf_counter() - start)
-        logger.debug("gps: published %s %s v%d, %d bytes in %.3f s", key[0], key[2], key[1], info.nbytes, info.seconds)
-        return info
+        return _published(key, buffer.nbytes, start)
 
     def fetch(self, model_name: str, version: int, kind: Kind | str = Kind.WEIGHTS) -> Snapshot:
         import ray
@@ -662,10 +671,6 @@ class RayStore:
         if error is not None:
             raise VersionError(error)
         return Snapshot.of(manifest, ray.get(refs[0]))  # same node: a read-only view of shared memory
-
-    def latest(self, model_name: str, kind: Kind | str = Kind.WEIGHTS) -> int | None:
-        have = self.versions(model_name, kind)
-        return have[-1] if have else None
 
     def versions(self, model_name: str, kind: Kind | str = Kind.WEIGHTS) -> list[int]:
         import ray

@@ -2,11 +2,11 @@
 
 A sample is one response to one prompt. Its status moves
 
-    PENDING -> GENERATING -> FINISHED | TRUNCATED -> JUDGED
+    PENDING -> FINISHED | TRUNCATED -> JUDGED
 
-and a generation interrupted by a role shift is a status change (ABORTED while
-its state is carried, back to GENERATING when another instance resumes it),
-never an exception. This module is pure Python: the control plane and the
+A generation interrupted by a role shift is not an error: its request goes
+back to the queue with the tokens so far (the sample stays PENDING and its
+``migrations`` count goes up) and another device resumes it. This module is pure Python: the control plane and the
 simulator use it without torch.
 """
 
@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 
 
 class Status(enum.Enum):
-    PENDING = "pending"
-    GENERATING = "generating"
-    ABORTED = "aborted"  # stopped mid-generation; state kept for resume elsewhere
+    PENDING = "pending"  # queued or generating
     FINISHED = "finished"  # ended on a stop token
     TRUNCATED = "truncated"  # ended on the length limit
     JUDGED = "judged"
@@ -46,7 +44,3 @@ class Sample:
     correct: bool | None = None  # rule-based checker, for measurement only
     truncated: bool = False  # the response hit the length limit
     migrations: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.status in (Status.FINISHED, Status.TRUNCATED, Status.JUDGED)

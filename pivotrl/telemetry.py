@@ -25,10 +25,8 @@ ROLE_COLORS = {
     "rollout": "#4c78a8",
     "genrm": "#f58518",
     "train": "#54a24b",
-    "eval": "#b279a2",
     "shift": "#e45756",
     "migrate": "#222222",
-    "idle": "#dddddd",
 }
 
 

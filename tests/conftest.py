@@ -11,6 +11,16 @@ from pivotrl.model import Decoder, ModelConfig, char_tokenizer, save_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread() -> Iterator[None]:
+    """One torch thread, as a device has: tiny models gain nothing from intra-op threads, and on a
+    busy 2-core machine the thread barriers cost seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(
     arch: str = "Qwen2ForCausalLM",
     vocab: int = 64,

@@ -205,10 +205,9 @@ class Controller:
         s = self.scheduler
         gen = len(s.gen_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.ROLLOUT)
         judge = len(s.judge_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.GENRM)
-        unjudged = 0 if self.step is None else len(self.step.samples) - self.step.judged
         loads = tuple(s.load(d.id) for d in self.devices)
         view = self._plan_view() if self.policy.wants_view else None
-        return Demand(gen, max(judge, unjudged if gen == 0 else 0), self.train_ready, self.training, loads, view)
+        return Demand(gen, judge, self.train_ready, self.training, loads, view)
 
     def _plan_view(self) -> PlanView:
         pinned = frozenset(
@@ -490,14 +489,3 @@ def phase_times(rec: StepRecord) -> dict[str, float]:
         "train": end - (rec.train_start or end),
         "step": end - rec.started,
     }
-
-
-def split_groups(groups: int, parts: int) -> list[list[int]]:
-    """Contiguous, balanced split of GRPO groups (kept whole) over ``parts`` devices."""
-    base, extra = divmod(groups, parts)
-    out, start = [], 0
-    for i in range(parts):
-        n = base + (1 if i < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out

@@ -37,8 +37,8 @@ class Shiftable:
             raise ValueError(f"shiftable needs at least 1 device, got {devices}")
         self.devices, self.max_batch = devices, max_batch
         self.planner = Planner(devices)
-        # priors until measurements arrive (tokens/s of one CPU thread on the bundled models; a GPU
-        # run replaces them within the first slices)
+        # rough priors, of the order of one CPU thread on the bundled models; the first measured
+        # slices of each role replace them (EWMA)
         self.profiles = Profiles(
             rollout=RoleProfile(device_rate=4000.0, seq_rate=300.0),
             judge=RoleProfile(device_rate=4000.0, seq_rate=300.0),

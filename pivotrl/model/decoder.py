@@ -169,6 +169,19 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq(), dtype=torch.float32), persistent=False)
 
+    @classmethod
+    def empty(cls, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> Decoder:
+        """A model with allocated but unset weights, for loading into: built on the meta
+        device (no initialisation work), then given real storage, tied embeddings and the
+        RoPE table (a buffer not stored in checkpoints)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        if cfg.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32, device=device)
+        return model
+
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((angles, angles), dim=-1)

@@ -70,8 +70,7 @@ def load_model(
             raise CheckpointError(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     tokenizer = Tokenizer.load(path, eos_from_config=cfg.eos_token_id)
-    with torch.device("meta"):
-        model = Decoder(cfg)
+    model = Decoder.empty(cfg, device, dtype)
     state = load_state_dict(path)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -83,11 +82,8 @@ def load_model(
             f"{path}: weights do not match {cfg.architecture}: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
-    return model.to(device).eval(), tokenizer
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    return model.eval(), tokenizer
 
 
 def save_model(model: Decoder, tokenizer: Tokenizer, path: str | Path) -> None:

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from pivotrl.engine import Engine
 from pivotrl.gps import Kind, ParameterStore, Snapshot, module_tensors
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
+from pivotrl.model.loader import DTYPES
 
 POLICY, JUDGE = "policy", "judge"
 
@@ -45,12 +46,7 @@ def publish_checkpoint(store: ParameterStore, name: str, version: int, model: De
 def build_model(snap: Snapshot, device: torch.device, dtype: torch.dtype) -> tuple[Decoder, Tokenizer]:
     """A model and tokenizer rebuilt from a GPS snapshot (weights copied onto ``device``)."""
     meta = snap.manifest.meta
-    with torch.device("meta"):
-        model = Decoder(ModelConfig.from_hf(meta["config"]))
-    model = model.to_empty(device=device).to(dtype)
-    if model.config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = torch.tensor(model.config.inv_freq(), dtype=torch.float32, device=device)
+    model = Decoder.empty(ModelConfig.from_hf(meta["config"]), device, dtype)
     snap.load_into(model)
     tok = Tokenizer(HFTokenizer.from_str(meta["tokenizer"]), list(meta["eos"]), meta["pad"], meta["bos"])
     return model.eval(), tok
@@ -67,9 +63,6 @@ class ContextSpec:
     max_len: int = 256  # policy sequences: prompt + response tokens
     judge_max_len: int = 512  # judge sequences: template + question + reference + response + judgment
     judge_template: str = "{response}"
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class GenerationContext:
@@ -107,8 +100,7 @@ class TrainContext:
             p.requires_grad_(True)
         self.trainer = make_trainer(self.model, version)
         if version in store.versions(POLICY, Kind.OPTIMIZER):  # none before the first update
-            self.trainer.import_state(store, POLICY, version, weights=False)
-            self.nbytes += store.fetch(POLICY, version, Kind.OPTIMIZER).nbytes
+            self.nbytes += self.trainer.import_state(store, POLICY, version, weights=False)
 
     def release(self) -> None:
         del self.trainer, self.model

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pivotrl.gps import ParameterStore, publish_model, publish_optimizer, restore_optimizer
+from pivotrl.gps import Kind, ParameterStore, load_optimizer_state, publish_model, publish_optimizer
 from pivotrl.log import logger
 from pivotrl.sample import Sample
 from pivotrl.train.grpo import GRPOTrainer
@@ -79,25 +79,6 @@ def backend_for(device: torch.device) -> str:
         raise ValueError(
             f"no distributed backend for device type {device.type!r}; supported: {', '.join(_BACKENDS)}"
         ) from None
-
-
-def shard_groups(num_groups: int, world_size: int, rank: int) -> list[int]:
-    """The GRPO groups (indices into the step's prompts) that ``rank`` trains: round-robin, ``g % world_size``.
-
-    Whole groups, never split: a group's advantages are computed together and
-    its samples share a prompt. Round-robin rather than contiguous blocks
-    because a group's rank depends only on its index, not on the batch size,
-    so groups can be handed out as they are judged, before the batch is
-    complete; ranks differ by at most one group. Groups differ in token count,
-    so a token-balanced assignment would even out the work better (future
-    work); the update does not depend on the assignment either way.
-    """
-    for name, value, low in (("num_groups", num_groups, 0), ("world_size", world_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    return list(range(rank, num_groups, world_size))
 
 
 class TrainGroup:
@@ -292,12 +273,12 @@ class ElasticTrainer:
 
     def global_tokens(self) -> int:
         """Response tokens accumulated by the whole group since the last step (one collective; call on every rank)."""
-        count = torch.tensor([float(self.trainer._tokens)], dtype=torch.float64, device=self.group.device)
+        count = torch.tensor([float(self.trainer.pending_tokens)], dtype=torch.float64, device=self.group.device)
         return int(self.group.all_reduce_(count).item())
 
     def _gather(self) -> tuple[list[int], dict[str, float], list[bool]]:
         """One small collective: every rank's version, stat sums and which parameters have a gradient."""
-        local = self.trainer._stats
+        local = self.trainer.pending_stats
         row = torch.zeros(_FLAGS + len(self._params), dtype=torch.float64)
         row[_VERSION] = self.version
         row[_HAS_KL] = float("kl_sum" in local)
@@ -354,24 +335,23 @@ class ElasticTrainer:
         if group.world_size > 1:
             versions, sums, has_grad = self._gather()
             if len(set(versions)) > 1:
-                self.trainer.optimizer.zero_grad(set_to_none=True)
-                self.trainer._stats, self.trainer._tokens = {}, 0
+                self.trainer.discard()
                 raise RuntimeError(
                     f"train group {group.address}: replicas hold different policy versions {versions} (by rank); "
                     "a device that newly takes the train role must import_state(...) of the current version first"
                 )
             accumulated = int(sums["tokens"])
-            n = accumulated if total_tokens is None else total_tokens
-            if n < accumulated:
-                raise ValueError(f"total_tokens={n} is less than the {accumulated} tokens the group accumulated")
-            if n > accumulated:
-                logger.warning("total_tokens=%d, but the group accumulated only %d", n, accumulated)
+            if total_tokens is not None and total_tokens < accumulated:
+                raise ValueError(
+                    f"total_tokens={total_tokens} is less than the {accumulated} tokens the group accumulated"
+                )
+            if total_tokens is not None and total_tokens > accumulated:
+                logger.warning("total_tokens=%d, but the group accumulated only %d", total_tokens, accumulated)
             if accumulated:
                 self._all_reduce_grads(has_grad)
-            # GRPOTrainer reports from its running sums; give it the group's, so every rank reports the batch
-            self.trainer._stats, self.trainer._tokens = sums, accumulated
-            total_tokens = n
-        out = self.trainer.step(total_tokens)
+            out = self.trainer.step(total_tokens, sums)  # the group's sums: every rank reports the whole batch
+        else:
+            out = self.trainer.step(total_tokens)
         self.version += 1
         out["world_size"] = float(group.world_size)
         out["version"] = float(self.version)
@@ -384,7 +364,7 @@ class ElasticTrainer:
         convention). ``weights=False`` when the weights of this version are
         published separately, e.g. by the publish phase for rollout.
         """
-        if self.trainer._tokens or any(p.grad is not None for p in self._params):
+        if self.trainer.pending_tokens or any(p.grad is not None for p in self._params):
             raise RuntimeError("export_state with accumulated gradients: step() first, the state would be mid-step")
         nbytes = 0
         if weights:
@@ -392,17 +372,21 @@ class ElasticTrainer:
         nbytes += publish_optimizer(store, model_name, self.version, self.trainer.optimizer, self.model).nbytes
         return nbytes
 
-    def import_state(self, store: ParameterStore, model_name: str, version: int, *, weights: bool = True) -> None:
+    def import_state(self, store: ParameterStore, model_name: str, version: int, *, weights: bool = True) -> int:
         """Take up the train role at ``version``: load its weights and optimizer state from the GPS.
 
         ``weights=False`` when the replica already holds that version's
-        weights (e.g. it just served rollout with them).
+        weights (e.g. it just served rollout with them). Returns the bytes loaded.
         """
-        if self.trainer._tokens or any(p.grad is not None for p in self._params):
+        if self.trainer.pending_tokens or any(p.grad is not None for p in self._params):
             raise RuntimeError("import_state with accumulated gradients: they belong to other weights; step() first")
-        start = time.perf_counter()
+        start, nbytes = time.perf_counter(), 0
         if weights:
-            store.fetch(model_name, version).load_into(self.model)
-        restore_optimizer(store, model_name, version, self.trainer.optimizer, self.model)
+            snap = store.fetch(model_name, version)
+            snap.load_into(self.model)
+            nbytes += snap.nbytes
+        state = store.fetch(model_name, version, Kind.OPTIMIZER)
+        load_optimizer_state(state, self.trainer.optimizer, self.model)
         self.version = version
         logger.debug("train state of %s v%d imported in %.3f s", model_name, version, time.perf_counter() - start)
+        return nbytes + state.nbytes

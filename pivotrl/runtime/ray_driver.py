@@ -10,8 +10,10 @@ stream and shifts are picked up between slices.
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
+from pathlib import Path
 from typing import Any
 
 from pivotrl.config import JobConfig
@@ -81,9 +83,6 @@ def _join_cluster(address: str, kwargs: dict[str, Any]) -> None:
     """Join an existing cluster. Clusters started with ``ray start`` use token auth by
     default; a client finds the token in ~/.ray/auth_token (or RAY_AUTH_TOKEN) but only
     uses it when RAY_AUTH_MODE=token, so set that when a token is there."""
-    import os
-    from pathlib import Path
-
     import ray
 
     has_token = "RAY_AUTH_TOKEN" in os.environ or (Path.home() / ".ray" / "auth_token").is_file()

@@ -34,9 +34,9 @@ from pivotrl.control.messages import (
     Trained,
 )
 from pivotrl.engine import SamplingParams, SeqState
-from pivotrl.gps import Kind, ParameterStore, VersionError, module_tensors, optimizer_tensors
+from pivotrl.gps import Kind, ParameterStore, VersionError
 from pivotrl.log import logger
-from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, checkpoint_meta
+from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, publish_checkpoint
 from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
@@ -252,10 +252,9 @@ class Worker:
         return ctx
 
     def _publish(self, ctx: TrainContext) -> None:
-        store, v = self.store, ctx.version
-        store.publish(POLICY, v, module_tensors(ctx.model), Kind.WEIGHTS, checkpoint_meta(ctx.model, ctx.tokenizer))
-        tensors, meta = optimizer_tensors(ctx.trainer.trainer.optimizer, ctx.model)
-        store.publish(POLICY, v, tensors, Kind.OPTIMIZER, meta)
+        store = self.store
+        publish_checkpoint(store, POLICY, ctx.version, ctx.model, ctx.tokenizer)
+        ctx.trainer.export_state(store, POLICY, weights=False)  # optimizer state of the same version
         store.retain(POLICY, self.train_spec.keep_versions, Kind.WEIGHTS)
         store.retain(POLICY, 1, Kind.OPTIMIZER)
 

@@ -123,6 +123,21 @@ class GRPOTrainer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def pending_tokens(self) -> int:
+        """Response tokens accumulated since the last step."""
+        return self._tokens
+
+    @property
+    def pending_stats(self) -> dict[str, float]:
+        """Running loss sums since the last step (what a data-parallel group adds up)."""
+        return dict(self._stats)
+
+    def discard(self) -> None:
+        """Drop the accumulated gradients and sums without updating the weights."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._stats, self._tokens = {}, 0
+
     def _pack(self, samples: list[Sample]) -> tuple[Tensor, Tensor, Tensor]:
         """Right-padded ``prompt + response`` rows, and old log-probs and mask in the next-token frame."""
         width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -168,17 +183,21 @@ class GRPOTrainer:
         _merge(self._stats, stats)
         return stats
 
-    def step(self, total_tokens: int | None = None) -> dict[str, float]:
+    def step(self, total_tokens: int | None = None, sums: dict[str, float] | None = None) -> dict[str, float]:
         """Turn the accumulated gradient sums into a token-mean gradient and update the weights.
 
         ``total_tokens`` is the response-token count of the whole batch; it
-        defaults to what was accumulated since the last step, and may exceed it
-        when other workers hold the rest of the batch.
+        defaults to what was accumulated, and may exceed it when other workers
+        hold the rest of the batch. ``sums`` replaces this trainer's running
+        sums in the check and the reported numbers: a data-parallel group
+        passes the group's, so every rank reports the whole batch.
         """
-        n = self._tokens if total_tokens is None else total_tokens
-        if n < self._tokens:
-            raise ValueError(f"total_tokens={n} is less than the {self._tokens} tokens accumulated")
-        sums, self._stats, self._tokens = self._stats, {}, 0
+        sums = self._stats if sums is None else sums
+        accumulated = int(sums.get("tokens", 0))
+        n = accumulated if total_tokens is None else total_tokens
+        if n < accumulated:
+            raise ValueError(f"total_tokens={n} is less than the {accumulated} tokens accumulated")
+        self._stats, self._tokens = {}, 0
         params = [p for p in self.model.parameters() if p.grad is not None]
         if n == 0 or not params:
             logger.warning("no response tokens accumulated; skipping the optimizer step")

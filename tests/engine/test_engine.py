@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pivotrl.engine import Engine, SamplingParams, SeqState
-from pivotrl.model import Decoder, ModelConfig
+from pivotrl.model import Decoder
+from tests.conftest import tiny_config
 
 VOCAB = 24
 STOP = 2
@@ -16,29 +17,10 @@ MAX_LEN = 64
 PARAMS = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=(STOP,))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the thread barriers cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> Decoder:
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = Decoder(cfg).eval()
+    model = Decoder(tiny_config("LlamaForCausalLM", VOCAB)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.3)

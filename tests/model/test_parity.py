@@ -60,15 +60,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the thread barriers cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
     cls, extra = CASES[case]
     torch.manual_seed(seed)

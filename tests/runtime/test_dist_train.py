@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
-from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, backend_for, shard_groups
+from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, backend_for
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
@@ -32,14 +32,6 @@ MODEL = "policy"
 CFG = TrainConfig(micro_batch=5, grad_clip=0.5)  # micro-batches cut across groups; the clip is active
 TIMEOUT_S = 60.0  # a hung rendezvous fails the test instead of hanging it
 Batch = tuple[list[Sample], list[float]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(seed: int = 0, frozen: bool = False) -> Decoder:
@@ -80,7 +72,7 @@ def make_batch(num_groups: int, seed: int) -> Batch:
 
 def local_share(batch: Batch, world_size: int, rank: int) -> Batch:
     samples, advantages = batch
-    mine = set(shard_groups(len(samples) // G, world_size, rank))
+    mine = set(range(rank, len(samples) // G, world_size))  # whole groups, round-robin
     keep = [i for i, s in enumerate(samples) if s.prompt_index in mine]
     return [samples[i] for i in keep], [advantages[i] for i in keep]
 
@@ -311,27 +303,6 @@ def test_export_import_hands_the_train_role_over(batches):
         train_step(trainer, batches[2], known_total=True)
     assert max_diff(snapshot(old), snapshot(new)) == 0.0
     assert new.version == old.version == 8
-
-
-@pytest.mark.parametrize(
-    ("num_groups", "world_size"),
-    [(0, 1), (1, 1), (6, 1), (6, 2), (6, 3), (7, 3), (2, 3), (1, 4), (128, 7)],
-)
-def test_shard_groups_assigns_every_group_once_and_balanced(num_groups, world_size):
-    shards = [shard_groups(num_groups, world_size, rank) for rank in range(world_size)]
-    assert sorted(g for shard in shards for g in shard) == list(range(num_groups))
-    assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    for rank, shard in enumerate(shards):
-        assert all(g % world_size == rank for g in shard)  # round-robin: a group's rank ignores the batch size
-
-
-@pytest.mark.parametrize(
-    ("args", "match"),
-    [((-1, 1, 0), "num_groups"), ((4, 0, 0), "world_size"), ((4, 2, 2), "rank"), ((4, 2, -1), "rank")],
-)
-def test_shard_groups_rejects_bad_arguments(args, match):
-    with pytest.raises(ValueError, match=match):
-        shard_groups(*args)
 
 
 def test_backend_for_names_one_backend_per_device_type():

@@ -14,15 +14,6 @@ from tests.conftest import tiny_config
 G = 4  # group size
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the thread barriers cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
     cfg = tiny_config(vocab=32)
