@@ -29,9 +29,7 @@ alternating the two sides, and the median is reported.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -40,6 +38,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from common import machine, write_report
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 from transformers.utils import logging as hf_logging
 
@@ -329,18 +328,11 @@ def main() -> None:
         "stop_row_scale": scale,
         "stop_prob_measured": prob,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "machine": {
-            "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_at_start": load_at_start,
-        },
+        "machine": machine(load_at_start),
         "workloads": results,
         "speedups": {r["workload"]: r["speedup"] for r in results},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -51,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
+from common import machine, write_report
 
 from pivotrl.gps import LocalStore, ParameterStore, RayStore, module_tensors
 from pivotrl.model import Decoder, ModelConfig
@@ -247,18 +246,10 @@ def main() -> None:
         "threads": args.threads,
         "ray_prefault": args.prefault,
         "versions": {"torch": torch.__version__, "ray": ray.__version__, "numpy": np.__version__},
-        "machine": {
-            "python": platform.python_version(),
-            "cpu": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_at_start": load,
-        },
+        "machine": {**machine(load), "torch_threads": torch.get_num_threads()},
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
+import os
 import tempfile
 import time
 from pathlib import Path
+
+from common import machine, write_report
 
 from pivotrl.config import load_config
 from pivotrl.log import setup_logging
@@ -52,6 +54,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/modes.json")
     args = p.parse_args()
     setup_logging()
+    load_at_start = list(os.getloadavg())
     base = [f"devices={args.devices}", f"steps={args.steps}", "eval.every=0"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,10 +93,8 @@ def main() -> None:
         )
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"devices": args.devices, "steps": args.steps, "rows": rows, "best": best, "ratios": ratios}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    report = {"devices": args.devices, "steps": args.steps, "rows": rows, "best": best, "ratios": ratios}
+    write_report(args.out, {**report, "machine": machine(load_at_start)})
 
 
 if __name__ == "__main__":

@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -58,6 +56,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from common import machine, write_report
 
 from pivotrl.control.messages import Role, ShiftDone
 from pivotrl.engine import Engine
@@ -477,18 +476,10 @@ def main() -> None:
             "ray_prefault": True,
         },
         "versions": {"torch": torch.__version__, "ray": ray.__version__, "numpy": np.__version__},
-        "machine": {
-            "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_at_start": load_at_start,
-            "load_average_at_end": list(os.getloadavg()),
-        },
+        "machine": machine(load_at_start),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

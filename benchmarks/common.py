@@ -1,0 +1,26 @@
+"""What every benchmark script records the same way: the machine it ran on and its JSON report."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def machine(load_at_start: list[float]) -> dict[str, Any]:
+    """The machine, and how busy it was: other processes skew absolute numbers, not paired ratios."""
+    return {
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": list(load_at_start),
+        "load_average_at_end": list(os.getloadavg()),
+    }
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
