@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -24,3 +25,13 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def parse_size(text: str) -> int:
+    """A parameter count from the command line: ``500K``, ``25M``, ``1G`` or a plain number."""
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    try:
+        return int(float(text[:-1]) * scale[text[-1]]) if text[-1] in scale else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 1M, 25M, 500K") from None

@@ -49,22 +49,13 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
-from common import machine, write_report
+from common import machine, parse_size, write_report
 
 from pivotrl.gps import LocalStore, ParameterStore, RayStore, module_tensors
 from pivotrl.model import Decoder, ModelConfig
 
 RESULTS = Path(__file__).parent / "results" / "gps.json"
 LAYERS, VOCAB, HEAD_DIM = 8, 2048, 32
-
-
-def parse_size(text: str) -> int:
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
-    text = text.strip().upper()
-    try:
-        return int(float(text[:-1]) * scale[text[-1]]) if text[-1] in scale else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 1M, 25M, 500K") from None
 
 
 def config_for(params: int) -> ModelConfig:

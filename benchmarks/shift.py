@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from common import machine, write_report
+from common import machine, parse_size, write_report
 
 from pivotrl.control.messages import Role, ShiftDone
 from pivotrl.engine import Engine
@@ -104,15 +104,6 @@ PART_KEYS = (
 
 def pair_name(src: Role | None, dst: Role) -> str:
     return f"{src.value if src else 'none'}->{dst.value}"
-
-
-def parse_size(text: str) -> int:
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
-    text = text.strip().upper()
-    try:
-        return int(float(text[:-1]) * scale[text[-1]]) if text[-1] in scale else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 1M, 25M, 500K") from None
 
 
 def config_for(params: int, vocab: int, bos: int | None, eos: list[int]) -> ModelConfig:
