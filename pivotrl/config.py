@@ -137,7 +137,7 @@ class JudgeConfig:
 class RolloutConfig:
     prompts_per_step: int = 32  # prompts (GRPO groups) per training step
     group_size: int = 8  # responses sampled per prompt
-    max_new_tokens: int = 8  # response length limit
+    max_new_tokens: int = 96  # response length limit
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling mass; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
@@ -155,7 +155,7 @@ class RolloutConfig:
 class EvalConfig:
     every: int = 10  # evaluate every this many steps; 0 = only at start and end
     size: int = 500  # held-out problems evaluated, greedily
-    max_new_tokens: int = 8  # response length limit during evaluation
+    max_new_tokens: int = 96  # response length limit during evaluation
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "every")

@@ -2,8 +2,9 @@
 
 Nothing is downloaded. Both models are trained here, on the CPU, by SFT:
 
-* the policy learns two-digit addition from targets that usually drop a
-  units carry, so it starts well below what it can reach (see
+* the policy learns two-digit addition with a worked solution of
+  long-tailed length, from targets that usually drop a units carry in the
+  last step, so it starts well below what it can reach (see
   ``pivotrl.task.arithmetic``);
 * the judge learns to read question, reference and response, write a
   rationale (the answer it read, the reference, a digit-by-digit comparison)
@@ -36,10 +37,11 @@ from pivotrl.task.arithmetic import (
     make_splits,
     policy_target,
     read_jsonl,
+    sft_pool,
     write_jsonl,
 )
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 
 def recipe(seed: int) -> dict[str, Any]:
@@ -112,8 +114,8 @@ def prepare(
 ) -> dict[str, Path]:
     """Build (or reuse) ``models_dir/policy`` and ``models_dir/judge``. Returns their paths."""
     models_dir = Path(models_dir)
-    train_file, _ = ensure_data(Path(data_dir))
-    train = read_jsonl(train_file)
+    _, heldout_file = ensure_data(Path(data_dir))
+    pool = sft_pool(read_jsonl(heldout_file))  # every length equally often, never a held-out problem
     r = recipe(seed)
     tok = char_tokenizer()
     eos = tok.eos_token_ids[0]
@@ -123,12 +125,12 @@ def prepare(
         drop = r["policy"]["carry_drop"]
         return [
             (tok.encode(p.question), tok.encode(policy_target(p.question, rng, drop), add_special_tokens=False) + [eos])
-            for p in rng.sample(train, n)
+            for p in rng.sample(pool, n)
         ]
 
     def judge_batch(rng: random.Random, n: int) -> list[tuple[list[int], list[int]]]:
         out = []
-        for p in rng.sample(train, n):
+        for p in rng.sample(pool, n):
             resp = judge_training_response(p.question, p.reference, rng)
             prompt = judge_template.format(question=p.question, reference=p.reference, response=resp)
             out.append(
