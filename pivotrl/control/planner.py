@@ -332,11 +332,11 @@ def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max
       group; the optimizer step follows.
 
     Devices of a phase that ends later in the step join the next phase with work
-    when it ends, at no charge: that shift happens when they would idle anyway,
-    and every allocation gets it. Only moves made now are charged (by the
-    planner), which makes the planner wait unless moving early buys overlap.
-    Devices whose role has no work now stay idle: moving them is the decision
-    at hand. A role with work and no device, now or later, never ends (inf).
+    when it ends, after the shift that takes them there (its measured cost):
+    waiting for a phase to end is not free, so moving early and moving late are
+    compared on equal terms. Moves made now are charged by the planner. Devices
+    whose role has no work now stay idle: moving them is the decision at hand.
+    A role with work and no device, now or later, never ends (inf).
     """
     return _estimate(_summarize(workload, profiles), profiles, tuple(alloc.get(r, 0) for r in ROLES), max_batch)
 
@@ -344,6 +344,7 @@ def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max
 def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int) -> Estimate:
     n_r, n_g, n_t = alloc
     seq_speed = p.rollout.rate(1)
+    hop = p.costs.cost  # a device handed to the next phase pays its shift
     # rollout
     tail = False
     if w.seqs == 0:
@@ -358,7 +359,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int) -> Estimate:
     # judging
     t_g, r_judged = 0.0, False
     if w.judge_items:
-        arrivals = [(0.0, n_g)] + ([(t_r, n_r)] if handoff_r else [])
+        arrivals = [(0.0, n_g)] + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
         bulk = _drain(
             w.judge_items * w.judge_tokens, lambda n: p.judge.rate(min(max_batch, w.judge_items / n)), arrivals
         )
@@ -370,9 +371,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int) -> Estimate:
     if w.groups:
         arrivals = [(0.0, n_t)]
         if 0.0 < t_g < INF:
-            arrivals.append((t_g, n_g + (n_r if r_judged else 0)))
+            arrivals.append((t_g + hop(Role.GENRM, Role.TRAIN), n_g + (n_r if r_judged else 0)))
         if handoff_r and not r_judged:
-            arrivals.append((t_r, n_r))
+            arrivals.append((t_r + hop(Role.ROLLOUT, Role.TRAIN), n_r))
         group = w.group_tokens / p.train.device_rate
         bulk = _drain(w.groups * w.group_tokens, lambda n: p.train.device_rate, arrivals)
         t_b = max(bulk, group, t_g + group if w.judge_items else 0.0)

@@ -188,10 +188,11 @@ def test_shift_costs_are_measured_means_with_a_prior():
 
 def test_estimate_of_the_tail_by_hand():
     # 2 sequences, ~1000 tokens left each at 20 tok/s: rollout ends at 50 s whatever the devices.
-    # 602 judgments x 100 tokens = 60200 tokens. One judge device (400 tok/s) does 20000 by 50 s;
-    # then the 3 rollout devices join: 4 x min(32 x 20, 400) = 1600 tok/s for 40200 -> 25.125 s.
+    # 602 judgments x 100 tokens = 60200 tokens. One judge device (400 tok/s) does 20020 by 50.05 s,
+    # when the 3 rollout devices join after their 0.05 s shift: 4 x min(32 x 20, 400) = 1600 tok/s
+    # for 40180 -> 25.1125 s.
     e = estimate(TAIL, profiles(), alloc(3, 1, 0), MAX_BATCH)
-    assert (e.rollout_end, e.judge_end, e.backward_end, e.total) == pytest.approx((50.0, 75.125, 0.0, 75.125))
+    assert (e.rollout_end, e.judge_end, e.backward_end, e.total) == pytest.approx((50.0, 75.1625, 0.0, 75.1625))
     assert e.tail and e.seqs == 2
     assert e.worst_rollout_end == pytest.approx((2048 - 600) / 20)
 
@@ -392,5 +393,15 @@ def test_bad_inputs_are_named():
 def test_estimate_describes_itself():
     e = estimate(TAIL, profiles(), alloc(3, 1, 0), MAX_BATCH)
     assert isinstance(e, Estimate) and e.count(G) == 1
-    assert e.describe().startswith("r3 g1 t0: rollout 50.00s judge 75.12s")
+    assert e.describe().startswith("r3 g1 t0: rollout 50.00s judge 75.16s")
     assert fmt_alloc(alloc(2, 1, 1)) == "r2 g1 t1"
+
+
+def test_devices_handed_to_the_next_phase_pay_their_shift():
+    # the 3 rollout devices reach the judge 2 s after the rollout ends, not at once: the single
+    # judge device works alone 2 s longer (800 tokens), which the four then finish at 1600 tok/s
+    free, costly = (estimate(TAIL, profiles(shift=s), alloc(3, 1, 0), MAX_BATCH) for s in (0.0, 2.0))
+    assert costly.judge_end - free.judge_end == pytest.approx(2.0 - 800 / 1600)
+    # a judge device already there pays nothing, so moving early stops being free of charge in comparison
+    early = estimate(TAIL, profiles(shift=2.0), alloc(1, 3, 0), MAX_BATCH)
+    assert early.judge_end < costly.judge_end
