@@ -1,4 +1,4 @@
-"""Command line: ``pivotrl train | prepare``.
+"""Command line: ``pivotrl train | prepare | plan | timeline | compare``.
 
 A user's mistake (bad config, missing file, unsupported checkpoint) prints
 one line naming what is wrong and what is allowed and exits with status 2;
@@ -114,6 +114,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pivotrl.compare import compare_runs, format_comparison
+
+    c = compare_runs(args.run_a, args.run_b)
+    print(json.dumps(c.to_dict(), indent=2) if args.json else format_comparison(c, args.run_a, args.run_b))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -141,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("run_dir")
     tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png)")
     tl.set_defaults(func=cmd_timeline)
+    cp = sub.add_parser("compare", help="compare two runs of one job: samples, rewards, held-out accuracy")
+    cp.add_argument("run_a")
+    cp.add_argument("run_b")
+    cp.add_argument("--json", action="store_true")
+    cp.set_defaults(func=cmd_compare)
     return p
 
 

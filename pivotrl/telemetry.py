@@ -1,6 +1,9 @@
 """Run outputs: per-step metrics, the run summary, and what each device did when.
 
 * ``metrics.jsonl`` - one line per step.
+* ``samples.jsonl`` - one line per sample: step, uid, response tokens and text,
+  reward, verdict, whether the checker agrees, migrations. Two runs of the same
+  job can be compared sample by sample (``pivotrl compare``).
 * ``summary.json`` - the run's headline numbers.
 * ``events.jsonl`` - one line per activity slice: device, role, name, start, end.
 * ``trace.json`` - the same slices in Chrome trace-event format (one track per
@@ -72,10 +75,17 @@ class RunWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.metrics_path.write_text("")
+        self.samples_path = self.dir / "samples.jsonl"
+        self.samples_path.write_text("")
 
     def step(self, metrics: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(_clean(metrics)) + "\n")
+
+    def samples(self, rows: Iterable[dict[str, Any]]) -> None:
+        with self.samples_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
 
     def write_json(self, name: str, data: dict[str, Any]) -> Path:
         path = self.dir / name

@@ -137,6 +137,7 @@ class Controller:
         self.accuracy: dict[int, float] = {}  # step -> held-out accuracy after it
         self.pending_metrics: dict[int, dict[str, Any]] = {}  # finished steps waiting for their evaluation
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
+        self.finished_steps: list[StepRecord] = []  # finished steps' records, for the run's samples.jsonl; drained
         self.shift_log: list[ShiftDone] = []
         self.tokens_so_far: dict[int, int] = {}  # uid -> response tokens generated, for running sequences
         self.measured = {  # running means (priors until measured)
@@ -429,6 +430,7 @@ class Controller:
         self.step.train_stats = e.stats
         self.step.finished = self.clock()
         self.pending_metrics[self.step.step] = self._step_metrics(self.step)
+        self.finished_steps.append(self.step)
         done_step = self.step.step
         if self._eval_due(done_step):
             self._begin_eval(done_step)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pivotrl.config import JobConfig, parse_split
-from pivotrl.control.controller import Controller, LoopSpec
+from pivotrl.control.controller import Controller, LoopSpec, StepRecord
 from pivotrl.control.messages import GenParams
 from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.gps import LocalStore, ParameterStore
@@ -132,6 +133,8 @@ def run_job(
             commands = []
             for event in driver.next_events():
                 commands += ctl.handle(event)
+            writer.samples(sample_rows(ctl.finished_steps))
+            ctl.finished_steps.clear()
             while written < len(ctl.metrics):
                 m = ctl.metrics[written]
                 writer.step(m)
@@ -161,6 +164,23 @@ def run_job(
                 f.write(json.dumps({"t": round(d.now, 4), "moves": moves, "reason": d.reason}) + "\n")
     logger.info("run written to %s", out)
     return summary
+
+
+def sample_rows(records: list[StepRecord]) -> Iterator[dict[str, Any]]:
+    for rec in records:
+        for s in rec.samples:
+            yield {
+                "step": rec.step,
+                "uid": s.uid,
+                "question": s.question,
+                "response_ids": s.response_ids,
+                "response": s.response_text,
+                "reward": s.reward,
+                "verdict": s.verdict,
+                "correct": s.correct,
+                "truncated": s.truncated,
+                "migrations": s.migrations,
+            }
 
 
 def steady_rate(metrics: list[dict[str, Any]], per_step: int) -> float:
