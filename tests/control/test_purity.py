@@ -1,7 +1,10 @@
-"""The control plane imports neither torch nor Ray: the simulator runs it unchanged."""
+"""The control plane and the simulator import neither torch, Ray nor numpy: the
+simulator runs the control plane unchanged, in plain Python."""
 
 import subprocess
 import sys
+
+import pytest
 
 CONTROL_PLANE = [
     "pivotrl.control.controller",
@@ -14,14 +17,22 @@ CONTROL_PLANE = [
     "pivotrl.sample",
     "pivotrl.train.advantages",
 ]
+SIMULATOR = [
+    "pivotrl.sim",
+    "pivotrl.sim.hardware",
+    "pivotrl.sim.models",
+    "pivotrl.sim.costs",
+    "pivotrl.sim.measured",
+    "pivotrl.sim.workload",
+]
 
 PROBE = """
 import sys
 
 class Blocked:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "ray"):
-            raise ImportError(f"control plane imported {name}")
+        if name.split(".")[0] in ("torch", "ray", "numpy"):
+            raise ImportError(f"imported {name}")
         return None
 
 sys.meta_path.insert(0, Blocked())
@@ -32,12 +43,17 @@ print("ok")
 """
 
 
-def test_control_plane_imports_neither_torch_nor_ray():
-    proc = subprocess.run([sys.executable, "-c", PROBE, *CONTROL_PLANE], capture_output=True, text=True)
+def probe(*modules: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE, *modules], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("modules", [CONTROL_PLANE, SIMULATOR], ids=["control-plane", "simulator"])
+def test_imports_neither_torch_nor_ray_nor_numpy(modules):
+    proc = probe(*modules)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
 
 
 def test_the_probe_does_catch_torch():
-    proc = subprocess.run([sys.executable, "-c", PROBE, "pivotrl.model"], capture_output=True, text=True)
-    assert proc.returncode != 0 and "control plane imported torch" in proc.stderr
+    proc = probe("pivotrl.model")
+    assert proc.returncode != 0 and "imported torch" in proc.stderr

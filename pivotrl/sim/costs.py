@@ -1,0 +1,301 @@
+"""Cost models: how many seconds each thing a device does takes, in closed form.
+
+The simulator driver asks a ``CostModel`` and advances its virtual clock by the
+answer. Two implementations:
+
+- ``RooflineCosts``: from a GPU's datasheet and a model's shape. A step takes
+  the longer of its FLOPs and its bytes, each at its peak rate times the share
+  of it real kernels reach, plus the collectives of tensor parallelism and the
+  host overhead a real engine pays every step.
+- ``MeasuredCosts`` (``pivotrl.sim.measured``): from numbers the real runtime
+  measured on its devices (a CPU run of the bundled tiny models, or a GPU run),
+  so the simulator can be checked against the run it claims to predict.
+
+No per-token loops: the simulator calls these millions of times, and
+``decode_span`` prices a whole run of decode steps at once, so a driver
+advances from event to event, not from token to token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Protocol, runtime_checkable
+
+from pivotrl.control.messages import Role
+from pivotrl.sim.hardware import GPU
+from pivotrl.sim.models import ModelSpec
+
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam first and second moments, 4 bytes each
+GRAD_BYTES_PER_PARAM = 4  # gradients reduced in fp32 (the usual mixed-precision reduce dtype)
+# One Adam update touches, per parameter: reads of master, m, v and the fp32 gradient (16 bytes), writes of
+# master, m and v (12) and of the bf16 working copy (2).
+ADAM_BYTES_PER_PARAM = 30
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Seconds of each operation the simulator driver schedules on a device or instance."""
+
+    def decode_step(self, model: ModelSpec, tp: int, batch: int, mean_context: float) -> float:
+        """One decode step of ``batch`` sequences (``mean_context`` tokens of context each) on one
+        instance of ``tp`` GPUs."""
+        ...
+
+    def decode_span(self, model: ModelSpec, tp: int, batch: int, context: float, steps: int) -> float:
+        """``steps`` decode steps of a fixed batch whose mean context starts at ``context`` and grows by
+        one token a step: the sum of ``decode_step`` over them, in closed form."""
+        ...
+
+    def prefill(self, model: ModelSpec, tp: int, tokens: int, seq_len: int | None = None) -> float:
+        """One forward pass over ``tokens`` prompt tokens, in sequences of ``seq_len`` (default: one)."""
+        ...
+
+    def max_batch(self, model: ModelSpec, tp: int, context_len: int) -> int:
+        """Most sequences of ``context_len`` tokens one instance holds at once (0: it cannot run)."""
+        ...
+
+    def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
+        """Forward and backward over ``tokens`` tokens split over ``n_gpus`` data-parallel devices."""
+        ...
+
+    def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
+        """Gradient synchronisation and the optimizer update of a ``n_gpus`` training group."""
+        ...
+
+    def shift(self, model: ModelSpec, src: Role | None, dst: Role, tp: int) -> float:
+        """A device leaving ``src`` (None: it held no role) for ``dst``, the role's state split over ``tp``."""
+        ...
+
+    def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
+        """Resuming a migrated sequence: re-prefill of its ``tokens`` (prompt plus output so far)."""
+        ...
+
+
+def _check(name: str, value: float, minimum: float = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (minimum <= value < math.inf):
+        raise ValueError(f"{name}: got {value!r}, must be a finite number >= {minimum:g}")
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: got {value!r}, must be an int >= 0")
+
+
+def _check_tp(tp: int, name: str = "tp") -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"{name}: got {tp!r}, must be an int >= 1")
+
+
+def max_batch(model: ModelSpec, tp: int, gpu: GPU, context_len: int, mem_fraction: float = 0.9) -> int:
+    """Sequences of ``context_len`` tokens whose KV cache fits in an instance of ``tp`` GPUs.
+
+    The engine claims ``mem_fraction`` of HBM (vLLM's ``gpu_memory_utilization``; the rest is the
+    activations, CUDA graphs and allocator slack); weights take theirs, the KV cache the rest. KV
+    heads split over the GPUs, but never finer than one head: with ``tp > kv_heads`` each head is
+    replicated on ``tp / kv_heads`` GPUs.
+    """
+    _check_tp(tp)
+    _check("context_len", context_len, 1)
+    if not 0 < mem_fraction <= 1:
+        raise ValueError(f"mem_fraction: got {mem_fraction!r}, must be in (0, 1]")
+    free = tp * gpu.hbm_bytes * mem_fraction - model.weight_bytes
+    per_seq = context_len * model.kv_bytes_per_token * tp / min(tp, model.kv_heads)
+    return max(0, math.floor(free / per_seq))
+
+
+def _sum_of_max(a: tuple[float, float], b: tuple[float, float], n: int) -> float:
+    """``sum(max(a0 + a1*i, b0 + b1*i) for i in range(n))`` without the loop: the two lines cross
+    at most once, so each side is an arithmetic series."""
+
+    def series(line: tuple[float, float], start: int, count: int) -> float:
+        return count * (line[0] + line[1] * (start + (count - 1) / 2)) if count > 0 else 0.0
+
+    if a[1] == b[1]:
+        return series(max(a, b), 0, n)
+    cross = (b[0] - a[0]) / (a[1] - b[1])
+    below = min(n, max(0, math.ceil(cross)))  # steps i < cross
+    first, then = (b, a) if a[1] > b[1] else (a, b)  # the steeper line wins past the crossing
+    return series(first, 0, below) + series(then, below, n - below)
+
+
+def steps_within(
+    costs: CostModel, model: ModelSpec, tp: int, batch: int, context: float, seconds: float, limit: int
+) -> int:
+    """The most decode steps (at most ``limit``) that end within ``seconds``: how far a batch got when
+    an event interrupts it. A bisection over ``decode_span``, so O(log limit) calls."""
+    _check_count("limit", limit)
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if costs.decode_span(model, tp, batch, context, mid) <= seconds:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """The terms of one forward pass; ``bound`` says which roofline side sets it."""
+
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    overhead_s: float
+
+    @property
+    def total(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.comm_s + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s > self.memory_s else "memory"
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineCosts:
+    """Costs of a modeled GPU. Efficiencies are the share of a datasheet peak that real kernels reach."""
+
+    gpu: GPU
+    # decode matmuls have as many rows as sequences in the batch: a skinny GEMM reaches little of the
+    # tensor-core peak; efficiency rises as max * b / (b + half), 0.3 of peak at 64 rows, 0.56 at 1024.
+    compute_eff_max: float = 0.6
+    compute_eff_half_batch: float = 64.0
+    prefill_eff: float = 0.6  # assumed: prompts make large GEMMs (~70% of peak), less attention and launch gaps
+    # weights stream contiguously: a public vLLM sweep of Llama-3.1-8B on an A100 decoded at batch 1 at 77% of
+    # the HBM ceiling, overheads included
+    bw_eff: float = 0.8
+    kv_bw_eff: float = 0.7  # assumed: paged KV is read in 16-token blocks, less of HBM peak than the weights
+    h2d_eff: float = 0.8  # pinned host-to-device copies reach ~50 of PCIe Gen5's 64 GB/s in bandwidth tests
+    # the Llama 3 paper reports 38-43% bf16 MFU pretraining on H100s; RL micro-batches of ragged lengths get less
+    mfu_dense: float = 0.35
+    mfu_moe: float = 0.25  # assumed: MoE training loses to token all-to-all and small per-expert GEMMs
+    # Overheads (assumed, sized so that a 7B model decodes alone in ~8 ms on an H100, as engines report):
+    step_overhead_s: float = 2e-3  # host side of a step: scheduling, input preparation, sampling launch
+    layer_overhead_s: float = 30e-6  # ~10 small kernels per layer (norms, rotary, activation) at ~3 us each
+    seq_overhead_s: float = 20e-6  # host bookkeeping per sequence per step (inputs, outputs, stop checks)
+    allreduce_latency_s: float = 10e-6  # one small all-reduce inside an NVLink node (NCCL or a custom kernel)
+    engine_start_s: float = 1.0  # inference engine wake-up with the process kept: KV cache re-allocation and a
+    # warm-up step (vLLM sleep mode reports 0.1-0.4 s to wake small models), plus the control round trip
+    train_start_s: float = 2.0  # a trainer joining: its data-parallel process group is rebuilt (NCCL init)
+    mem_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "gpu":
+                _check(f.name, getattr(self, f.name))
+        for name in ("compute_eff_max", "prefill_eff", "bw_eff", "kv_bw_eff", "h2d_eff", "mfu_dense", "mfu_moe"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}: got {getattr(self, name)!r}, must be in (0, 1]")
+
+    def compute_eff(self, batch: float) -> float:
+        return self.compute_eff_max * batch / (batch + self.compute_eff_half_batch)
+
+    def _allreduces(self, count: int, nbytes: float, group: int) -> float:
+        """``count`` ring all-reduces of ``nbytes`` each over ``group`` GPUs: each GPU sends and receives
+        ``2 (g-1)/g`` of the buffer."""
+        if group == 1:
+            return 0.0
+        return count * (self.allreduce_latency_s + 2 * (group - 1) / group * nbytes / self.gpu.link_bw(group))
+
+    def _overhead(self, model: ModelSpec, seqs: int) -> float:
+        return self.step_overhead_s + self.layer_overhead_s * model.layers + self.seq_overhead_s * seqs
+
+    def decode_terms(self, model: ModelSpec, tp: int, batch: int, mean_context: float) -> StepTime:
+        """The terms of one decode step (``decode_step`` is their total)."""
+        _check_tp(tp)
+        _check("batch", batch)
+        _check("mean_context", mean_context)
+        if batch == 0:
+            return StepTime(0.0, 0.0, 0.0, 0.0)
+        g = self.gpu
+        flops = batch * model.forward_flops(mean_context) / tp
+        weights = model.params_read(batch) * model.dtype_bytes / tp
+        kv = batch * mean_context * model.kv_bytes_per_token / min(tp, model.kv_heads)
+        return StepTime(
+            compute_s=flops / (g.peak_flops * self.compute_eff(batch)),
+            memory_s=weights / (g.hbm_bw * self.bw_eff) + kv / (g.hbm_bw * self.kv_bw_eff),
+            comm_s=self._allreduces(2 * model.layers, batch * model.hidden * model.dtype_bytes, tp),
+            overhead_s=self._overhead(model, batch),
+        )
+
+    def decode_step(self, model: ModelSpec, tp: int, batch: int, mean_context: float) -> float:
+        return self.decode_terms(model, tp, batch, mean_context).total
+
+    def decode_span(self, model: ModelSpec, tp: int, batch: int, context: float, steps: int) -> float:
+        _check_count("steps", steps)
+        if steps == 0 or batch == 0:
+            return 0.0
+        # both roofline sides are linear in the context: read their slopes off two adjacent steps
+        t0 = self.decode_terms(model, tp, batch, context)
+        t1 = self.decode_terms(model, tp, batch, context + 1)
+        compute = (t0.compute_s, t1.compute_s - t0.compute_s)
+        memory = (t0.memory_s, t1.memory_s - t0.memory_s)
+        return _sum_of_max(compute, memory, steps) + steps * (t0.comm_s + t0.overhead_s)
+
+    def prefill_terms(self, model: ModelSpec, tp: int, tokens: int, seq_len: int | None = None) -> StepTime:
+        """The terms of one prefill pass; causal attention sees ``seq_len / 2`` tokens on average."""
+        _check_tp(tp)
+        _check("tokens", tokens)
+        seq = tokens if seq_len is None else seq_len
+        _check("seq_len", seq)
+        if tokens == 0:
+            return StepTime(0.0, 0.0, 0.0, 0.0)
+        g = self.gpu
+        flops = tokens * model.forward_flops(seq / 2) / tp
+        weights = model.params_read(tokens) * model.dtype_bytes / tp
+        return StepTime(
+            compute_s=flops / (g.peak_flops * self.prefill_eff),
+            memory_s=weights / (g.hbm_bw * self.bw_eff),
+            comm_s=self._allreduces(2 * model.layers, tokens * model.hidden * model.dtype_bytes, tp),
+            overhead_s=self._overhead(model, math.ceil(tokens / max(seq, 1))),
+        )
+
+    def prefill(self, model: ModelSpec, tp: int, tokens: int, seq_len: int | None = None) -> float:
+        return self.prefill_terms(model, tp, tokens, seq_len).total
+
+    def max_batch(self, model: ModelSpec, tp: int, context_len: int) -> int:
+        return max_batch(model, tp, self.gpu, context_len, self.mem_fraction)
+
+    def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
+        """Forward + backward is 3 forward passes' FLOPs (6 per active weight per token), plus causal
+        attention over samples of ``seq_len`` tokens (0: left out), at the model family's MFU."""
+        _check_tp(n_gpus, "n_gpus")
+        _check("tokens", tokens)
+        _check("seq_len", seq_len)
+        flops = 3 * tokens * model.forward_flops(seq_len / 2)
+        mfu = self.mfu_moe if model.is_moe else self.mfu_dense
+        return flops / (n_gpus * self.gpu.peak_flops * mfu)
+
+    def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
+        """ZeRO-style over the whole group, the elastic trainer's flat data-parallel layout: fp32 gradients
+        reduce-scattered, each GPU updates its shard (memory-bound), the updated bf16 weights all-gathered.
+        Each collective moves ``(g-1)/g`` of its buffer per GPU, over the network once the group leaves a
+        node. Counted after the backward, not overlapped with it: an upper bound. A model-parallel
+        trainer (TP/EP inside the node) would sync only its shard and pay far less for a 235B model."""
+        _check_tp(n_gpus, "n_gpus")
+        p = model.total_params
+        update = p * ADAM_BYTES_PER_PARAM / n_gpus / (self.gpu.hbm_bw * self.bw_eff)
+        if n_gpus == 1:
+            return update
+        sync = (n_gpus - 1) / n_gpus * p * (GRAD_BYTES_PER_PARAM + model.dtype_bytes) / self.gpu.link_bw(n_gpus)
+        return update + sync + 2 * self.allreduce_latency_s
+
+    def shift(self, model: ModelSpec, src: Role | None, dst: Role, tp: int) -> float:
+        """Loading ``dst``'s state from host memory (the GPS) over PCIe, then starting its engine.
+
+        Leaving a role copies nothing: the GPS already holds every weight version and, once the
+        trainer has published, the optimizer state (``pivotrl.runtime.contexts``: release drops).
+        A generation role loads its weights, ``1/tp`` per GPU; the trainer also loads its shard of
+        the optimizer state (``OPTIMIZER_BYTES_PER_PARAM``), split over ``tp`` training devices.
+        """
+        _check_tp(tp)
+        if src is dst:
+            return 0.0
+        per_param = model.dtype_bytes + (OPTIMIZER_BYTES_PER_PARAM if dst is Role.TRAIN else 0)
+        load = model.total_params * per_param / tp / (self.gpu.h2d_bw * self.h2d_eff)
+        return load + (self.train_start_s if dst is Role.TRAIN else self.engine_start_s)
+
+    def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
+        return self.prefill(model, tp, tokens)

@@ -1,0 +1,174 @@
+import dataclasses
+
+import pytest
+
+from pivotrl.control.messages import Role
+from pivotrl.sim.costs import CostModel, RooflineCosts, max_batch, steps_within
+from pivotrl.sim.hardware import GPUS
+from pivotrl.sim.models import MODELS
+
+H100 = RooflineCosts(GPUS["H100"])
+QWEN7, QWEN32 = MODELS["Qwen2.5-7B"], MODELS["Qwen2.5-32B"]
+A3B, A22B = MODELS["Qwen3-30B-A3B"], MODELS["Qwen3-235B-A22B"]
+
+
+def test_roofline_is_a_cost_model():
+    assert isinstance(H100, CostModel)
+
+
+# -- decode -----------------------------------------------------------------------------
+
+
+def test_decode_is_memory_bound_alone_and_compute_bound_in_a_large_batch():
+    assert H100.decode_terms(QWEN7, 1, 1, 512).bound == "memory"
+    assert H100.decode_terms(QWEN7, 1, 1024, 128).bound == "compute"
+
+
+def test_decode_times_are_in_the_range_engines_reach():
+    # batch 1: ~15 GB of weights at 3.35 TB/s is 4.5 ms, plus per-step overhead
+    assert 7e-3 < H100.decode_step(QWEN7, 1, 1, 512) < 12e-3
+    # batch 256 at 2k context: 30 GB of KV cache on top of the weights
+    assert 20e-3 < H100.decode_step(QWEN7, 1, 256, 2048) < 60e-3
+
+
+def test_decode_grows_sublinearly_with_batch_until_the_knee():
+    times = {b: H100.decode_step(QWEN7, 1, b, 1024) for b in (1, 2, 4, 8, 16, 32, 64, 128)}
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        assert times[b] < times[2 * b] < 2 * times[b]
+    assert times[128] / times[1] < 4  # 128x the tokens for < 4x the time
+
+
+def test_decode_of_an_empty_batch_costs_nothing():
+    assert H100.decode_step(QWEN7, 1, 0, 1000) == 0.0
+
+
+def test_moe_reads_fewer_bytes_at_batch_one_than_dense_of_its_size():
+    dense_twin = dataclasses.replace(A3B, active_params=A3B.total_params, experts=0, active_experts=0)
+    moe, dense = H100.decode_terms(A3B, 1, 1, 512), H100.decode_terms(dense_twin, 1, 1, 512)
+    assert moe.memory_s < dense.memory_s / 5
+    # a large batch touches every expert: the weight reads converge
+    assert H100.decode_terms(A3B, 1, 512, 0).memory_s == pytest.approx(
+        H100.decode_terms(dense_twin, 1, 512, 0).memory_s, rel=0.01
+    )
+
+
+def test_tensor_parallelism_speeds_up_a_large_model_at_small_batch():
+    for batch in (1, 16):
+        assert H100.decode_step(QWEN32, 8, batch, 1024) < H100.decode_step(QWEN32, 1, batch, 1024) / 2
+
+
+def test_tensor_parallelism_across_nodes_pays_the_network():
+    assert H100.decode_terms(A22B, 16, 64, 1024).comm_s > 2 * H100.decode_terms(A22B, 8, 64, 1024).comm_s
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "batch", "context"), [(QWEN7, 1, 64, 100), (A3B, 2, 8, 3000), (QWEN7, 1, 900, 500)]
+)
+def test_decode_span_sums_the_steps(model, tp, batch, context):
+    steps = 700  # long enough for the last case to cross from compute- to memory-bound
+    loop = sum(H100.decode_step(model, tp, batch, context + i) for i in range(steps))
+    assert H100.decode_span(model, tp, batch, context, steps) == pytest.approx(loop, rel=1e-9)
+    assert H100.decode_span(model, tp, batch, context, 0) == 0.0
+
+
+def test_steps_within_inverts_the_span():
+    seconds = 1.234
+    k = steps_within(H100, QWEN7, 1, 128, 500, seconds, limit=10_000)
+    assert H100.decode_span(QWEN7, 1, 128, 500, k) <= seconds < H100.decode_span(QWEN7, 1, 128, 500, k + 1)
+    assert steps_within(H100, QWEN7, 1, 128, 500, 1e6, limit=77) == 77
+    assert steps_within(H100, QWEN7, 1, 128, 500, 0.0, limit=77) == 0
+
+
+# -- memory -----------------------------------------------------------------------------
+
+
+def test_max_batch_is_set_by_kv_memory():
+    gpu = GPUS["H100"]
+    free = gpu.hbm_bytes * 0.9 - QWEN7.weight_bytes
+    assert max_batch(QWEN7, 1, gpu, 2048) == int(free // (2048 * 57344))
+    assert H100.max_batch(QWEN7, 1, 2048) == max_batch(QWEN7, 1, gpu, 2048)
+
+
+def test_max_batch_shrinks_with_context_and_model_size():
+    assert H100.max_batch(QWEN7, 1, 1024) > H100.max_batch(QWEN7, 1, 4096) > H100.max_batch(QWEN7, 1, 16384) > 0
+    assert H100.max_batch(QWEN7, 1, 2048) > H100.max_batch(QWEN32, 1, 2048) > 0
+
+
+def test_max_batch_is_zero_when_the_weights_do_not_fit():
+    assert H100.max_batch(A22B, 1, 1024) == 0
+    assert H100.max_batch(A22B, 8, 1024) > 0
+    assert RooflineCosts(GPUS["H200"]).max_batch(A22B, 8, 1024) > H100.max_batch(A22B, 8, 1024)
+
+
+def test_kv_heads_are_replicated_past_their_count():
+    # 4 KV heads over 8 GPUs: each head is held twice, so 8 GPUs hold half the tokens 4 would hold per byte
+    gpu = GPUS["H100"]
+    free8 = 8 * gpu.hbm_bytes * 0.9 - QWEN7.weight_bytes
+    assert max_batch(QWEN7, 8, gpu, 1000) == int(free8 // (1000 * 57344 * 2))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"tp": 0}, "tp: got 0"), ({"context_len": 0}, "context_len")])
+def test_max_batch_checks_its_arguments(kwargs, message):
+    args = {"model": QWEN7, "tp": 1, "gpu": GPUS["H100"], "context_len": 100, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        max_batch(**args)
+
+
+# -- prefill, training, shifts ------------------------------------------------------------
+
+
+def test_prefill_is_compute_bound_and_attention_grows_with_length():
+    terms = H100.prefill_terms(QWEN7, 1, 8192)
+    assert terms.bound == "compute"
+    assert H100.prefill(QWEN7, 1, 8192) > H100.prefill(QWEN7, 1, 8192, seq_len=1024)
+    assert H100.migration(QWEN7, 1, 1500) == H100.prefill(QWEN7, 1, 1500)
+
+
+def test_train_time_halves_with_twice_the_gpus():
+    one = H100.train_tokens(QWEN7, 1_000_000, 32, seq_len=2048)
+    assert H100.train_tokens(QWEN7, 1_000_000, 64, seq_len=2048) == pytest.approx(one / 2)
+    assert H100.train_tokens(QWEN7, 1_000_000, 64, seq_len=2048) > H100.train_tokens(QWEN7, 1_000_000, 64)
+
+
+def test_train_time_is_six_flops_per_weight_at_the_mfu():
+    seconds = H100.train_tokens(QWEN7, 1_000_000, 64)
+    assert seconds == pytest.approx(3 * QWEN7.flops_per_token * 1e6 / (64 * 989e12 * H100.mfu_dense))
+    moe = H100.train_tokens(A3B, 1_000_000, 64)
+    assert moe == pytest.approx(3 * A3B.flops_per_token * 1e6 / (64 * 989e12 * H100.mfu_moe))
+
+
+def test_optimizer_step_syncs_over_the_group():
+    alone = H100.optimizer_step(QWEN7, 1)
+    assert alone == pytest.approx(QWEN7.total_params * 30 / (GPUS["H100"].hbm_bw * H100.bw_eff))
+    assert H100.optimizer_step(QWEN7, 16) > H100.optimizer_step(QWEN7, 8)  # past the node: the network
+
+
+def test_shifting_into_training_loads_the_optimizer_state():
+    into_train = H100.shift(QWEN7, Role.ROLLOUT, Role.TRAIN, 8)
+    into_rollout = H100.shift(QWEN7, Role.TRAIN, Role.ROLLOUT, 8)
+    assert into_train > into_rollout > H100.engine_start_s
+    assert H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1) > H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 8)
+    assert H100.shift(QWEN7, Role.ROLLOUT, Role.ROLLOUT, 1) == 0.0
+    assert H100.shift(QWEN7, None, Role.ROLLOUT, 1) == H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1)
+    # bf16 weights over PCIe Gen5 at 80%: ~0.3 s for a 7B model, plus the engine start
+    assert into_rollout - H100.engine_start_s == pytest.approx(QWEN7.weight_bytes / 8 / (64e9 * 0.8))
+
+
+@pytest.mark.parametrize(("field", "value"), [("bw_eff", 1.5), ("mfu_dense", 0.0), ("step_overhead_s", -1.0)])
+def test_bad_efficiencies_name_their_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RooflineCosts(GPUS["H100"], **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: H100.decode_step(QWEN7, 0, 1, 1), "tp: got 0"),
+        (lambda: H100.decode_step(QWEN7, 1, -1, 1), "batch: got -1"),
+        (lambda: H100.decode_span(QWEN7, 1, 1, 1, -2), "steps: got -2"),
+        (lambda: H100.train_tokens(QWEN7, 100, 0), "n_gpus: got 0"),
+    ],
+)
+def test_bad_arguments_are_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
