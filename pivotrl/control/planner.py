@@ -463,6 +463,7 @@ class Planner:
         self.devices, self.hysteresis, self.min_gain_s, self.cooldown_s = devices, hysteresis, min_gain_s, cooldown_s
         self.log: list[Decision] = []
         self._left: dict[int, tuple[float, Role | None]] = {}  # device -> (when it last moved, role it left)
+        self._cooling = True  # False while searching past the cooldown
 
     def plan(
         self,
@@ -501,18 +502,15 @@ class Planner:
             shift = max((profiles.costs.cost(s, d) for s, d in flows), default=0.0)
             cands.append(_Candidate(est.total + shift, sum(flows.values()), alloc, flows, est, shift))
         cands.sort(key=lambda c: (c.bound, c.moved, c.alloc))
-        best = stay = None  # stay: the best candidate that moves no device holding a role
-        for c in cands:
-            if best is not None and stay is not None and c.bound > max(best.total, stay.total):
-                break
-            if not self._pick(c, now, current, busy, pinned, unassigned, w, profiles.costs):
-                continue
-            if best is None or c.key() < best.key():
-                best = c
-            if not any(s is not None for s, _ in c.flows) and (stay is None or c.key() < stay.key()):
-                stay = c
-        if best is None or stay is None:  # cannot happen: keeping every role is always feasible
-            raise AssertionError("planner: no feasible allocation")
+        best, stay = self._search(cands, now, current, busy, pinned, unassigned, w, profiles.costs)
+        if best.total == INF and self._cooling:
+            # the cooldown must never stall a step: when no allowed allocation can finish it,
+            # devices may go back to roles they just left
+            self._cooling = False
+            try:
+                best, stay = self._search(cands, now, current, busy, pinned, unassigned, w, profiles.costs)
+            finally:
+                self._cooling = True
         alt = best if best is not stay else None
         if alt is None:  # the best alternative, to say in the log what keeping saved
             for c in sorted(cands, key=lambda c: (c.est.total, c.bound, c.moved, c.alloc)):
@@ -531,6 +529,33 @@ class Planner:
                 self._left[d] = (now, src)
             self.log.append(decision)
         return decision
+
+    def _search(
+        self,
+        cands: list[_Candidate],
+        now: float,
+        current: dict[int, Role | None],
+        busy: dict[int, int],
+        pinned: set[int],
+        unassigned: list[int],
+        w: _Work,
+        costs: ShiftCosts,
+    ) -> tuple[_Candidate, _Candidate]:
+        """The best candidate and the best that moves no device holding a role (``stay``),
+        in order of their lower bounds, stopping once no later one can beat both."""
+        best = stay = None
+        for c in cands:
+            if best is not None and stay is not None and c.bound > max(best.total, stay.total):
+                break
+            if not self._pick(c, now, current, busy, pinned, unassigned, w, costs):
+                continue
+            if best is None or c.key() < best.key():
+                best = c
+            if not any(s is not None for s, _ in c.flows) and (stay is None or c.key() < stay.key()):
+                stay = c
+        if best is None or stay is None:  # cannot happen: keeping every role is always feasible
+            raise AssertionError("planner: no feasible allocation")
+        return best, stay
 
     def _choose(self, alt: _Candidate | None, stay: _Candidate, w: _Work) -> tuple[_Candidate, str]:
         """Move to ``alt`` (the best allocation that moves a device holding a role) only if
@@ -593,7 +618,7 @@ class Planner:
     def _barred(self, device: int, now: float) -> Role | None:
         """The role ``device`` may not go back to yet (anti-flapping), if any."""
         when, left = self._left.get(device, (-INF, None))
-        return left if now - when < self.cooldown_s else None
+        return left if self._cooling and now - when < self.cooldown_s else None
 
 
 def _take(

@@ -328,6 +328,17 @@ def test_cooldown_bars_moving_back_but_not_on():
     assert any(src is G and dst is R for _, src, dst in again.moves)  # the cooldown has passed
 
 
+def test_cooldown_never_stalls_the_step():
+    # every device just left the judge for training; then only judging is left (the next
+    # step's rollout ended): without a device going back, nothing could ever finish
+    p = Planner(2, cooldown_s=2.0)
+    first = p.plan(0.0, roles("gg"), {}, set(), REWARDS_IN, profiles(), MAX_BATCH)
+    assert {dst for _, _, dst in first.moves} == {T}
+    only_judging = Workload(judge_queued=256, judge_tokens_mean=50, train_groups_left=32)
+    back = p.plan(0.5, dict(first.targets), {}, set(), only_judging, profiles(), MAX_BATCH)
+    assert any(dst is G for _, _, dst in back.moves) and back.after.total < float("inf")
+
+
 def test_oscillating_demand_does_not_flap():
     rollout_heavy = Workload(rollout_remaining=[0] * 64, judge_queued=2, judge_future=64, judge_tokens_mean=50)
     judge_heavy = Workload(rollout_remaining=[500], judge_queued=200, judge_future=1, judge_tokens_mean=50)
