@@ -180,6 +180,8 @@ class Progress:
     tokens: int  # tokens sampled in the slice
     running: int  # sequences in the engine when the slice started
     tokens_so_far: tuple[tuple[int, int], ...] = ()  # (uid, response tokens) of sequences still running
+    prefill_tokens: int = 0  # prompt (and resumed) tokens prefilled in the slice ...
+    prefill_seconds: float = 0.0  # ... and the time those prefill steps took
 
 
 @dataclass(slots=True, frozen=True)

@@ -116,6 +116,33 @@ class LengthModel:
             return self.floor
         return max(self.floor, self._sums()[i] / longer - t)
 
+    def expected_longest(self, running: dict[int, int], grid: int = 32) -> float:
+        """Expected tokens until the last of the running sequences ends, for ``running``
+        (tokens so far -> how many sequences): ``E[max_i (L_i - t_i) | L_i > t_i]``.
+
+        This, not the largest expected rest, is when a rollout ends: of a hundred
+        sequences each expected to need 15 more tokens, one likely needs 50. The
+        sequences are independent draws from the observed lengths; ``E[max] = integral
+        of 1 - F(x)`` is summed on ``grid`` points. Before ``min_samples`` responses it
+        is the largest expected rest (the prior says nothing about the spread).
+        """
+        if self.samples < self.min_samples or not running:
+            return max((self.expected_remaining(t) for t in running), default=0.0)
+        s, n = self._sorted, self.samples
+        groups = [(t, k, n - bisect_right(s, t)) for t, k in running.items()]
+        live = [(t, k, above) for t, k, above in groups if above]
+        if not live:
+            return self.floor
+        top = s[-1] - min(t for t, _, _ in live)
+        step, total = top / grid, 0.0
+        for j in range(grid):
+            x = (j + 0.5) * step
+            f = 1.0
+            for t, k, above in live:
+                f *= ((bisect_right(s, t + x) - (n - above)) / above) ** k  # P(L <= t + x | L > t)
+            total += (1.0 - f) * step
+        return max(total, self.floor)
+
     def max_remaining(self, tokens_so_far: float) -> float:
         """The most a sequence may still generate: up to the longest observed
         response (``prior_max`` before ``min_samples``), at least ``floor``."""
@@ -182,7 +209,7 @@ class ShiftCosts:
     migrated sequences. ``from`` None is a device's first load."""
 
     prior: float = 0.05  # seconds of a shift never measured
-    prefill_rate: float = 5000.0  # tokens/s a device re-prefills when a sequence migrates to it
+    prefill_rate: float = 5000.0  # tokens/s a device re-prefills when a sequence migrates to it (learned)
     _seen: dict[tuple[Role | None, Role], tuple[float, int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -199,6 +226,11 @@ class ShiftCosts:
             return 0.0
         total, n = self._seen.get((src, dst), (0.0, 0))
         return total / n if n else self.prior
+
+    def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.3) -> None:
+        """A measured prefill (tokens in seconds) moves ``prefill_rate`` towards it (EWMA)."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_rate += alpha * (tokens / seconds - self.prefill_rate)
 
     def migration_cost(self, tokens: float) -> float:
         return tokens / self.prefill_rate
@@ -263,7 +295,7 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
     return _Work(
         seqs=len(w.rollout_remaining),
         tokens=sum(exp[t] * n for t, n in by_t.items()),
-        longest=max(exp.values(), default=0.0),
+        longest=lm.expected_longest(by_t),
         worst=max((lm.max_remaining(t) for t in by_t), default=0.0),
         judge_items=w.judge_queued + w.judge_future,
         judge_future=w.judge_future,

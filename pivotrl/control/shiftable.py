@@ -54,6 +54,7 @@ class Shiftable:
         if isinstance(event, Progress) and event.tokens and event.seconds > 0:
             profile = p.rollout if event.role is Role.ROLLOUT else p.judge
             profile.observe(event.tokens, event.seconds, max(1, event.running))
+            p.costs.observe_prefill(event.prefill_tokens, event.prefill_seconds)
         elif isinstance(event, Generated):
             for r in event.results:
                 p.lengths.observe(len(r.output_ids))

@@ -28,7 +28,7 @@ from pivotrl.reward import GenRM
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, build_model, publish_checkpoint
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.worker import TrainSpec, Worker
-from pivotrl.task.arithmetic import read_jsonl
+from pivotrl.task.arithmetic import Problem, read_jsonl
 from pivotrl.telemetry import RunWriter, Slice
 
 
@@ -49,17 +49,27 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
     )
 
 
-def context_spec(cfg: JobConfig, device: str = "cpu") -> ContextSpec:
-    prompt_budget = 256  # tokens of a policy prompt; the judge's adds the template, question and reference
-    policy_len = prompt_budget + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
-    judge_len = 2 * prompt_budget + cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens
+def context_spec(cfg: JobConfig, problems: list[Problem] | None = None, device: str = "cpu") -> ContextSpec:
+    """KV-cache lengths from the job: the longest prompt of ``problems`` (in UTF-8 bytes plus
+    special tokens, a bound on its token count for byte-level and character tokenizers; 256
+    when no problems are given) plus the generation limits. The judge's prompt holds the
+    response re-tokenized by its own tokenizer: twice the policy's token limit is its budget.
+    Smaller caches make every shift into a generation role cheaper (they are allocated then)."""
+    if problems:
+        prompt = max(len(cfg.task.prompt_template.format(question=p.question).encode()) for p in problems) + 4
+        judge_prompt = 4 + max(
+            len(cfg.judge.template.format(question=p.question, reference=p.reference, response="").encode())
+            for p in problems
+        )
+    else:
+        prompt = judge_prompt = 256
     return ContextSpec(
         device=device,
         policy_dtype=cfg.policy.dtype,
         judge_dtype=cfg.judge.dtype,
         max_batch=cfg.rollout.max_batch,
-        max_len=policy_len,
-        judge_max_len=judge_len,
+        max_len=prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens),
+        judge_max_len=judge_prompt + 2 * cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens,
         judge_template=cfg.judge.template,
     )
 
@@ -108,12 +118,14 @@ def run_job(
     if not in_process:
         from pivotrl.runtime.ray_driver import RayDriver
 
-        driver: Any = RayDriver(cfg, context_spec(cfg), origin, ray_address)
+        driver: Any = RayDriver(cfg, context_spec(cfg, train_set + heldout), origin, ray_address)
         store = driver.store
     else:
         store = LocalStore()
         spec = TrainSpec(cfg.train, cfg.rollout.temperature)
-        driver = LocalDriver([Worker(d, store, context_spec(cfg), spec, origin) for d in range(cfg.devices)])
+        driver = LocalDriver(
+            [Worker(d, store, context_spec(cfg, train_set + heldout), spec, origin) for d in range(cfg.devices)]
+        )
     writer = RunWriter(out)  # only once the devices are up: a failed start leaves no half-written run
     writer.write_json("config.json", cfg.to_dict())
     try:

@@ -181,6 +181,10 @@ def test_shift_costs_are_measured_means_with_a_prior():
     assert c.cost(None, T) == 1.0
     assert c.cost(T, T) == 0.0
     assert c.migration_cost(2500) == pytest.approx(2.5)
+    c.observe_prefill(30_000, 1.0, alpha=0.5)  # measured prefill speed pulls the rate (EWMA) ...
+    assert c.prefill_rate == pytest.approx(15_500) and c.migration_cost(2500) == pytest.approx(2500 / 15_500)
+    c.observe_prefill(0, 0.0)  # ... and an empty slice says nothing
+    assert c.prefill_rate == pytest.approx(15_500)
 
 
 # -- estimate ---------------------------------------------------------------------------------------
@@ -416,3 +420,15 @@ def test_devices_handed_to_the_next_phase_pay_their_shift():
     # a judge device already there pays nothing, so moving early stops being free of charge in comparison
     early = estimate(TAIL, profiles(shift=2.0), alloc(1, 3, 0), MAX_BATCH)
     assert early.judge_end < costly.judge_end
+
+
+def test_expected_longest_is_the_expected_maximum_not_the_largest_expectation():
+    lm = lengths(*range(1, 101))  # lengths 1..100, once each
+    # three sequences at 50 tokens: each has 1..50 left, uniformly; the last one to end needs
+    # E[max of 3] = sum over x of 1 - (x/50)^3 = 38.0 tokens, not the 25.5 each expects
+    assert lm.expected_remaining(50) == pytest.approx(25.5)
+    assert lm.expected_longest({50: 3}) == pytest.approx(38.0, rel=0.03)
+    assert lm.expected_longest({50: 1}) == pytest.approx(25.5, rel=0.03)
+    assert lm.expected_longest({50: 30}) > lm.expected_longest({50: 3}) > lm.expected_longest({90: 3})
+    assert lm.expected_longest({}) == 0.0 and lm.expected_longest({100: 2}) == lm.floor  # outlived every length
+    assert lengths().expected_longest({0: 5}) == lengths().expected_remaining(0)  # before data: the prior's rest

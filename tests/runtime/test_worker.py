@@ -87,11 +87,15 @@ def judge_requests(n: int) -> tuple[JudgeRequest, ...]:
 def drain(worker: Worker) -> list[GenResult | JudgeResult]:
     """Run the worker until nothing is in flight; every finished sequence, in uid order."""
     out: list = []
+    prefilled = 0
     for _ in range(1000):
         if not worker.has_work:
+            assert prefilled > 0  # the prompts' prefill was timed apart (it prices a migration)
             return sorted(out, key=lambda r: r.uid)
         progress, *finished = worker.run(10.0)
         assert isinstance(progress, Progress) and progress.device == worker.device and progress.seconds > 0
+        assert 0 <= progress.prefill_seconds <= progress.seconds
+        prefilled += progress.prefill_tokens
         for event in finished:
             assert isinstance(event, Generated | Judged) and event.device == worker.device
             out += event.results
