@@ -214,7 +214,7 @@ class Controller:
         pinned = frozenset(
             d.id for d in self.devices if d.shifting or d.training or d.accumulating or d.grads or d.aborting
         )
-        return PlanView(self.clock(), tuple(d.role for d in self.devices), pinned, self.workload())
+        return PlanView(self.clock(), tuple(d.role for d in self.devices), pinned, self.workload)
 
     def workload(self) -> Workload:
         """What is left in the step, in the planner's terms."""

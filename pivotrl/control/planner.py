@@ -419,6 +419,38 @@ def _allocations(devices: int, floor: Alloc) -> Iterator[Alloc]:
             yield n_r, n_g, devices - n_r - n_g
 
 
+EXHAUSTIVE_UP_TO = 32  # devices; beyond, allocations are searched coarse to fine
+
+
+def _candidate_allocations(
+    devices: int, floor: Alloc, counts: Alloc, w: _Work, p: Profiles, max_batch: int
+) -> list[Alloc]:
+    """Every allocation for a few devices. For many (a cluster's instances), a grid of
+    about 16 x 16 allocations, then every allocation within a grid cell of the grid's
+    best and within one device of the current one: a few hundred estimates instead of
+    ``devices^2 / 2`` on every plan."""
+    if devices <= EXHAUSTIVE_UP_TO:
+        return list(_allocations(devices, floor))
+    k = -(-devices // 16)
+
+    def axis(lo: int, hi: int) -> list[int]:
+        return sorted({*range(lo, hi + 1, k), hi}) if hi >= lo else []
+
+    grid = [
+        (r, g, devices - r - g)
+        for r in axis(floor[0], devices - floor[1] - floor[2])
+        for g in axis(floor[1], devices - r - floor[2])
+    ]
+    best = min(grid, key=lambda a: _estimate(w, p, a, max_batch).total)
+    out = set(grid)
+    for (cr, cg, _), radius in ((best, k), (counts, 1)):
+        for r in range(max(floor[0], cr - radius), cr + radius + 1):
+            for g in range(max(floor[1], cg - radius), cg + radius + 1):
+                if devices - r - g >= floor[2]:
+                    out.add((r, g, devices - r - g))
+    return sorted(out)
+
+
 def initial_split(workload: Workload, profiles: Profiles, devices: int, max_batch: int) -> dict[Role, int]:
     """The best allocation from scratch (no shift charged): the start split ``pivotrl plan``
     recommends. Ties go to more rollout devices, then more judge devices."""
@@ -522,7 +554,8 @@ class Planner:
         unassigned = sorted(d for d, r in current.items() if r is None and d not in pinned)
         movable = {r: sum(1 for d, x in current.items() if x is r and d not in pinned) for r in ROLES}
         cands = []
-        for alloc in _allocations(sum(counts) + len(unassigned), floor):
+        total = sum(counts) + len(unassigned)
+        for alloc in _candidate_allocations(total, floor, counts, w, profiles, max_batch):
             flows = _flows(counts, len(unassigned), alloc)
             gives = Counter[Role]()
             for (src, _), k in flows.items():

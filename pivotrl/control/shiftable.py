@@ -10,21 +10,39 @@ while it serves requests leaves at once: its sequences migrate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from pivotrl.control.messages import Accumulated, Event, Generated, Progress, Role, ShiftDone
 from pivotrl.control.modes import Demand
 from pivotrl.control.planner import LengthModel, Planner, Profiles, RoleProfile, ShiftCosts, Workload
 
 
-@dataclass(slots=True, frozen=True)
 class PlanView:
-    """What the planner needs beyond the demand counts."""
+    """What the planner needs beyond the demand counts. The workload is built on first
+    use (it walks every running sequence), so a policy that does not re-plan on an
+    event does not pay for it."""
 
-    now: float
-    roles: tuple[Role | None, ...]
-    pinned: frozenset[int]
-    workload: Workload
+    __slots__ = ("now", "roles", "pinned", "_workload", "_make")
+
+    def __init__(
+        self,
+        now: float,
+        roles: tuple[Role | None, ...],
+        pinned: frozenset[int],
+        workload: Workload | Callable[[], Workload],
+    ) -> None:
+        self.now, self.roles, self.pinned = now, roles, pinned
+        self._workload, self._make = (workload, None) if isinstance(workload, Workload) else (None, workload)
+
+    @property
+    def workload(self) -> Workload:
+        if self._workload is None:
+            assert self._make is not None
+            self._workload = self._make()
+        return self._workload
+
+
+REPLAN_SHARE = 0.01  # re-plan at the latest after this share of the step's estimated rest
 
 
 class Shiftable:
@@ -48,6 +66,7 @@ class Shiftable:
         )
         self.judge_tokens = float(judge_tokens)
         self._train: tuple[int, ...] = ()
+        self._last: tuple[tuple, float, float, dict[int, Role]] | None = None  # (situation, when, next due, targets)
 
     def observe(self, event: Event, previous_role: Role | None) -> None:
         p = self.profiles
@@ -66,6 +85,19 @@ class Shiftable:
     def targets(self, demand: Demand) -> dict[int, Role]:
         view = demand.view
         assert isinstance(view, PlanView), "shiftable mode needs the controller's plan view"
+        situation = (
+            demand.gen_pending > 0,
+            demand.judge_pending > 0,
+            demand.train_ready,
+            demand.training,
+            view.roles,
+            view.pinned,
+            tuple(n == 0 for n in demand.loads),
+        )
+        if self._last is not None:
+            last, _, due, targets = self._last
+            if situation == last and view.now < due:  # nothing changed that a plan reacts to
+                return targets
         decision = self.planner.plan(
             view.now,
             dict(enumerate(view.roles)),
@@ -76,6 +108,11 @@ class Shiftable:
             self.max_batch,
         )
         self._train = tuple(d for d, r in sorted(decision.targets.items()) if r is Role.TRAIN)
+        # the next plan is due after a small share of the step's estimated rest: often on a
+        # CPU (tens of ms), every second or so on a cluster where steps take minutes
+        rest = decision.after.total if decision.after is not None else 0.0
+        due = view.now + (REPLAN_SHARE * rest if rest < float("inf") else 0.0)
+        self._last = (situation, view.now, due, decision.targets)
         return decision.targets
 
     def train_devices(self) -> tuple[int, ...]:

@@ -432,3 +432,18 @@ def test_expected_longest_is_the_expected_maximum_not_the_largest_expectation():
     assert lm.expected_longest({50: 30}) > lm.expected_longest({50: 3}) > lm.expected_longest({90: 3})
     assert lm.expected_longest({}) == 0.0 and lm.expected_longest({100: 2}) == lm.floor  # outlived every length
     assert lengths().expected_longest({0: 5}) == lengths().expected_remaining(0)  # before data: the prior's rest
+
+
+@pytest.mark.parametrize("workload", [TAIL, JUDGE_BURST, EARLY], ids=["tail", "burst", "early"])
+def test_many_devices_are_searched_coarse_to_fine_close_to_the_optimum(workload):
+    import time
+
+    from pivotrl.control.planner import _allocations, _estimate, _summarize
+
+    n, p = 160, profiles()
+    w = _summarize(workload, p)
+    optimum = min(_estimate(w, p, a, MAX_BATCH).total for a in _allocations(n, (0, 0, 0)))
+    t0 = time.perf_counter()
+    d = Planner(n).plan(0.0, dict.fromkeys(range(n)), {}, set(), workload, p, MAX_BATCH)
+    assert time.perf_counter() - t0 < 0.5  # an exhaustive search is ~13k estimates per plan
+    assert d.after.total <= optimum * 1.02 + 1e-9

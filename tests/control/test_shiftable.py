@@ -1,0 +1,41 @@
+"""Shiftable mode's policy: it plans from the controller's view, and re-plans only when
+something a plan reacts to changed or its estimate is due for a refresh."""
+
+from pivotrl.control.messages import Role
+from pivotrl.control.modes import Demand
+from pivotrl.control.planner import Workload
+from pivotrl.control.shiftable import REPLAN_SHARE, PlanView, Shiftable
+
+R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+
+
+class Counting:
+    def __init__(self, workload: Workload) -> None:
+        self.workload, self.calls = workload, 0
+
+    def __call__(self) -> Workload:
+        self.calls += 1
+        return self.workload
+
+
+def demand(now: float, make: Counting, loads=(4, 4, 0, 0), roles=(R, R, G, T), gen: int = 8) -> Demand:
+    return Demand(gen, 8, False, False, loads, PlanView(now, roles, frozenset(), make))
+
+
+def test_replans_only_on_change_or_when_due():
+    policy = Shiftable(4, max_batch=64, rollout_tokens=96, judge_tokens=48)
+    make = Counting(Workload(rollout_remaining=[3] * 8, judge_future=8, judge_queued=8, judge_tokens_mean=40))
+    first = policy.targets(demand(0.0, make))
+    assert make.calls == 1 and set(first) == {0, 1, 2, 3}
+    assert policy.targets(demand(1e-4, make)) == first and make.calls == 1  # same situation, not due: no work built
+    policy.targets(demand(1e-4, make, loads=(4, 0, 0, 0)))  # a device ran dry: plan again
+    assert make.calls == 2
+    due = policy._last[2]
+    assert 0 < due <= REPLAN_SHARE * 1e3
+    policy.targets(demand(due + 1e-6, make, loads=(4, 0, 0, 0)))  # the estimate is due for a refresh
+    assert make.calls == 3
+
+
+def test_a_view_built_from_a_workload_needs_no_callable():
+    w = Workload(judge_queued=3)
+    assert PlanView(0.0, (R,), frozenset(), w).workload is w
