@@ -197,8 +197,13 @@ class Controller:
             if d.role is not want or stale:
                 cmds.append(Shift(d.id, want, self.version))
                 d.shifting = True
-        cmds += self.scheduler.dispatch_gen(self._ready(Role.ROLLOUT), self.version)
-        cmds += self.scheduler.dispatch_judge(self._ready(Role.GENRM))
+        for role in (Role.ROLLOUT, Role.GENRM):
+            ready = self._ready(role)
+            joining = sum(1 for d in self.devices if targets[d.id] is role and d.id not in ready)
+            if role is Role.ROLLOUT:
+                cmds += self.scheduler.dispatch_gen(ready, self.version, joining)
+            else:
+                cmds += self.scheduler.dispatch_judge(ready, joining)
         cmds += self._dispatch_train()
         return cmds
 

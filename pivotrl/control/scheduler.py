@@ -40,21 +40,29 @@ class Scheduler:
     def finished(self, device: int, uid: int) -> None:
         self.inflight[device].discard(uid)
 
-    def dispatch_gen(self, devices: list[int], version: int) -> list[Generate]:
-        batches = self._spread(self.gen_queue, devices)
+    def dispatch_gen(self, devices: list[int], version: int, joining: int = 0) -> list[Generate]:
+        batches = self._spread(self.gen_queue, devices, joining)
         return [Generate(d, tuple(reqs), version) for d, reqs in batches.items()]
 
-    def dispatch_judge(self, devices: list[int]) -> list[Judge]:
-        batches = self._spread(self.judge_queue, devices)
+    def dispatch_judge(self, devices: list[int], joining: int = 0) -> list[Judge]:
+        batches = self._spread(self.judge_queue, devices, joining)
         return [Judge(d, tuple(reqs)) for d, reqs in batches.items()]
 
-    def _spread(self, queue: deque, devices: list[int]) -> dict[int, list]:
-        """Hand queued requests one at a time to the least-loaded device with room."""
+    def _spread(self, queue: deque, devices: list[int], joining: int = 0) -> dict[int, list]:
+        """Hand queued requests one at a time to the least-loaded device with room.
+
+        ``joining`` devices are taking the role (shifting into it) and not ready yet: the
+        ready ones get no more than an even share of the work, so the first device to
+        arrive does not take the whole batch while the others find an empty queue."""
         batches: dict[int, list] = {}
         loads = {d: self.load(d) for d in devices}
+        cap = self.per_device
+        if joining and loads:
+            share = -(-(len(queue) + sum(loads.values())) // (len(loads) + joining))
+            cap = min(cap, max(1, share))
         while queue and loads:
             d = min(loads, key=lambda k: (loads[k], k))
-            if loads[d] >= self.per_device:
+            if loads[d] >= cap:
                 break
             req = queue.popleft()
             batches.setdefault(d, []).append(req)

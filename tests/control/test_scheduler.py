@@ -93,3 +93,13 @@ def test_submit_front_puts_requests_first_in_their_order():
 def test_per_device_must_be_positive():
     with pytest.raises(ValueError, match="per_device must be >= 1, got 0"):
         Scheduler(0)
+
+
+@pytest.mark.parametrize("joining, expected", [(0, [128, 128]), (2, [64, 64]), (6, [32, 32])])
+def test_devices_still_shifting_in_keep_a_share(joining, expected):
+    s = Scheduler(per_device=128)
+    s.submit_gen(gen(*range(256)))
+    first = placed(s.dispatch_gen([0, 1], version=0, joining=joining))
+    assert [len(first.get(d, [])) for d in (0, 1)] == expected
+    s.dispatch_gen([0, 1, 2, 3], version=0)  # the others arrive: the work ends up even
+    assert [s.load(d) for d in range(4)] == ([128, 128, 0, 0] if joining == 0 else [64] * 4)
