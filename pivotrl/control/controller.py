@@ -199,7 +199,7 @@ class Controller:
                 d.shifting = True
         for role in (Role.ROLLOUT, Role.GENRM):
             ready = self._ready(role)
-            joining = sum(1 for d in self.devices if targets[d.id] is role and d.id not in ready)
+            joining = sum(1 for d in self.devices if targets.get(d.id) is role and d.id not in ready)
             if role is Role.ROLLOUT:
                 cmds += self.scheduler.dispatch_gen(ready, self.version, joining)
             else:

@@ -19,6 +19,8 @@ import pytest
 
 from pivotrl.control.controller import EVAL_STRIDE, EVAL_UID, Controller, LoopSpec
 from pivotrl.control.messages import (
+    Abort,
+    Aborted,
     Accumulate,
     Accumulated,
     Command,
@@ -26,9 +28,11 @@ from pivotrl.control.messages import (
     Generate,
     Generated,
     GenParams,
+    GenRequest,
     GenResult,
     Judge,
     Judged,
+    JudgeRequest,
     JudgeResult,
     Role,
     Shift,
@@ -37,6 +41,7 @@ from pivotrl.control.messages import (
     Trained,
 )
 from pivotrl.control.modes import Colocated, Disaggregated
+from pivotrl.control.shiftable import Shiftable
 from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Status
 from pivotrl.task.arithmetic import Problem
@@ -102,6 +107,8 @@ class FakeCluster:
             tuple[Step, dict[int, float], list[Accumulate]]
         ] = []  # each update, its rewards, its backwards
         self.accumulates: list[Accumulate] = []  # backwards of the step in progress
+        self.aborts = 0
+        self.requests: dict[int, GenRequest | JudgeRequest] = {}  # uid -> request in flight, to hand back on Abort
 
     def submit(self, cmd: Command) -> None:
         self.log.append(cmd)
@@ -116,6 +123,7 @@ class FakeCluster:
             served = cmd.version + 1 if self.wrong_version else cmd.version
             for r in cmd.requests:
                 assert all(x.uid != r.uid for x in self.work[d]), f"device {d} already runs sequence {r.uid}"
+                self.requests[r.uid] = r
                 out = [r.uid % EVAL_UID] + [50] * (r.uid % 3)
                 text = response(r.uid, REFERENCE[r.prompt], cmd.version)
                 self.work[d].append(GenResult(r.uid, [7, 8], out, [-0.5] * len(out), text, "stop", served))
@@ -123,6 +131,7 @@ class FakeCluster:
             d = cmd.device
             assert self.role[d] is G, f"judge requests to device {d} holding {self.role[d]}"
             for r in cmd.requests:
+                self.requests[r.uid] = r
                 verdict = "yes" if r.response == f"the answer is {r.reference}" else "no"
                 self.work[d].append(JudgeResult(r.uid, f"looks {verdict}. VERDICT: {verdict}", False, 5))
         elif isinstance(cmd, Accumulate):
@@ -145,6 +154,12 @@ class FakeCluster:
             self.accumulates = []
             self.training |= set(cmd.devices)
             self.ready.append(Trained(cmd.devices, cmd.version + 1, {"loss": 0.0}, 1.0))
+        elif isinstance(cmd, Abort):  # hand back what has not finished; it starts over elsewhere
+            d, back = cmd.device, [self.requests.pop(r.uid) for r in self.work[cmd.device]]
+            self.work[d].clear()
+            self.aborts += 1
+            gen = tuple(r for r in back if isinstance(r, GenRequest))
+            self.ready.append(Aborted(d, gen, tuple(r for r in back if isinstance(r, JudgeRequest)), 0.01))
         else:
             raise TypeError(cmd)
 
@@ -306,3 +321,22 @@ def test_a_result_served_by_the_wrong_version_trips_the_controller():
     ctl = controller(Colocated(1))
     with pytest.raises(AssertionError, match=r"sample \d+: v1 served a v0 step"):
         run(ctl, wrong_version=True)
+
+
+# -- shiftable ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("devices", [1, 4], ids=lambda n: f"{n}dev")
+def test_shiftable_completes_with_the_same_rewards_and_updates(devices):
+    ctl = controller(Shiftable(devices, max_batch=4, rollout_tokens=8, judge_tokens=8))
+    cluster = run(ctl)
+    assert ctl.done and ctl.version == STEPS
+    assert ctl.accuracy == {v: expected_accuracy(v) for v in range(STEPS + 1)}
+    for m in ctl.metrics:
+        assert m["reward_mean"] == 0.5 and m["judge_agreement"] == 1.0 and m["parse_failures"] == 0
+    assert [cmd.version for cmd, _, _ in cluster.trains] == list(range(STEPS))
+    for cmd, rewards, backwards in cluster.trains:
+        assert rewards == {u: 1.0 if u % 2 == 0 else 0.0 for u in range(SAMPLES)}
+        assert {b.device for b in backwards} <= set(cmd.devices)
+        assert sorted(resp[0] for b in backwards for resp in b.shard.response_ids) == list(range(SAMPLES))
+    assert sum(isinstance(x, Shift) for x in cluster.log) >= 3  # it moves devices between roles
