@@ -185,7 +185,10 @@ class Worker:
                 break
         t1 = self.now()
         role = self.role
-        self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1))
+        measured = {"tokens": stats.generated_tokens - before, "running": running, "finished": len(finished)}
+        if prefill_tokens:
+            measured |= {"prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 6)}
+        self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1, measured))
         so_far = tuple((s.uid, len(s.output_ids)) for s in ctx.engine.running.values()) if role is Role.ROLLOUT else ()
         events: list[Event] = [
             Progress(
@@ -228,8 +231,13 @@ class Worker:
         ]
         stats = ctx.trainer.accumulate(samples, list(shard.advantages))
         t1 = self.now()
-        self.slices.append(Slice(self.device, "train", f"accumulate {len(samples)}", t0, t1))
-        return Accumulated(self.device, len(samples), int(stats.get("tokens", 0)), t1 - t0)
+        tokens = int(stats.get("tokens", 0))
+        self.slices.append(
+            Slice(
+                self.device, "train", f"accumulate {len(samples)}", t0, t1, {"samples": len(samples), "tokens": tokens}
+            )
+        )
+        return Accumulated(self.device, len(samples), tokens, t1 - t0)
 
     def step(self, cmd: Step, rank: int, port: int) -> Trained | None:
         """This device's part of the data-parallel optimizer step; rank 0 publishes the new version."""

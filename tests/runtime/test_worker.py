@@ -178,6 +178,9 @@ def test_generation_works_after_a_shift_to_rollout(store, before):
         assert r.prompt_ids == w.ctx.tokenizer.encode(f"{r.uid}+{r.uid}=")
         assert r.finish_reason in ("stop", "length") and r.text == w.ctx.tokenizer.decode(r.output_ids)
     assert not w.has_work
+    work = [s for s in w.drain_slices() if s.role == "rollout"]  # each slice says what it did, for profiles
+    assert sum(s.args["tokens"] for s in work) == sum(len(r.output_ids) for r in results)
+    assert work[0].args["running"] == 3 and work[0].args["prefill_tokens"] == sum(len(r.prompt_ids) for r in results)
 
 
 @pytest.mark.parametrize("before", [None, Role.ROLLOUT, Role.GENRM, Role.TRAIN], ids=label)
@@ -365,6 +368,7 @@ def test_train_publishes_weights_and_optimizer_state_and_the_next_trainer_restor
     assert set(adam_steps(w.ctx)) == {1.0}
     backward, step = w.drain_slices()
     assert (backward.role, backward.name) == ("train", f"accumulate {len(shard.response_ids)}")
+    assert backward.args["samples"] == len(shard.response_ids) and backward.args["tokens"] > 0
     assert (step.role, step.name) == ("train", "step v0->v1")
 
     w2 = make_worker(store, device=1)
