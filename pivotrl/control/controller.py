@@ -156,6 +156,17 @@ class Controller:
         return self.pump()
 
     def handle(self, event: Event) -> list[Command]:
+        self._apply(event)
+        return self.pump()
+
+    def handle_all(self, events: list[Event]) -> list[Command]:
+        """Several events that arrived together, then one pump: what a driver that
+        collects many completions at once (a cluster, the simulator) should call."""
+        for event in events:
+            self._apply(event)
+        return self.pump()
+
+    def _apply(self, event: Event) -> None:
         previous = self.devices[event.device].role if isinstance(event, ShiftDone) else None
         self.policy.observe(event, previous)
         self._measure(event)
@@ -175,7 +186,6 @@ class Controller:
             self._on_progress(event)
         else:
             raise TypeError(f"unknown event {event!r}")
-        return self.pump()
 
     def pump(self) -> list[Command]:
         """Commands that the current state allows: shifts towards the policy's

@@ -185,7 +185,7 @@ class FakeCluster:
         return out
 
 
-def run(ctl: Controller, **fake) -> FakeCluster:
+def run(ctl: Controller, batched: bool = False, **fake) -> FakeCluster:
     cluster = FakeCluster(ctl, **fake)
     commands = ctl.start()
     for _ in range(10_000):
@@ -194,7 +194,8 @@ def run(ctl: Controller, **fake) -> FakeCluster:
         cluster.batch_done()
         if ctl.done:
             return cluster
-        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+        events = cluster.next_events()
+        commands = ctl.handle_all(events) if batched else [c for e in events for c in ctl.handle(e)]
     raise AssertionError("the job did not end")
 
 
@@ -340,3 +341,14 @@ def test_shiftable_completes_with_the_same_rewards_and_updates(devices):
         assert {b.device for b in backwards} <= set(cmd.devices)
         assert sorted(resp[0] for b in backwards for resp in b.shard.response_ids) == list(range(SAMPLES))
     assert sum(isinstance(x, Shift) for x in cluster.log) >= 3  # it moves devices between roles
+
+
+@pytest.mark.parametrize("make", [lambda: Colocated(3), lambda: Disaggregated(4)], ids=["colocated", "disaggregated"])
+def test_events_handled_together_give_the_same_job(make):
+    one, together = controller(make()), controller(make())
+    a, b = run(one), run(together, batched=True)
+    check_results(together, b)
+    assert [m["reward_mean"] for m in one.metrics] == [m["reward_mean"] for m in together.metrics]
+    assert [(c.version, sorted(r.items())) for c, r, _ in a.trains] == [
+        (c.version, sorted(r.items())) for c, r, _ in b.trains
+    ]
