@@ -44,7 +44,7 @@ from pivotrl.control.messages import (
     TrainShard,
 )
 from pivotrl.control.modes import AllocationPolicy, Demand
-from pivotrl.control.planner import Workload
+from pivotrl.control.profiles import Workload
 from pivotrl.control.scheduler import Scheduler
 from pivotrl.control.shiftable import PlanView
 from pivotrl.reward.genrm import GenRM, JudgeStats

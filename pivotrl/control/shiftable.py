@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from pivotrl.control.messages import Accumulated, Event, Generated, Progress, Role, ShiftDone
 from pivotrl.control.modes import Demand
-from pivotrl.control.planner import LengthModel, Planner, Profiles, RoleProfile, ShiftCosts, Workload
+from pivotrl.control.planner import Planner
+from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, Workload
 
 
 class PlanView:

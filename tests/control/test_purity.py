@@ -11,6 +11,8 @@ CONTROL_PLANE = [
     "pivotrl.control.scheduler",
     "pivotrl.control.modes",
     "pivotrl.control.planner",
+    "pivotrl.control.profiles",
+    "pivotrl.control.shiftable",
     "pivotrl.control.messages",
     "pivotrl.config",
     "pivotrl.reward.genrm",
