@@ -203,9 +203,9 @@ def _candidate_allocations(
     devices: int, floor: Alloc, counts: Alloc, w: _Work, p: Profiles, max_batch: int
 ) -> list[Alloc]:
     """Every allocation for a few devices. For many (a cluster's instances), a grid of
-    about 16 x 16 allocations, then every allocation within half a grid cell of the
-    grid's best and within one device of the current one: about two hundred estimates
-    instead of ``devices^2 / 2`` on every plan."""
+    about 16 x 16 allocations, then every allocation within half a grid cell (at most
+    4 devices) of the grid's best and within one device of the current one: about two
+    hundred estimates instead of ``devices^2 / 2`` on every plan."""
     if devices <= EXHAUSTIVE_UP_TO:
         return list(_allocations(devices, floor))
     k = -(-devices // 16)
@@ -220,7 +220,7 @@ def _candidate_allocations(
     ]
     best = min(grid, key=lambda a: _estimate(w, p, a, max_batch).total)
     out = set(grid)
-    for (cr, cg, _), radius in ((best, max(1, k // 2)), (counts, 1)):
+    for (cr, cg, _), radius in ((best, min(max(1, k // 2), 4)), (counts, 1)):
         for r in range(max(floor[0], cr - radius), cr + radius + 1):
             for g in range(max(floor[1], cg - radius), cg + radius + 1):
                 if devices - r - g >= floor[2]:
