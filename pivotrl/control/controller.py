@@ -209,7 +209,8 @@ class Controller:
                 d.shifting = True
         for role in (Role.ROLLOUT, Role.GENRM):
             ready = self._ready(role)
-            joining = sum(1 for d in self.devices if targets.get(d.id) is role and d.id not in ready)
+            here = set(ready)
+            joining = sum(1 for d in self.devices if targets.get(d.id) is role and d.id not in here)
             if role is Role.ROLLOUT:
                 cmds += self.scheduler.dispatch_gen(ready, self.version, joining)
             else:
@@ -219,9 +220,9 @@ class Controller:
 
     def demand(self) -> Demand:
         s = self.scheduler
-        gen = len(s.gen_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.ROLLOUT)
-        judge = len(s.judge_queue) + sum(s.load(d.id) for d in self.devices if d.role is Role.GENRM)
         loads = tuple(s.load(d.id) for d in self.devices)
+        gen = len(s.gen_queue) + sum(n for d, n in zip(self.devices, loads, strict=True) if d.role is Role.ROLLOUT)
+        judge = len(s.judge_queue) + sum(n for d, n in zip(self.devices, loads, strict=True) if d.role is Role.GENRM)
         view = self._plan_view() if self.policy.wants_view else None
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
 

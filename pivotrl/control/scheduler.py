@@ -8,6 +8,7 @@ work is always handed to the least-loaded device first.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
@@ -55,17 +56,18 @@ class Scheduler:
         ready ones get no more than an even share of the work, so the first device to
         arrive does not take the whole batch while the others find an empty queue."""
         batches: dict[int, list] = {}
-        loads = {d: self.load(d) for d in devices}
+        if not queue or not devices:
+            return batches
+        heap = [(self.load(d), d) for d in devices]  # least loaded first, ties to the lowest id
+        heapq.heapify(heap)
         cap = self.per_device
-        if joining and loads:
-            share = -(-(len(queue) + sum(loads.values())) // (len(loads) + joining))
+        if joining:
+            share = -(-(len(queue) + sum(n for n, _ in heap)) // (len(heap) + joining))
             cap = min(cap, max(1, share))
-        while queue and loads:
-            d = min(loads, key=lambda k: (loads[k], k))
-            if loads[d] >= cap:
-                break
+        while queue and heap[0][0] < cap:
+            n, d = heap[0]
             req = queue.popleft()
             batches.setdefault(d, []).append(req)
             self.inflight.setdefault(d, set()).add(req.uid)
-            loads[d] += 1
+            heapq.heapreplace(heap, (n + 1, d))
         return batches

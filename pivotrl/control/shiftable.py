@@ -44,6 +44,7 @@ class PlanView:
 
 
 REPLAN_SHARE = 0.01  # re-plan at the latest after this share of the step's estimated rest
+EXACT_UP_TO = 32  # devices; beyond, only a phase change or the timer triggers a plan (some device always moves)
 
 
 class Shiftable:
@@ -86,15 +87,9 @@ class Shiftable:
     def targets(self, demand: Demand) -> dict[int, Role]:
         view = demand.view
         assert isinstance(view, PlanView), "shiftable mode needs the controller's plan view"
-        situation = (
-            demand.gen_pending > 0,
-            demand.judge_pending > 0,
-            demand.train_ready,
-            demand.training,
-            view.roles,
-            view.pinned,
-            tuple(n == 0 for n in demand.loads),
-        )
+        situation: tuple = (demand.gen_pending > 0, demand.judge_pending > 0, demand.train_ready, demand.training)
+        if len(view.roles) <= EXACT_UP_TO:  # a few devices: any device that shifts or runs dry is news
+            situation += (view.roles, view.pinned, tuple(n == 0 for n in demand.loads))
         if self._last is not None:
             last, _, due, targets = self._last
             if situation == last and view.now < due:  # nothing changed that a plan reacts to
