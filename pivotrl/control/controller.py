@@ -87,6 +87,7 @@ class DeviceView:
     shifting: bool = False
     training: bool = False  # in the optimizer step
     aborting: bool = False  # an Abort in flight
+    leaving: Role | None = None  # aborted to take this role: it shifts there next, whatever the plan says by then
     accumulating: bool = False  # an Accumulate in flight
     grads: bool = False  # holds gradients of this step: stays in the train role until the step
     groups: int = 0  # groups accumulated on it in this step
@@ -197,12 +198,13 @@ class Controller:
         for d in self.devices:
             if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
                 continue
-            want = targets[d.id]
+            want = targets[d.id] if d.leaving is None else d.leaving
             if self.scheduler.load(d.id):
                 if d.role is not want and self.policy.preempt:  # leave now: its requests migrate
                     cmds.append(Abort(d.id))
-                    d.aborting = True
+                    d.aborting, d.leaving = True, want  # a decision acted on is kept: no work comes back to it
                 continue
+            d.leaving = None
             stale = want is not Role.GENRM and d.version != self.version
             if d.role is not want or stale:
                 cmds.append(Shift(d.id, want, self.version))
@@ -269,7 +271,10 @@ class Controller:
         return [
             d.id
             for d in self.devices
-            if d.role is role and not d.shifting and (role is Role.GENRM or d.version == self.version)
+            if d.role is role
+            and not d.shifting
+            and d.leaving is None
+            and (role is Role.GENRM or d.version == self.version)
         ]
 
     # -- steps ----------------------------------------------------------------------

@@ -352,3 +352,39 @@ def test_events_handled_together_give_the_same_job(make):
     assert [(c.version, sorted(r.items())) for c, r, _ in a.trains] == [
         (c.version, sorted(r.items())) for c, r, _ in b.trains
     ]
+
+
+class Steered(Disaggregated):
+    """Disaggregated placement, preempting, with targets a test can override."""
+
+    preempt = True
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.override: dict[int, Role] = {}
+
+    def targets(self, demand):
+        return {**super().targets(demand), **self.override}
+
+
+def test_an_abort_commits_the_device_to_the_role_it_was_aborted_for():
+    """A plan that flips back while the abort is in flight must not hand the device new work:
+    in the simulator (aborts take no time) that looped abort, judge, abort, ... at one instant."""
+    policy = Steered()  # rollout: 0, 1; genrm: 2; train: 3
+    ctl = controller(policy)
+    cluster = FakeCluster(ctl)
+    commands = ctl.start()
+    while not any(isinstance(c, Generate) and c.device == 0 for c in commands):
+        for c in commands:
+            cluster.submit(c)
+        commands = [c for e in cluster.ready for c in ctl.handle(e)]
+        cluster.ready = []
+    for c in commands:
+        cluster.submit(c)
+    policy.override[0] = G
+    assert Abort(0) in ctl.pump()
+    cluster.submit(Abort(0))
+    policy.override[0] = R  # the plan changes its mind before the abort lands
+    after = [c for e in cluster.ready for c in ctl.handle(e)]
+    assert Shift(0, G, 0) in after
+    assert not any(isinstance(c, Generate | Judge) and c.device == 0 for c in after)
