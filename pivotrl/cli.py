@@ -1,4 +1,4 @@
-"""Command line: ``pivotrl train | prepare | plan | timeline | compare``.
+"""Command line: ``pivotrl train | simulate | prepare | plan | timeline | compare``.
 
 A user's mistake (bad config, missing file, unsupported checkpoint) prints
 one line naming what is wrong and what is allowed and exits with status 2;
@@ -51,6 +51,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     summary = run_job(cfg, out, progress=not args.quiet, ray_address=args.ray_address)
     print(format_summary(summary, out))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pivotrl.sim.run import format_sim, run_simulation
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out)
+    summary = run_simulation(cfg, out, progress=not args.quiet)
+    print(format_summary(summary, out))
+    print(format_sim(summary))
     return 0
 
 
@@ -132,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--ray-address", help="join this Ray cluster (e.g. 'auto') instead of starting a local one")
     t.set_defaults(func=cmd_train)
+    si = sub.add_parser("simulate", help="run a job's control plane against modeled GPUs on a virtual clock")
+    si.add_argument("config", help="job config (YAML); sim.* says what is modeled, e.g. examples/sim128.yaml")
+    si.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sim.gpus=1024 steps=20")
+    si.add_argument("--out", required=True, help="run directory to write")
+    si.add_argument("--quiet", action="store_true", help="no progress bar")
+    si.set_defaults(func=cmd_simulate)
     pr = sub.add_parser("prepare", help="build the bundled task data, policy and judge (CPU, minutes)")
     pr.add_argument("--models", default="models", help="where to write the model directories")
     pr.add_argument("--data", default="data/arithmetic", help="where the task data lives")

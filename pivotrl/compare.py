@@ -68,6 +68,11 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _tokens(row: dict[str, Any]) -> Any:
+    """A sample's tokens; a simulated run records only their count."""
+    return row["response_ids"] if "response_ids" in row else row.get("response_tokens")
+
+
 def _samples(run: Path) -> dict[tuple[int, int], dict[str, Any]]:
     out = {}
     for row in _jsonl(run / "samples.jsonl"):
@@ -99,7 +104,7 @@ def compare_runs(a: str | Path, b: str | Path) -> Comparison:
     for key in sorted(sa.keys() & sb.keys()):
         x, y = sa[key], sb[key]
         c.samples += 1
-        if x["response_ids"] == y["response_ids"]:
+        if _tokens(x) == _tokens(y):
             c.same_tokens += 1
         else:
             c.differing.append(key)

@@ -31,6 +31,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from pivotrl.sim.config import SimConfig
 from pivotrl.train.config import TrainConfig
 
 ROLES = ("rollout", "genrm", "train")
@@ -175,6 +176,7 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # response sampling
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO update
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
+    sim: SimConfig = field(default_factory=SimConfig)  # what `pivotrl simulate` models (ignored by train)
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "seed")

@@ -2,7 +2,10 @@
 
 Pure standard-library Python (no torch, Ray or numpy), so that a simulator
 driver can run the unchanged control plane against thousands of modeled
-devices on a virtual clock in seconds.
+devices on a virtual clock in seconds: ``driver`` (with ``engine``, a modeled
+continuous-batching engine, and ``synthetic``, stand-in texts) does, and
+``run`` makes a run directory of it (``pivotrl simulate``, ``sim.*`` keys in
+``config``).
 """
 
 from pivotrl.sim.costs import CostModel, RooflineCosts, StepTime, max_batch, steps_within

@@ -19,7 +19,7 @@ advances from event to event, not from token to token.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
 from pivotrl.control.messages import Role
@@ -69,6 +69,10 @@ class CostModel(Protocol):
 
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
         """Resuming a migrated sequence: re-prefill of its ``tokens`` (prompt plus output so far)."""
+        ...
+
+    def refresh(self, model: ModelSpec, tp: int) -> float:
+        """A rollout instance taking the next policy version: new weights into its running engine."""
         ...
 
 
@@ -123,15 +127,45 @@ def steps_within(
     costs: CostModel, model: ModelSpec, tp: int, batch: int, context: float, seconds: float, limit: int
 ) -> int:
     """The most decode steps (at most ``limit``) that end within ``seconds``: how far a batch got when
-    an event interrupts it. A bisection over ``decode_span``, so O(log limit) calls."""
+    an event interrupts it. A guess from the step time and its growth with the context (exact while
+    one roofline side binds), then a gallop and a bisection over ``decode_span``: a few calls when
+    the guess is right, O(log limit) at worst."""
     _check_count("limit", limit)
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if costs.decode_span(model, tp, batch, context, mid) <= seconds:
+
+    def fits(steps: int) -> bool:
+        return costs.decode_span(model, tp, batch, context, steps) <= seconds
+
+    first = costs.decode_span(model, tp, batch, context, 1)
+    growth = max(0.0, costs.decode_span(model, tp, batch, context, 2) - 2 * first)
+    if first <= 0 or seconds <= 0:
+        guess = limit if first <= 0 else 0
+    elif growth == 0:
+        guess = min(limit, math.floor(seconds / first))
+    else:  # first * n + growth * n (n - 1) / 2 = seconds
+        b = first - growth / 2
+        guess = min(limit, math.floor((-b + math.sqrt(b * b + 2 * growth * seconds)) / growth))
+    lo, hi = 0, limit + 1  # fits(lo); not fits(hi) (hi = limit + 1: unknown)
+    step = 1
+    if fits(guess):
+        lo = guess
+        while lo + step <= limit:
+            if not fits(lo + step):
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
+    else:
+        hi = guess
+        while hi - step > 0:
+            if fits(hi - step):
+                lo = hi - step
+                break
+            hi, step = hi - step, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
             lo = mid
         else:
-            hi = mid - 1
+            hi = mid
     return lo
 
 
@@ -180,10 +214,12 @@ class RooflineCosts:
     # warm-up step (vLLM sleep mode reports 0.1-0.4 s to wake small models), plus the control round trip
     train_start_s: float = 2.0  # a trainer joining: its data-parallel process group is rebuilt (NCCL init)
     mem_fraction: float = 0.9
+    # (model, tp, batch) -> a decode step's line in the context; the simulator asks for a few batches millions of times
+    _lines: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "gpu":
+            if f.name not in ("gpu", "_lines"):
                 _check(f.name, getattr(self, f.name))
         for name in ("compute_eff_max", "prefill_eff", "bw_eff", "kv_bw_eff", "h2d_eff", "mfu_dense", "mfu_moe"):
             if not 0 < getattr(self, name) <= 1:
@@ -225,14 +261,23 @@ class RooflineCosts:
 
     def decode_span(self, model: ModelSpec, tp: int, batch: int, context: float, steps: int) -> float:
         _check_count("steps", steps)
+        _check("context", context)
         if steps == 0 or batch == 0:
             return 0.0
-        # both roofline sides are linear in the context: read their slopes off two adjacent steps
-        t0 = self.decode_terms(model, tp, batch, context)
-        t1 = self.decode_terms(model, tp, batch, context + 1)
-        compute = (t0.compute_s, t1.compute_s - t0.compute_s)
-        memory = (t0.memory_s, t1.memory_s - t0.memory_s)
-        return _sum_of_max(compute, memory, steps) + steps * (t0.comm_s + t0.overhead_s)
+        c0, c1, m0, m1, rest = self._decode_line(model, tp, batch)
+        return _sum_of_max((c0 + c1 * context, c1), (m0 + m1 * context, m1), steps) + steps * rest
+
+    def _decode_line(self, model: ModelSpec, tp: int, batch: int) -> tuple[float, float, float, float, float]:
+        """Compute and memory seconds of a decode step as ``a + b * context`` (both roofline sides are
+        linear in the context: read off two adjacent steps), and the rest (collectives, overhead)."""
+        key = (model, tp, batch)
+        line = self._lines.get(key)
+        if line is None:
+            t0, t1 = self.decode_terms(model, tp, batch, 0.0), self.decode_terms(model, tp, batch, 1.0)
+            line = (t0.compute_s, t1.compute_s - t0.compute_s, t0.memory_s, t1.memory_s - t0.memory_s,
+                    t0.comm_s + t0.overhead_s)  # fmt: skip
+            self._lines[key] = line
+        return line
 
     def prefill_terms(self, model: ModelSpec, tp: int, tokens: int, seq_len: int | None = None) -> StepTime:
         """The terms of one prefill pass; causal attention sees ``seq_len / 2`` tokens on average."""
@@ -299,3 +344,8 @@ class RooflineCosts:
 
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
         return self.prefill(model, tp, tokens)
+
+    def refresh(self, model: ModelSpec, tp: int) -> float:
+        """The weights over PCIe, ``1/tp`` per GPU; the engine keeps running (no start-up)."""
+        _check_tp(tp)
+        return model.weight_bytes / tp / (self.gpu.h2d_bw * self.h2d_eff)

@@ -231,3 +231,9 @@ class MeasuredCosts:
 
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
         return self.prefill(model, tp, tokens)
+
+    def refresh(self, model: ModelSpec, tp: int) -> float:
+        """Not measured apart: a first load into rollout (``none->rollout``, else the mean measured shift
+        into rollout), an upper bound since it includes the engine start."""
+        self._gen(model, tp)
+        return self.shift(model, None, Role.ROLLOUT, tp)

@@ -14,6 +14,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 from pivotrl.sim.models import MODELS, ModelSpec
@@ -35,6 +36,9 @@ _PARAMS: dict[LengthKind, tuple[str, ...]] = {
     LengthKind.TRACE: ("lengths",),
 }
 _ALL_PARAMS = tuple(p for ps in _PARAMS.values() for p in ps)
+
+
+_STANDARD_NORMAL = NormalDist()
 
 
 def _normal_cdf(x: float) -> float:
@@ -188,6 +192,25 @@ class LengthDist:
             excess = -math.log(1.0 - rng.random()) / self.alpha  # log(x / minimum), exponential
             out.append(max(1, min(cap, round(self.minimum * math.exp(min(excess, log_cap + 1.0))))))
         return out
+
+    def quantile(self, u: float) -> int:
+        """The length at quantile ``u`` in [0, 1): a draw by inverse transform from a uniform the caller
+        derives from a sequence's seed, so the sequence gets the same length wherever it runs."""
+        if not 0 <= u < 1:
+            raise ValueError(f"u: got {u!r}, must be in [0, 1)")
+        cap, k = self.cap, self.kind
+        if k is LengthKind.FIXED:
+            return min(self.value, cap)
+        if k is LengthKind.UNIFORM:
+            return min(self.lo + math.floor(u * (self.hi - self.lo + 1)), self.hi, cap)
+        if k is LengthKind.TRACE:
+            return max(1, min(self.lengths[math.floor(u * len(self.lengths))], cap))
+        if k is LengthKind.LOGNORMAL:
+            z = _STANDARD_NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
+            return max(1, min(cap, round(self.median * math.exp(min(self.sigma * z, math.log(cap) + 1.0)))))
+        excess = -math.log(1.0 - u) / self.alpha  # Pareto: log(x / minimum) is exponential
+        log_cap = math.log(cap / self.minimum) if cap > self.minimum else 0.0
+        return max(1, min(cap, round(self.minimum * math.exp(min(excess, log_cap + 1.0)))))
 
     def mean(self) -> float:
         """Mean of the capped distribution, in closed form (whole-token rounding aside)."""

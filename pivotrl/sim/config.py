@@ -1,0 +1,102 @@
+"""The ``sim`` section of the job config: what ``pivotrl simulate`` models.
+
+The rest of the job config means what it means in a real run (``mode``,
+``split``, ``steps``, ``seed``, ``rollout.*``, ``judge.max_new_tokens``,
+``eval.*``); ``devices`` is replaced by ``gpus / instance_gpus``: one device
+of the control plane is one model instance of ``instance_gpus`` GPUs (tensor
+parallel). Checked when built, like every section; whether ``lengths_file``
+and a measured-costs file exist is checked when the simulation starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pivotrl.sim.hardware import GPUS
+from pivotrl.sim.models import MODELS
+from pivotrl.sim.workload import LengthDist
+
+LengthKindName = Literal["fixed", "uniform", "lognormal", "pareto"]
+_PARAMS = {
+    "fixed": ("value",),
+    "uniform": ("lo", "hi"),
+    "lognormal": ("median", "sigma"),
+    "pareto": ("minimum", "alpha"),
+}
+
+
+def _int_at_least(obj: object, lo: int, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name}: expected an integer >= {lo}, got {value!r}")
+
+
+@dataclass(slots=True)
+class LengthsConfig:
+    """Policy response lengths in tokens; only the parameters of ``kind`` are used. The cap is
+    the job's ``rollout.max_new_tokens`` (``eval.max_new_tokens`` for evaluation)."""
+
+    kind: LengthKindName = "lognormal"  # fixed | uniform | lognormal | pareto
+    median: float = 1024.0  # lognormal: median length
+    sigma: float = 0.8  # lognormal: spread of log(length)
+    minimum: float = 256.0  # pareto: shortest length
+    alpha: float = 1.5  # pareto: tail index (lower is heavier)
+    value: int = 1024  # fixed: every length
+    lo: int = 1  # uniform: shortest
+    hi: int = 2048  # uniform: longest
+
+    def __post_init__(self) -> None:
+        try:
+            self.dist(1 << 30)
+        except ValueError as e:  # LengthDist names "<kind>.<param>"; the config names the param
+            raise ValueError(str(e).removeprefix(f"{self.kind}.")) from None
+
+    def dist(self, cap: int) -> LengthDist:
+        """The distribution, capped at ``cap`` tokens."""
+        params = {name: getattr(self, name) for name in _PARAMS[self.kind]}
+        return LengthDist(self.kind, cap, **params)
+
+
+@dataclass(slots=True)
+class SimConfig:
+    gpu: str = "H100"  # modeled accelerator, a name in pivotrl.sim.hardware.GPUS
+    gpus: int = 8  # GPUs in the cluster
+    instance_gpus: int = 1  # GPUs per model instance (tensor parallel); a control-plane device is one instance
+    policy_model: str = "Qwen2.5-7B"  # policy shape, a name in pivotrl.sim.models.MODELS
+    genrm_model: str = "Qwen2.5-7B"  # judge shape, a name in MODELS
+    lengths: LengthsConfig = field(default_factory=LengthsConfig)  # response length distribution
+    lengths_file: str = ""  # JSONL trace of response lengths (an int or {"length": int} per line); overrides lengths
+    prompt_len: int = 512  # tokens of a policy prompt
+    judge_template_len: int = 256  # tokens the judge prompt adds to the question and the response
+    judge_output_len: int = 512  # tokens of a judgment (capped at judge.max_new_tokens; a capped one has no verdict)
+    yes_probability: float = 0.5  # chance a response is right (and judged so); accuracy is not meaningful here
+    slice_s: float = 5.0  # virtual seconds between two reports of a generating device
+    costs: str = "roofline"  # "roofline" (from the GPU's datasheet) or a MeasuredCosts JSON file
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPUS:
+            raise ValueError(f"gpu: expected one of {', '.join(GPUS)}, got {self.gpu!r}")
+        for name in ("policy_model", "genrm_model"):
+            if getattr(self, name) not in MODELS:
+                raise ValueError(f"{name}: expected one of {', '.join(MODELS)}, got {getattr(self, name)!r}")
+        _int_at_least(self, 1, "gpus", "instance_gpus", "prompt_len", "judge_output_len")
+        _int_at_least(self, 0, "judge_template_len")
+        if self.gpus % self.instance_gpus:
+            raise ValueError(
+                f"gpus: expected a multiple of instance_gpus ({self.instance_gpus}), got {self.gpus} "
+                f"(a device is one instance of instance_gpus GPUs)"
+            )
+        if not (isinstance(self.yes_probability, float | int) and 0 <= self.yes_probability <= 1):
+            raise ValueError(f"yes_probability: expected a number in [0, 1], got {self.yes_probability!r}")
+        if not (isinstance(self.slice_s, float | int) and 0 < self.slice_s < math.inf):
+            raise ValueError(f"slice_s: expected a number > 0, got {self.slice_s!r}")
+        if not isinstance(self.costs, str) or not self.costs:
+            raise ValueError(f"costs: expected 'roofline' or a measured-costs JSON file, got {self.costs!r}")
+
+    @property
+    def devices(self) -> int:
+        """Control-plane devices: model instances of ``instance_gpus`` GPUs."""
+        return self.gpus // self.instance_gpus

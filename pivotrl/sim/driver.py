@@ -1,0 +1,434 @@
+"""Simulator driver: the unchanged control plane against modeled devices on a virtual clock.
+
+Same interface as the runtime's drivers (``submit``, ``next_events``,
+``start_clock``, ``slices``, ``close``) plus ``clock``, the controller's
+clock, so every timestamp of a simulated run is in virtual seconds. A
+control-plane device is one model instance of ``tp`` GPUs.
+
+An event heap (vidur's loop): ``next_events`` pops the earliest completions,
+advances the clock to them and returns their events, all those of one virtual
+instant together (a grid point gathers every generating device's report, for
+``Controller.handle_all``); ``submit`` schedules the follow-ups. Each command
+is answered with the event kinds the runtime's ``Worker`` answers it with, in
+the same situations:
+
+    Shift      -> ShiftDone after the cost model's shift (a rollout instance taking the
+                  next version: its weights refresh)
+    Generate,  -> nothing at once; while the instance has work, every slice (``slice_s``
+    Judge         virtual seconds, on a grid shared by all devices so reports come
+                  together; cut short when the engine runs dry) a Progress, and a
+                  Generated or Judged with the sequences that finished in it
+    Abort      -> Aborted at once, requests carrying their tokens so far (after the
+                  Progress and results of the slice it cuts short, if any)
+    Accumulate -> Accumulated after the backward of its samples' tokens on the instance
+    Step       -> one Trained after the optimizer step, data parallel over all the GPUs
+                  of its devices; the new version is the old + 1
+
+Generation runs on a ``ModeledEngine`` per instance. A slice is planned when
+it starts (the engine advanced to its end); a command reaching a device in the
+middle of a slice takes the plan back to that moment and plans the rest again.
+
+A control plane that keeps issuing commands while virtual time stands still
+(answers that take no time, such as aborts, asked for again and again) would
+loop forever here; after ``LIVELOCK_ROUNDS`` such rounds ``next_events`` raises
+``StallError`` naming the latest commands.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+from pivotrl.control.messages import (
+    Abort,
+    Aborted,
+    Accumulate,
+    Accumulated,
+    Command,
+    Event,
+    Generate,
+    Generated,
+    GenRequest,
+    GenResult,
+    Judge,
+    Judged,
+    JudgeRequest,
+    JudgeResult,
+    Progress,
+    Role,
+    Shift,
+    ShiftDone,
+    Step,
+    Trained,
+)
+from pivotrl.sim import synthetic
+from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel
+from pivotrl.sim.engine import ModeledEngine, SimSeq
+from pivotrl.sim.models import ModelSpec
+from pivotrl.sim.workload import LengthDist
+from pivotrl.telemetry import Slice
+
+
+class StallError(RuntimeError):
+    """The controller waits for events but no device has work, or it repeats commands without
+    virtual time moving: a control-plane bug."""
+
+
+LIVELOCK_ROUNDS = 1000  # rounds of commands at one virtual instant that mean the control plane loops
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """What the driver models; ``pivotrl.sim.run.build`` makes one from a job config."""
+
+    devices: int  # model instances
+    tp: int  # GPUs per instance
+    costs: CostModel
+    policy: ModelSpec
+    genrm: ModelSpec
+    lengths: LengthDist  # policy response lengths (each request's max_new_tokens caps them too)
+    seed: int  # the job's seed, mixed into every draw
+    prompt_len: int  # tokens of every policy prompt (the problems are stand-ins)
+    max_batch: int  # sequences an engine holds at most (rollout.max_batch); KV memory may allow fewer
+    rollout_context: int  # the longest policy sequence, prompt and response: the size of a KV slot
+    judge_context: int  # the longest judge sequence
+    judge_template_len: int  # judge prompt tokens beside the question and the response
+    judge_output_len: int  # tokens of a judgment
+    yes_probability: float  # chance that a response is right (and is judged right)
+    verdicts: tuple[str, str]  # judgment of a wrong and of a right response (parsed by the job's GenRM)
+    slice_s: float = 5.0
+
+    def capacity(self, role: Role) -> int:
+        """Sequences one instance of ``role`` runs at once: the engine's slots, or fewer if KV memory says so."""
+        model, context = (
+            (self.policy, self.rollout_context) if role is Role.ROLLOUT else (self.genrm, self.judge_context)
+        )
+        return min(self.max_batch, self.costs.max_batch(model, self.tp, context))
+
+
+@dataclass(slots=True)
+class _Slice:
+    start: float
+    grid: float  # where it ends unless the engine runs dry first
+    running: int  # engine load when it started
+    tokens: int  # engine counters when it started
+    prefill_tokens: int
+    prefill_seconds: float
+    anchor: tuple = ()  # engine snapshot the current plan starts from
+    done: list[SimSeq] = field(default_factory=list)  # finished before the anchor
+    planned: list[SimSeq] = field(default_factory=list)  # finished between the anchor and the end
+    end: float = 0.0
+    epoch: int = 0
+
+
+@dataclass(slots=True)
+class _Device:
+    id: int
+    role: Role | None = None
+    version: int = -1
+    free_at: float = 0.0  # a shift or training work runs until then
+    engine: ModeledEngine | None = None
+    slice: _Slice | None = None  # the generation slice in flight
+
+
+class SimDriver:
+    """``spec.devices`` modeled instances answering the control plane's commands on a virtual clock."""
+
+    def __init__(self, spec: SimSpec) -> None:
+        self.spec = spec
+        self.now = 0.0
+        self.devices = [_Device(d) for d in range(spec.devices)]
+        self._heap: list[tuple[float, int, Callable[[], list[Event]]]] = []
+        self._seq = 0  # tie-break: same-time completions come out in the order they were scheduled
+        self._to_start: set[int] = set()  # devices whose engine has work and no slice in flight
+        self._slices: list[Slice] = []
+        self._rounds = 0  # rounds of commands since virtual time last moved
+        self._recent: deque[str] = deque(maxlen=6)  # the latest commands, for the livelock message
+        self._last: dict[int, Slice] = {}  # each device's latest slice, extended while its role work runs on
+        self._prompt_ids: dict[int, list[int]] = {}  # placeholder prompt ids, shared per length
+
+    # -- the driver interface -------------------------------------------------------
+    def clock(self) -> float:
+        return self.now
+
+    def start_clock(self, origin: float) -> None:
+        """Virtual time starts at 0 whatever the wall clock says."""
+
+    def slices(self) -> list[Slice]:
+        out, self._slices, self._last = self._slices, [], {}
+        return out
+
+    def close(self) -> None:
+        pass
+
+    def submit(self, cmd: Command) -> None:
+        self._recent.append(f"{type(cmd).__name__}({getattr(cmd, 'device', getattr(cmd, 'devices', ''))})")
+        if isinstance(cmd, Shift):
+            self._shift(cmd)
+        elif isinstance(cmd, Generate):
+            dev = self._generation_device(cmd.device, Role.ROLLOUT)
+            if dev.version != cmd.version:
+                raise RuntimeError(f"device {dev.id} holds policy v{dev.version}, requests need v{cmd.version}")
+            self._add(dev, [self._gen_seq(r) for r in cmd.requests])
+        elif isinstance(cmd, Judge):
+            self._add(self._generation_device(cmd.device, Role.GENRM), [self._judge_seq(r) for r in cmd.requests])
+        elif isinstance(cmd, Abort):
+            self._abort(self.devices[cmd.device])
+        elif isinstance(cmd, Accumulate):
+            self._accumulate(cmd)
+        elif isinstance(cmd, Step):
+            self._step(cmd)
+        else:
+            raise TypeError(f"unknown command {cmd!r}")
+
+    def next_events(self) -> list[Event]:
+        out: list[Event] = []
+        while not out:
+            self._start_slices()
+            if not self._heap:
+                raise StallError("the controller waits for events but no device has work")
+            t = self._heap[0][0]
+            self._rounds = self._rounds + 1 if t <= self.now else 0
+            if self._rounds > LIVELOCK_ROUNDS:
+                raise StallError(
+                    f"the control plane repeats itself without progress: {LIVELOCK_ROUNDS} rounds of commands at "
+                    f"t={self.now:.3f} s, the latest {', '.join(self._recent)}"
+                )
+            self.now = max(self.now, t)
+            while self._heap and self._heap[0][0] == t:
+                out += heapq.heappop(self._heap)[2]()
+        return out
+
+    # -- scheduling -----------------------------------------------------------------
+    def _at(self, t: float, fn: Callable[[], list[Event]]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn))
+
+    def _record(self, device: int, role: str, name: str, start: float, end: float, **args: float) -> Slice:
+        s = Slice(device, role, name, start, end, dict(args))
+        self._slices.append(s)
+        self._last[device] = s
+        return s
+
+    # -- shifts and training --------------------------------------------------------
+    def _shift(self, cmd: Shift) -> None:
+        dev, spec = self.devices[cmd.device], self.spec
+        if dev.engine is not None and dev.engine.has_work or dev.slice is not None:
+            raise RuntimeError(f"device {dev.id}: shift to {cmd.role.value} with sequences in flight")
+        model = spec.genrm if cmd.role is Role.GENRM else spec.policy
+        src = dev.role
+        if src is cmd.role is Role.ROLLOUT:
+            seconds = spec.costs.refresh(model, spec.tp)
+        elif src is cmd.role is Role.TRAIN:  # the runtime rebuilds a trainer to change its version
+            seconds = spec.costs.shift(model, None, Role.TRAIN, spec.tp)
+        else:
+            seconds = spec.costs.shift(model, src, cmd.role, spec.tp)
+        nbytes = 0 if src is cmd.role is Role.GENRM else int(model.weight_bytes)
+        if cmd.role is Role.TRAIN and src is not Role.TRAIN:
+            nbytes += int(model.total_params * OPTIMIZER_BYTES_PER_PARAM)
+        t0 = max(self.now, dev.free_at)
+        dev.free_at = t1 = t0 + seconds
+
+        def done() -> list[Event]:
+            dev.role, dev.version = cmd.role, cmd.version
+            if cmd.role is Role.TRAIN:
+                dev.engine = None
+            elif src is not cmd.role or dev.engine is None:
+                dev.engine = ModeledEngine(spec.costs, model, spec.tp, spec.capacity(cmd.role), t1)
+            name = f"{src.value if src else 'none'}->{cmd.role.value}"
+            self._record(dev.id, "shift", name, t0, t1, bytes=nbytes, version=cmd.version)
+            return [ShiftDone(dev.id, cmd.role, cmd.version, seconds, nbytes)]
+
+        self._at(t1, done)
+
+    def _train_device(self, device: int, version: int) -> _Device:
+        dev = self.devices[device]
+        if dev.role is not Role.TRAIN:
+            raise RuntimeError(f"device {device} is not in the train role")
+        if dev.version != version:
+            raise RuntimeError(f"device {device} holds policy v{dev.version}, update needs v{version}")
+        return dev
+
+    def _accumulate(self, cmd: Accumulate) -> None:
+        dev, spec, shard = self._train_device(cmd.device, cmd.version), self.spec, cmd.shard
+        samples = len(shard.response_ids)
+        response = sum(len(r) for r in shard.response_ids)
+        tokens = response + sum(len(p) for p in shard.prompt_ids)
+        seconds = spec.costs.train_tokens(spec.policy, tokens, spec.tp, round(tokens / max(samples, 1)))
+        t0 = max(self.now, dev.free_at)
+        dev.free_at = t1 = t0 + seconds
+
+        def done() -> list[Event]:
+            self._record(dev.id, "train", f"accumulate {samples}", t0, t1, tokens=tokens)
+            return [Accumulated(dev.id, samples, response, seconds)]
+
+        self._at(t1, done)
+
+    def _step(self, cmd: Step) -> None:
+        devs, spec = [self._train_device(d, cmd.version) for d in cmd.devices], self.spec
+        seconds = spec.costs.optimizer_step(spec.policy, len(devs) * spec.tp)
+        t0 = max([self.now] + [d.free_at for d in devs])
+        t1 = t0 + seconds
+        for d in devs:
+            d.free_at = t1
+        new = cmd.version + 1
+        stats = {"tokens": float(cmd.total_tokens), "world_size": float(len(devs)), "version": float(new)}
+
+        def done() -> list[Event]:
+            for d in devs:
+                d.version = new
+                self._record(d.id, "train", f"step v{cmd.version}->v{new}", t0, t1)
+            return [Trained(cmd.devices, new, stats, seconds)]
+
+        self._at(t1, done)
+
+    # -- generation -----------------------------------------------------------------
+    def _generation_device(self, device: int, role: Role) -> _Device:
+        dev = self.devices[device]
+        if dev.role is not role or dev.engine is None:
+            have = dev.role.value if dev.role else "no role"
+            raise RuntimeError(f"device {device} holds {have}, cannot serve {role.value} requests")
+        return dev
+
+    def _gen_seq(self, r: GenRequest) -> SimSeq:
+        u = synthetic.unit(self.spec.seed, r.seed, r.uid, synthetic.LENGTH)
+        target = min(self.spec.lengths.quantile(u), r.params.max_new_tokens)
+        prompt = len(r.prompt_ids) or self.spec.prompt_len
+        return SimSeq(r.uid, prompt, len(r.output_ids), target, r)
+
+    def _judge_seq(self, r: JudgeRequest) -> SimSeq:
+        spec = self.spec
+        if r.prompt_ids:
+            prompt = len(r.prompt_ids)
+        else:
+            prompt = spec.prompt_len + synthetic.response_tokens(r.response) + spec.judge_template_len
+        return SimSeq(r.uid, prompt, len(r.output_ids), min(spec.judge_output_len, r.params.max_new_tokens), r)
+
+    def _add(self, dev: _Device, seqs: list[SimSeq]) -> None:
+        engine = dev.engine
+        assert engine is not None
+        if dev.slice is not None:  # mid-slice: back to now, then plan the rest with the newcomers
+            self._catch_up(dev)
+        for s in seqs:
+            engine.add(s, self.now)
+        if dev.slice is not None:
+            self._plan(dev)
+        elif seqs:
+            self._to_start.add(dev.id)
+
+    def _grid_after(self, t: float) -> float:
+        s = self.spec.slice_s
+        end = (math.floor(t / s + 1e-9) + 1) * s
+        return end + s if end - t < s / 2 else end
+
+    def _start_slices(self) -> None:
+        for d in sorted(self._to_start):
+            dev = self.devices[d]
+            engine = dev.engine
+            if dev.slice is None and engine is not None and engine.has_work:
+                engine.peak = 0
+                dev.slice = _Slice(self.now, self._grid_after(self.now), engine.load, engine.tokens,
+                                   engine.prefill_tokens, engine.prefill_seconds)  # fmt: skip
+                self._plan(dev)
+        self._to_start.clear()
+
+    def _plan(self, dev: _Device) -> None:
+        """Advance the engine to the slice's end and schedule the report there (or where it runs dry)."""
+        s, engine = dev.slice, dev.engine
+        assert s is not None and engine is not None
+        s.anchor = engine.snapshot()
+        s.planned = engine.advance(s.grid)
+        s.end = s.grid if engine.has_work else min(s.grid, max(engine.t, self.now))
+        s.epoch = self._seq + 1  # unique: a report scheduled for an older plan (or slice) is void
+        self._at(s.end, partial(self._end_slice, dev, s.epoch))
+
+    def _catch_up(self, dev: _Device) -> None:
+        """Take the slice's plan back to now: only what completed by now has happened."""
+        s, engine = dev.slice, dev.engine
+        assert s is not None and engine is not None
+        engine.restore(s.anchor)
+        s.done += engine.advance(self.now)
+        s.planned, s.epoch = [], -1  # the scheduled report is void
+
+    def _end_slice(self, dev: _Device, epoch: int) -> list[Event]:
+        s = dev.slice
+        if s is None or s.epoch != epoch:
+            return []
+        events = self._report(dev, s, s.end, s.done + s.planned)
+        dev.slice = None
+        if dev.engine is not None and dev.engine.has_work:
+            self._to_start.add(dev.id)
+        return events
+
+    def _report(self, dev: _Device, s: _Slice, end: float, done: list[SimSeq]) -> list[Event]:
+        """The slice's Progress and results, as ``Worker.run`` returns them."""
+        engine, role = dev.engine, dev.role
+        assert engine is not None and role is not None
+        tokens = engine.tokens - s.tokens
+        so_far = engine.so_far() if role is Role.ROLLOUT else ()
+        prefill = (engine.prefill_tokens - s.prefill_tokens, engine.prefill_seconds - s.prefill_seconds)
+        events: list[Event] = [Progress(dev.id, role, end - s.start, tokens, s.running, so_far, *prefill)]
+        if done and role is Role.ROLLOUT:
+            events.append(Generated(dev.id, tuple(self._gen_result(q, dev.version) for q in done)))
+        elif done:
+            events.append(Judged(dev.id, tuple(self._judge_result(q) for q in done)))
+        last = self._last.get(dev.id)
+        if last is not None and last.role == role.value and last.end == s.start:  # one bar while the work runs on
+            last.end = end
+            last.args["finished"] += len(done)
+            last.args["tokens"] += tokens
+            last.args["batch"] = max(last.args["batch"], engine.peak)
+            last.name = f"{role.value} {last.args['finished']} done"
+        else:
+            name = f"{role.value} {len(done)} done"
+            self._record(dev.id, role.value, name, s.start, end, finished=len(done), tokens=tokens, batch=engine.peak)
+        return events
+
+    def _placeholder_prompt(self, n: int) -> list[int]:
+        ids = self._prompt_ids.get(n)
+        if ids is None:
+            ids = self._prompt_ids[n] = [0] * n  # read-only: every result of this length shares it
+        return ids
+
+    def _gen_result(self, q: SimSeq, version: int) -> GenResult:
+        r: GenRequest = q.request
+        right = synthetic.unit(self.spec.seed, r.seed, r.uid, synthetic.VERDICT) < self.spec.yes_probability
+        reason = "length" if q.target >= r.params.max_new_tokens else "stop"
+        text = synthetic.response_text(q.target, right)
+        return GenResult(r.uid, self._placeholder_prompt(q.prompt), [0] * q.target, [0.0] * q.target, text, reason,
+                         version)  # fmt: skip
+
+    def _judge_result(self, q: SimSeq) -> JudgeResult:
+        r: JudgeRequest = q.request
+        right = synthetic.unit(self.spec.seed, r.seed, r.uid, synthetic.VERDICT) < self.spec.yes_probability
+        truncated = q.target >= r.params.max_new_tokens  # cut off before its verdict: the GenRM's fallback
+        return JudgeResult(r.uid, "" if truncated else self.spec.verdicts[right], truncated, q.target)
+
+    # -- abort ----------------------------------------------------------------------
+    def _abort(self, dev: _Device) -> None:
+        """Everything in flight comes back with its tokens so far (``Worker.abort``'s shape)."""
+        events: list[Event] = []
+        if dev.slice is not None:  # the slice ends here: what finished before now is reported first
+            self._catch_up(dev)
+            if self.now > dev.slice.start or dev.slice.done:
+                events += self._report(dev, dev.slice, self.now, dev.slice.done)
+            dev.slice = None
+        self._to_start.discard(dev.id)
+        gen: list[GenRequest] = []
+        judge: list[JudgeRequest] = []
+        for q, n in dev.engine.take_all() if dev.engine is not None else []:
+            r = q.request
+            if isinstance(r, GenRequest):
+                gen.append(replace(r, prompt_ids=self._placeholder_prompt(q.prompt), output_ids=[0] * n,
+                                   logprobs=[0.0] * n))  # fmt: skip
+            else:
+                judge.append(replace(r, prompt_ids=(0,) * q.prompt, output_ids=(0,) * n))
+        if gen or judge:
+            role = dev.role.value if dev.role else "idle"
+            self._record(dev.id, "migrate", f"abort {len(gen) + len(judge)} {role}", self.now, self.now)
+        events.append(Aborted(dev.id, tuple(gen), tuple(judge), 0.0))
+        self._at(self.now, lambda: events)

@@ -1,0 +1,154 @@
+"""A modeled generation engine: continuous batching on one instance, on a virtual clock.
+
+It holds what a real engine holds (running sequences, a waiting queue, as many
+slots as its KV memory allows) but never steps token by token. A step is
+either a prefill of newly admitted sequences (each samples its first token) or
+a decode step of every running sequence, as in ``pivotrl.engine``. Between two
+things that change the batch (a sequence finishing, waiting ones admitted) the
+batch is fixed, so the cost model prices the whole run of decode steps at once
+(``decode_span``) and the engine jumps to its end.
+
+Nothing counts before its step completes: ``advance(until)`` commits the steps
+that end by ``until``; a step that would end later is left for the next call
+(an abort meanwhile finds the sequences with the tokens of their completed
+steps). ``snapshot``/``restore`` let a driver plan ahead and take it back when
+something arrives earlier than planned.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from pivotrl.sim.costs import CostModel, steps_within
+from pivotrl.sim.models import ModelSpec
+
+
+@dataclass(slots=True)
+class SimSeq:
+    """One sequence: ``target`` output tokens in all, ``base`` of them made before it came here.
+    Never changed once made (snapshots share them); admission makes a new one with ``k0``."""
+
+    uid: int
+    prompt: int  # tokens before the output: prefilled (with ``base``) when it is admitted
+    base: int
+    target: int
+    request: Any  # the request it answers, handed back on abort
+    k0: int = 0  # the engine's decode-step count when its prefill completed (running sequences)
+
+
+class ModeledEngine:
+    def __init__(self, costs: CostModel, model: ModelSpec, tp: int, capacity: int, now: float = 0.0) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: got {capacity}, must be >= 1 (the KV memory holds no sequence)")
+        self.costs, self.model, self.tp, self.capacity = costs, model, tp, capacity
+        self.t = now  # end of the last completed step
+        self.k = 0  # decode steps completed
+        self.tokens = 0  # tokens sampled, prefill and decode
+        self.prefill_tokens = 0  # tokens prefilled (prompts and migrated prefixes) ...
+        self.prefill_seconds = 0.0  # ... and the time of those prefill steps
+        self.peak = 0  # the largest batch since the caller last reset it
+        self.running: dict[int, SimSeq] = {}
+        self.waiting: deque[SimSeq] = deque()
+        self._finish: list[tuple[int, int]] = []  # heap of (decode step count at which it ends, uid)
+        self._ctx = 0  # sum over running of prompt + base + 1 - k0: their mean context is _ctx / n + k
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, seq: SimSeq, now: float) -> None:
+        """Queue a sequence that arrives at ``now``; an idle engine does not start in the past."""
+        if seq.base >= seq.target:
+            raise ValueError(f"sequence {seq.uid}: {seq.base} tokens already, but it ends at {seq.target}")
+        if not self.has_work:
+            self.t = max(self.t, now)
+        self.waiting.append(seq)
+
+    def generated(self, seq: SimSeq) -> int:
+        """Output tokens of a running sequence so far."""
+        return seq.base + 1 + self.k - seq.k0
+
+    def so_far(self) -> tuple[tuple[int, int], ...]:
+        return tuple((s.uid, s.base + 1 + self.k - s.k0) for s in self.running.values())
+
+    def take_all(self) -> list[tuple[SimSeq, int]]:
+        """Every sequence with its tokens so far (running first, then waiting), leaving the engine empty."""
+        out = [(s, self.generated(s)) for s in self.running.values()] + [(s, s.base) for s in self.waiting]
+        self.running, self.waiting, self._finish, self._ctx = {}, deque(), [], 0
+        return out
+
+    def snapshot(self) -> tuple:
+        return (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.peak, self._ctx,
+                dict(self.running), deque(self.waiting), list(self._finish))  # fmt: skip
+
+    def restore(self, snap: tuple) -> None:
+        (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.peak, self._ctx,
+         running, waiting, finish) = snap  # fmt: skip
+        self.running, self.waiting, self._finish = dict(running), deque(waiting), list(finish)
+
+    def advance(self, until: float) -> list[SimSeq]:
+        """Run the steps that complete by ``until``; the sequences that finished in them."""
+        finished: list[SimSeq] = []
+        costs, model, tp = self.costs, self.model, self.tp
+        while True:
+            free = self.capacity - len(self.running)
+            if self.waiting and free > 0:  # a prefill step admits as many as there are free slots
+                batch = [self.waiting[i] for i in range(min(free, len(self.waiting)))]
+                seconds = self._prefill_seconds(batch)
+                if self.t + seconds > until:
+                    break
+                for _ in batch:
+                    self.waiting.popleft()
+                self.t += seconds
+                self.tokens += len(batch)
+                self.prefill_tokens += sum(s.prompt + s.base for s in batch)
+                self.prefill_seconds += seconds
+                for s in batch:
+                    if s.base + 1 >= s.target:
+                        finished.append(s)
+                        continue
+                    r = SimSeq(s.uid, s.prompt, s.base, s.target, s.request, self.k)
+                    self.running[r.uid] = r
+                    heapq.heappush(self._finish, (self.k + r.target - r.base - 1, r.uid))
+                    self._ctx += r.prompt + r.base + 1 - self.k
+                self.peak = max(self.peak, len(self.running))
+                continue
+            n = len(self.running)
+            if not n:
+                break
+            steps = self._finish[0][0] - self.k
+            context = self._ctx / n + self.k
+            seconds = costs.decode_span(model, tp, n, context, steps)
+            if self.t + seconds > until:  # the next finish is past ``until``: go as far as it allows
+                part = steps_within(costs, model, tp, n, context, until - self.t, steps - 1)
+                if part:
+                    self.t += costs.decode_span(model, tp, n, context, part)
+                    self.k += part
+                    self.tokens += part * n
+                break
+            self.t += seconds
+            self.k += steps
+            self.tokens += steps * n
+            while self._finish and self._finish[0][0] == self.k:
+                s = self.running.pop(heapq.heappop(self._finish)[1])
+                self._ctx -= s.prompt + s.base + 1 - s.k0
+                finished.append(s)
+        return finished
+
+    def _prefill_seconds(self, batch: list[SimSeq]) -> float:
+        """New prompts in one prefill pass; a migrated sequence re-prefills its prompt and tokens so far."""
+        fresh = [s.prompt for s in batch if s.base == 0]
+        seconds = 0.0
+        if fresh:
+            seconds += self.costs.prefill(self.model, self.tp, sum(fresh), round(sum(fresh) / len(fresh)))
+        for s in batch:
+            if s.base:
+                seconds += self.costs.migration(self.model, self.tp, s.prompt + s.base)
+        return seconds

@@ -1,0 +1,213 @@
+"""``pivotrl simulate``: a job's control plane run against modeled devices.
+
+    build(cfg) -> controller + SimDriver -> the loop of ``run_job`` -> the files of a real run
+
+The job config means what it means for ``pivotrl train`` (mode, split, steps,
+seed, rollout, judge and eval settings); ``sim.*`` says what is modeled, and
+the devices are ``sim.gpus / sim.instance_gpus`` model instances. Problems are
+stand-ins (every prompt costs ``sim.prompt_len`` tokens), so held-out accuracy and
+judge agreement describe ``sim.yes_probability``, not a policy. Times in the
+run's files are virtual seconds; the summary adds ``sim_seconds`` (virtual)
+and ``wall_seconds`` (real).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pivotrl.config import JobConfig, parse_split
+from pivotrl.control.controller import Controller, LoopSpec
+from pivotrl.control.messages import Role
+from pivotrl.control.modes import AllocationPolicy, make_policy
+from pivotrl.errors import UserError
+from pivotrl.log import logger
+from pivotrl.reward.genrm import GenRM
+from pivotrl.sim import synthetic
+from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, RooflineCosts
+from pivotrl.sim.driver import SimDriver, SimSpec
+from pivotrl.sim.hardware import GPUS
+from pivotrl.sim.measured import MeasuredCosts
+from pivotrl.sim.models import MODELS
+from pivotrl.sim.workload import LengthDist
+from pivotrl.summary import loop_spec, sample_rows, summarize
+from pivotrl.task.arithmetic import Problem
+from pivotrl.telemetry import RunWriter
+
+KEEP_VERSIONS = 2  # policy versions the GPS holds, as the runtime keeps them
+
+
+@dataclass(slots=True)
+class Simulation:
+    """Everything a simulated run needs, built and checked before anything is written."""
+
+    cfg: JobConfig  # the job, ``devices`` set to the modeled instances
+    spec: SimSpec
+    loop: LoopSpec
+    policy: AllocationPolicy
+    genrm: GenRM
+    train_set: list[Problem]
+    heldout: list[Problem]
+
+
+def _costs(cfg: JobConfig) -> CostModel:
+    sim = cfg.sim
+    if sim.costs == "roofline":
+        return RooflineCosts(GPUS[sim.gpu])
+    if not Path(sim.costs).is_file():
+        raise UserError(f"sim.costs: expected 'roofline' or a measured-costs JSON file, {sim.costs!r} not found")
+    if sim.instance_gpus != 1:
+        raise UserError(f"sim.instance_gpus: measured costs are of one device per instance, got {sim.instance_gpus}")
+    try:
+        return MeasuredCosts.load(sim.costs)
+    except ValueError as e:
+        raise UserError(f"sim.costs: {e}") from None
+
+
+def _lengths(cfg: JobConfig) -> LengthDist:
+    sim, cap = cfg.sim, max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if not sim.lengths_file:
+        return sim.lengths.dist(cap)
+    if not Path(sim.lengths_file).is_file():
+        raise UserError(f"sim.lengths_file: file {sim.lengths_file!r} not found")
+    try:
+        return LengthDist.from_trace(sim.lengths_file, cap)
+    except ValueError as e:
+        raise UserError(f"sim.lengths_file: {e}") from None
+
+
+def build(cfg: JobConfig) -> Simulation:
+    """Check the job and set up its simulation; a mistake raises ``UserError`` naming the key."""
+    sim = cfg.sim
+    costs = _costs(cfg)
+    policy_model, genrm_model = MODELS[sim.policy_model], MODELS[sim.genrm_model]
+    if isinstance(costs, MeasuredCosts):  # measured costs tell the roles apart by model name
+        policy_model = dataclasses.replace(policy_model, name=costs.rollout.model)
+        genrm_model = dataclasses.replace(genrm_model, name=costs.genrm.model)
+    r, j = cfg.rollout, cfg.judge
+    genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward)
+    by_reward = sorted(genrm.rewards, key=lambda label: genrm.rewards[label])
+    verdicts = (synthetic.verdict_text(genrm, by_reward[0]), synthetic.verdict_text(genrm, by_reward[-1]))
+    for label, text in zip((by_reward[0], by_reward[-1]), verdicts, strict=True):
+        if text is None:
+            raise UserError(
+                f"judge.verdict_pattern: the simulator cannot write a judgment that {j.verdict_pattern!r} "
+                f"parses to {label!r}"
+            )
+    spec = SimSpec(
+        devices=sim.devices,
+        tp=sim.instance_gpus,
+        costs=costs,
+        policy=policy_model,
+        genrm=genrm_model,
+        lengths=_lengths(cfg),
+        seed=cfg.seed,
+        prompt_len=sim.prompt_len,
+        max_batch=r.max_batch,
+        rollout_context=sim.prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens),
+        judge_context=sim.prompt_len + r.max_new_tokens + sim.judge_template_len + j.max_new_tokens,
+        judge_template_len=sim.judge_template_len,
+        judge_output_len=sim.judge_output_len,
+        yes_probability=float(sim.yes_probability),
+        verdicts=(verdicts[0] or "", verdicts[1] or ""),
+        slice_s=float(sim.slice_s),
+    )
+    for role, name, context in ((Role.ROLLOUT, sim.policy_model, spec.rollout_context),
+                                (Role.GENRM, sim.genrm_model, spec.judge_context)):  # fmt: skip
+        if spec.capacity(role) < 1:
+            raise UserError(
+                f"sim.instance_gpus: {name} with {context}-token sequences does not fit on "
+                f"{sim.instance_gpus} x {sim.gpu} (give an instance more GPUs)"
+            )
+    try:
+        alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
+                            j.max_new_tokens)  # fmt: skip
+        job = dataclasses.replace(cfg, devices=sim.devices)
+    except ValueError as e:
+        raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None
+    train_set = synthetic.problems(max(r.prompts_per_step, 1024))
+    heldout = synthetic.problems(cfg.eval.size, tag="h")
+    return Simulation(job, spec, loop_spec(job), alloc, genrm, train_set, heldout)
+
+
+def gps_bytes(spec: SimSpec) -> dict[str, int]:
+    """What the GPS would hold: policy weights of the kept versions and its optimizer state, the judge."""
+    policy = spec.policy.weight_bytes * KEEP_VERSIONS + spec.policy.total_params * OPTIMIZER_BYTES_PER_PARAM
+    out = {"policy": int(policy), "judge": int(spec.genrm.weight_bytes)}
+    return {**out, "total": sum(out.values())}
+
+
+def run_simulation(cfg: JobConfig, out: str | Path, progress: bool = False) -> dict[str, Any]:
+    """Simulate the whole job; writes a run directory like ``run_job``'s (no policy checkpoint)."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    s = build(cfg)
+    job, spec = s.cfg, s.spec
+    driver = SimDriver(spec)
+    writer = RunWriter(out)
+    writer.write_json("config.json", job.to_dict())
+    ctl = Controller(s.loop, s.policy, s.genrm, s.train_set, s.heldout, driver.clock)
+    desc = f"simulate ({job.mode}, {job.sim.gpus} x {job.sim.gpu})"
+    bar = tqdm(total=job.steps, desc=desc, unit="step", disable=not progress)
+    commands = ctl.start()
+    written, events, in_driver, in_control = 0, 0, 0.0, 0.0
+    gc.disable()  # millions of short-lived objects and few cycles: the collector's pauses were a third of the time
+    try:
+        while not ctl.done:
+            t0 = time.perf_counter()
+            for c in commands:
+                driver.submit(c)
+            batch = driver.next_events()
+            t1 = time.perf_counter()
+            commands = ctl.handle_all(batch)  # completions at one virtual instant, then one look at the state
+            t2 = time.perf_counter()
+            in_driver, in_control, events = in_driver + t1 - t0, in_control + t2 - t1, events + len(batch)
+            writer.samples(sample_rows(ctl.finished_steps, token_ids=False))
+            ctl.finished_steps.clear()
+            while written < len(ctl.metrics):
+                m = ctl.metrics[written]
+                writer.step(m)
+                written += 1
+                bar.update(1)
+                bar.set_postfix(sim_s=f"{driver.clock():.0f}", step_s=f"{m['step_seconds']:.1f}")
+    finally:
+        gc.enable()
+    bar.close()
+    slices = driver.slices()
+    summary = summarize(job, ctl, slices, driver.clock())
+    summary["policy_checkpoint"] = None  # nothing is trained
+    summary["gps_bytes"] = gps_bytes(spec)
+    summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
+                      "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,
+                      "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events}  # fmt: skip
+    summary["sim_seconds"] = driver.clock()
+    title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
+    writer.write_events(slices, title=title)
+    planner = getattr(s.policy, "planner", None)
+    if planner is not None:  # every decision that moved a device, with the estimate that justified it
+        with (Path(out) / "decisions.jsonl").open("w") as f:
+            for d in planner.log:
+                moves = [[dev, src.value if src else None, dst.value] for dev, src, dst in d.moves]
+                f.write(json.dumps({"t": round(d.now, 4), "moves": moves, "reason": d.reason}) + "\n")
+    summary["wall_seconds"] = wall = time.perf_counter() - started
+    summary["wall_split"] = {"driver": in_driver, "control_plane": in_control, "rest": wall - in_driver - in_control}
+    writer.write_json("summary.json", summary)
+    logger.info("simulated run written to %s", out)
+    return summary
+
+
+def format_sim(summary: dict[str, Any]) -> str:
+    """The simulator's line under the run summary: what was modeled, virtual and real time."""
+    sim = summary["sim"]
+    per_step = summary["sim_seconds"] / max(summary["steps"], 1)
+    return (
+        f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
+        f"({summary['devices']} instances of {sim['instance_gpus']} GPU), {sim['policy_model']} policy, "
+        f"{sim['genrm_model']} judge; {summary['wall_seconds']:.1f} s of wall time"
+    )

@@ -1,0 +1,96 @@
+"""What a run of either driver reports, computed the same way for both.
+
+The runtime (real devices) and the simulator (modeled devices on a virtual
+clock) run the same control plane; these functions turn its state into the
+loop's spec, the run's summary and its per-sample rows, so the two kinds of
+run write files with the same keys. Pure Python: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pivotrl.config import JobConfig
+from pivotrl.control.controller import Controller, LoopSpec, StepRecord
+from pivotrl.control.messages import GenParams
+from pivotrl.telemetry import Slice
+
+
+def loop_spec(cfg: JobConfig) -> LoopSpec:
+    r, j, e = cfg.rollout, cfg.judge, cfg.eval
+    return LoopSpec(
+        seed=cfg.seed,
+        steps=cfg.steps,
+        prompts_per_step=r.prompts_per_step,
+        group_size=r.group_size,
+        prompt_template=cfg.task.prompt_template,
+        rollout=GenParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k),
+        judge=GenParams(j.max_new_tokens, j.temperature),
+        eval_params=GenParams(e.max_new_tokens, 0.0),
+        eval_every=e.every,
+        scale_by_std=cfg.train.scale_by_std,
+        per_device=r.max_batch,
+    )
+
+
+def sample_rows(records: list[StepRecord], token_ids: bool = True) -> Iterator[dict[str, Any]]:
+    """One row per sample. ``token_ids=False`` writes the response's token count instead of its ids
+    (the simulator's ids are placeholders, and millions of them would only fill the disk)."""
+    for rec in records:
+        for s in rec.samples:
+            row: dict[str, Any] = {"step": rec.step, "uid": s.uid, "question": s.question}
+            if token_ids:
+                row["response_ids"] = s.response_ids
+            else:
+                row["response_tokens"] = len(s.response_ids)
+            row.update(
+                response=s.response_text,
+                reward=s.reward,
+                verdict=s.verdict,
+                correct=s.correct,
+                truncated=s.truncated,
+                migrations=s.migrations,
+            )
+            yield row
+
+
+def steady_rate(metrics: list[dict[str, Any]], per_step: int) -> float:
+    """Samples per second after the first step (which pays the devices' first loads)."""
+    later = metrics[1:] or metrics
+    seconds = sum(m["step_seconds"] for m in later)
+    return per_step * len(later) / seconds if seconds > 0 else 0.0
+
+
+def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float) -> dict[str, Any]:
+    samples = cfg.steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    tokens = sum(m["response_tokens"] + m["judge_tokens"] for m in ctl.metrics)
+    agree = sum(m["judge_agreement"] for m in ctl.metrics) / len(ctl.metrics)
+    busy: dict[str, float] = {}
+    for s in slices:
+        busy[s.role] = busy.get(s.role, 0.0) + s.end - s.start
+    capacity = max(wall, 1e-9) * cfg.devices
+    shift_s = [e.seconds for e in ctl.shift_log]
+    return {
+        "mode": cfg.mode,
+        "devices": cfg.devices,
+        "split": cfg.split,
+        "steps": cfg.steps,
+        "samples": samples,
+        "samples_per_s": samples / wall,
+        "steady_samples_per_s": steady_rate(ctl.metrics, cfg.rollout.prompts_per_step * cfg.rollout.group_size),
+        "tokens_per_s": tokens / wall,
+        "accuracy_start": ctl.accuracy[0],
+        "accuracy_end": ctl.accuracy[cfg.steps],
+        "accuracy_gain": ctl.accuracy[cfg.steps] - ctl.accuracy[0],
+        "genrm_agreement": agree,
+        "genrm_parse_failures": sum(m["parse_failures"] for m in ctl.metrics),
+        "role_busy_fraction": {r: t / capacity for r, t in sorted(busy.items())},
+        "device_idle_fraction": max(0.0, 1.0 - sum(busy.values()) / capacity),
+        "shifts": len(shift_s),
+        "migrations": sum(m["migrations"] for m in ctl.metrics),
+        "shift_seconds": {"mean": sum(shift_s) / len(shift_s), "max": max(shift_s)}
+        if shift_s
+        else {"mean": 0, "max": 0},
+        "wall_seconds": wall,
+    }

@@ -1,0 +1,241 @@
+"""The simulator driver and its modeled engine: lengths, migration, KV memory, the slice grid."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pivotrl.config import load_config
+from pivotrl.control.messages import (
+    Abort,
+    Aborted,
+    Generate,
+    Generated,
+    GenParams,
+    GenRequest,
+    Judge,
+    JudgeRequest,
+    Progress,
+    Role,
+    Shift,
+)
+from pivotrl.errors import UserError
+from pivotrl.sim.costs import RooflineCosts, steps_within
+from pivotrl.sim.driver import SimDriver, StallError
+from pivotrl.sim.engine import ModeledEngine, SimSeq
+from pivotrl.sim.hardware import GPUS
+from pivotrl.sim.measured import MeasuredCosts
+from pivotrl.sim.models import MODELS
+from pivotrl.sim.run import build
+from tests.sim.test_measured import POLICY, PROFILE
+
+PARAMS = GenParams(max_new_tokens=4096)
+H100 = RooflineCosts(GPUS["H100"])
+QWEN7 = MODELS["Qwen2.5-7B"]
+
+
+def driver(*overrides: str) -> SimDriver:
+    base = ["sim.gpus=2", "sim.slice_s=2", "rollout.max_new_tokens=4096"]
+    return SimDriver(build(load_config(None, [*base, *overrides])).spec)
+
+
+def requests(n: int, params: GenParams = PARAMS, first: int = 0) -> tuple[GenRequest, ...]:
+    return tuple(GenRequest(uid, f"q{uid}", seed=1000 + uid, params=params) for uid in range(first, first + n))
+
+
+def shifted(d: SimDriver, role: Role, *devices: int) -> None:
+    for dev in devices:
+        d.submit(Shift(dev, role, 0))
+    got: set[int] = set()
+    while got != set(devices):
+        got |= {e.device for e in d.next_events()}
+
+
+def drain(d: SimDriver) -> dict[int, list[int]]:
+    """Run until every sequence is reported; uid -> output ids."""
+    out = {}
+    while True:
+        try:
+            events = d.next_events()
+        except StallError:
+            return out
+        for e in events:
+            if isinstance(e, Generated):
+                out.update({r.uid: r.output_ids for r in e.results})
+
+
+def test_lengths_are_fixed_by_seed_and_uid_and_survive_migration():
+    plain = driver()
+    shifted(plain, Role.ROLLOUT, 0, 1)
+    plain.submit(Generate(0, requests(8), 0))
+    want = drain(plain)
+    assert len(want) == 8 and len({len(v) for v in want.values()}) > 1  # drawn, not all alike
+
+    moved = driver()
+    shifted(moved, Role.ROLLOUT, 0, 1)
+    moved.submit(Generate(0, requests(8), 0))
+    first = moved.next_events()  # one slice on device 0 ...
+    assert isinstance(first[0], Progress) and first[0].tokens > 0
+    moved.submit(Abort(0))  # ... then everything moves to device 1 with its tokens so far
+    [aborted] = [e for e in moved.next_events() if isinstance(e, Aborted)]
+    done_early = {r.uid for e in first if isinstance(e, Generated) for r in e.results}
+    assert {r.uid for r in aborted.gen} | done_early == set(range(8))
+    assert all(len(r.output_ids) > 0 and len(r.prompt_ids) == 512 for r in aborted.gen)
+    moved.submit(Generate(1, aborted.gen, 0))
+    reprefill, *rest = moved.next_events()
+    assert reprefill.device == 1 and reprefill.prefill_tokens == sum(512 + len(r.output_ids) for r in aborted.gen)
+    got = {r.uid: r.output_ids for e in rest for r in e.results} | drain(moved)
+    assert {uid: len(v) for uid, v in got.items()} == {uid: len(v) for uid, v in want.items() if uid not in done_early}
+
+
+def test_lengths_differ_by_job_seed_and_follow_the_distribution():
+    a, b = driver(), driver("seed=1")
+    lengths = []
+    for d in (a, b):
+        shifted(d, Role.ROLLOUT, 0, 1)
+        d.submit(Generate(0, requests(64), 0))
+        lengths.append(sorted(len(v) for v in drain(d).values()))
+    assert lengths[0] != lengths[1]
+    median = lengths[0][32]
+    assert 400 < median < 2500  # the config's lognormal median is 1024
+
+
+def test_kv_memory_limits_the_batch():
+    """Qwen2.5-32B on one A100: ~9 GB of HBM left for 8.7k-token slots, a handful of sequences."""
+    d = driver("sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "rollout.max_new_tokens=8192", "rollout.max_batch=64")
+    cap = d.spec.capacity(Role.ROLLOUT)
+    assert 0 < cap < 8 and cap == RooflineCosts(GPUS["A100"]).max_batch(MODELS["Qwen2.5-32B"], 1, 512 + 8192)
+    shifted(d, Role.ROLLOUT, 0)
+    d.submit(Generate(0, requests(20, GenParams(8192)), 0))
+    drain(d)
+    rollout = [s for s in d.slices() if s.role == "rollout"]
+    assert max(s.args["batch"] for s in rollout) == cap
+    roomy = driver("rollout.max_new_tokens=8192", "rollout.max_batch=64")
+    shifted(roomy, Role.ROLLOUT, 0)
+    roomy.submit(Generate(0, requests(20, GenParams(8192)), 0))
+    drain(roomy)
+    assert max(s.args["batch"] for s in roomy.slices() if s.role == "rollout") == 20
+
+
+def test_a_model_that_does_not_fit_is_a_user_error():
+    with pytest.raises(UserError, match="sim.instance_gpus: Qwen3-235B-A22B with .* does not fit on 1 x H100"):
+        build(load_config(None, ["sim.policy_model=Qwen3-235B-A22B"]))
+    build(load_config(None, ["sim.policy_model=Qwen3-235B-A22B", "sim.instance_gpus=8", "sim.gpus=8"]))
+
+
+def test_slices_end_on_a_shared_grid_or_when_the_engine_runs_dry():
+    d = driver("sim.slice_s=2")
+    shifted(d, Role.ROLLOUT, 0, 1)
+    d.submit(Generate(0, requests(4), 0))
+    d.submit(Generate(1, requests(4, first=4), 0))
+    ends = []
+    while True:
+        try:
+            events = d.next_events()
+        except StallError:
+            break
+        progress = [e for e in events if isinstance(e, Progress)]
+        assert progress
+        ends.append((d.clock(), len(progress)))
+    on_grid = [t for t, _ in ends if abs(t / 2 - round(t / 2)) < 1e-9]
+    assert len(on_grid) >= len(ends) - 2  # only each device's last report is off the grid (it ran dry)
+    assert any(n == 2 for _, n in ends)  # both devices report together
+
+
+def test_work_arriving_mid_slice_is_planned_again_from_that_moment():
+    d = driver("sim.slice_s=10")
+    shifted(d, Role.ROLLOUT, 0)
+    shifted(d, Role.GENRM, 1)
+    d.submit(Generate(0, requests(2, GenParams(200)), 0))
+    d.submit(Judge(1, (JudgeRequest(99, "q", "1", "[300 tokens] answer 1", 5, GenParams(64)),)))
+    first = d.next_events()  # the judgment ends first, mid-slice of device 0
+    assert first[0].device == 1 and d.clock() < 10
+    d.submit(Generate(0, requests(2, GenParams(200), first=2), 0))  # device 0 is in its slice
+    got = drain(d)
+    assert sorted(got) == [0, 1, 2, 3]
+
+
+def test_judgments_parse_with_the_jobs_genrm_and_a_capped_one_has_no_verdict():
+    d = driver("sim.judge_output_len=48", "judge.max_new_tokens=48", "sim.yes_probability=1")
+    shifted(d, Role.GENRM, 0)
+    d.submit(Judge(0, (JudgeRequest(1, "q", "1", "[10 tokens] answer 1", 5, GenParams(48)),)))
+    [_, judged] = d.next_events()
+    [r] = judged.results
+    assert r.truncated and r.text == "" and r.tokens == 48
+    d2 = driver("sim.yes_probability=1", "sim.slice_s=30")
+    shifted(d2, Role.GENRM, 0)
+    d2.submit(Judge(0, (JudgeRequest(1, "q", "1", "[10 tokens] answer 1", 5, GenParams(1024)),)))
+    [_, judged] = d2.next_events()
+    assert judged.results[0].text == "VERDICT: yes" and judged.results[0].tokens == 512
+
+
+def test_commands_for_the_wrong_role_or_version_are_refused():
+    d = driver()
+    shifted(d, Role.ROLLOUT, 0)
+    with pytest.raises(RuntimeError, match="holds policy v0, requests need v1"):
+        d.submit(Generate(0, requests(1), 1))
+    with pytest.raises(RuntimeError, match="cannot serve genrm requests"):
+        d.submit(Judge(0, (JudgeRequest(1, "q", "1", "a", 5, GenParams(8)),)))
+    d.submit(Generate(0, requests(1), 0))
+    with pytest.raises(RuntimeError, match="shift to train with sequences in flight"):
+        d.submit(Shift(0, Role.TRAIN, 0))
+
+
+def test_the_engine_jumps_from_event_to_event():
+    """Cost-model calls grow with the sequences that finish, not with the tokens decoded."""
+    calls = []
+
+    class Counting(RooflineCosts):
+        def decode_span(self, *args):
+            calls.append(args)
+            return super().decode_span(*args)
+
+    e = ModeledEngine(Counting(GPUS["H100"]), QWEN7, 1, capacity=32)
+    rng = random.Random(0)
+    for uid in range(32):
+        e.add(SimSeq(uid, 512, 0, rng.randint(1000, 8000), None), 0.0)
+    finished = e.advance(1e9)
+    assert len(finished) == 32 and e.tokens == sum(s.target for s in finished) and not e.has_work
+    assert len(calls) < 40
+
+
+def test_engine_snapshot_and_restore_replay_the_same_plan():
+    e = ModeledEngine(H100, QWEN7, 1, capacity=8)
+    for uid in range(12):
+        e.add(SimSeq(uid, 256, 0, 100 + 37 * uid, None), 0.0)
+    snap = e.snapshot()
+    a = [s.uid for s in e.advance(3.0)], e.t, e.tokens
+    e.restore(snap)
+    b = [s.uid for s in e.advance(1.0)] + [s.uid for s in e.advance(3.0)], e.t, e.tokens
+    assert a == b
+
+
+@pytest.mark.parametrize("costs", ["roofline", "measured"])
+def test_steps_within_matches_a_plain_bisection(costs):
+    c, model = (H100, QWEN7) if costs == "roofline" else (MeasuredCosts.from_dict(PROFILE), POLICY)
+    rng = random.Random(1)
+    for _ in range(200):
+        batch, context = rng.randint(1, 512), rng.uniform(1, 8000)
+        seconds, limit = rng.uniform(0, 30), rng.randint(0, 5000)
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if c.decode_span(model, 1, batch, context, mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        assert steps_within(c, model, 1, batch, context, seconds, limit) == lo
+
+
+def test_a_control_plane_that_loops_in_zero_virtual_time_is_stopped_with_a_message():
+    """An Abort and a Generate to one device in the same round, again and again: no time passes."""
+    d = driver()
+    shifted(d, Role.ROLLOUT, 0)
+    reqs = requests(2)
+    with pytest.raises(StallError, match=r"repeats itself without progress: 1000 rounds .* Abort\(0\), Generate\(0\)"):
+        for _ in range(2000):
+            d.submit(Abort(0))
+            d.submit(Generate(0, reqs, 0))
+            [aborted] = [e for e in d.next_events() if isinstance(e, Aborted)]
+            reqs = aborted.gen or reqs

@@ -1,0 +1,160 @@
+"""Simulated jobs end to end: every mode completes, writes a real run's files, and repeats exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pivotrl.cli import main
+from pivotrl.config import load_config
+from pivotrl.sim.run import run_simulation
+from tests.control.test_purity import probe
+from tests.sim.test_measured import PROFILE
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples/sim128.yaml")
+SMALL = [
+    "sim.gpus=4",
+    "steps=2",
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=1024",
+    "eval.max_new_tokens=1024",
+    "eval.size=16",
+    "sim.lengths.median=200",
+    "judge.max_new_tokens=256",
+    "sim.judge_output_len=128",
+    "sim.slice_s=2",
+    "rollout.max_batch=8",  # 8 sequences per device: the work spreads, and shiftable mode migrates some
+]
+REAL_RUN_KEYS = {  # what run_job writes to summary.json
+    "mode", "devices", "split", "steps", "samples", "samples_per_s", "steady_samples_per_s", "tokens_per_s",
+    "accuracy_start", "accuracy_end", "accuracy_gain", "genrm_agreement", "genrm_parse_failures",
+    "role_busy_fraction", "device_idle_fraction", "shifts", "migrations", "shift_seconds", "wall_seconds",
+    "policy_checkpoint", "gps_bytes",
+}  # fmt: skip
+FILES = ["metrics.jsonl", "summary.json", "events.jsonl", "trace.json", "timeline.png", "samples.jsonl", "config.json"]
+
+
+def simulate(out: Path, *extra: str) -> dict:
+    return run_simulation(load_config(EXAMPLE, [*SMALL, *extra]), out)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for mode in ("colocated", "disaggregated", "shiftable"):
+        out[mode] = tmp_path_factory.mktemp(mode)
+        simulate(out[mode], f"mode={mode}")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "shiftable"])
+def test_every_mode_completes_and_writes_a_runs_files(runs, mode):
+    run = runs[mode]
+    for name in FILES + (["decisions.jsonl"] if mode == "shiftable" else []):
+        assert (run / name).is_file(), name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["mode"] == mode and summary["devices"] == 4 and summary["steps"] == 2
+    assert summary["sim_seconds"] > 0 and 0 < summary["wall_seconds"] < 30
+    assert summary["genrm_parse_failures"] == 0 and summary["genrm_agreement"] == 1.0
+    metrics = rows(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["step_seconds"] > 0 for m in metrics)
+    assert len(rows(run / "samples.jsonl")) == 2 * 8 * 4
+    roles = {e["role"] for e in rows(run / "events.jsonl")}
+    assert {"rollout", "genrm", "train", "shift"} <= roles
+    trace = json.loads((run / "trace.json").read_text())
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"} == {
+        f"device {d}" for d in range(4)
+    }
+    assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_has_a_real_runs_keys_plus_virtual_and_real_time(runs):
+    summary = json.loads((runs["colocated"] / "summary.json").read_text())
+    assert REAL_RUN_KEYS | {"sim_seconds", "sim", "wall_split"} == set(summary)
+    assert summary["samples_per_s"] == pytest.approx(2 * 32 / summary["sim_seconds"])
+
+
+def test_the_same_config_gives_the_same_run(runs, tmp_path):
+    simulate(tmp_path, "mode=shiftable")
+    a = json.loads((runs["shiftable"] / "summary.json").read_text())
+    b = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("wall_seconds", "wall_split"):  # real time
+        a.pop(key), b.pop(key)
+    assert a == b
+    for name in ("metrics.jsonl", "samples.jsonl", "events.jsonl", "decisions.jsonl"):
+        assert (runs["shiftable"] / name).read_text() == (tmp_path / name).read_text(), name
+
+
+def test_placement_never_changes_what_is_sampled(runs):
+    """Lengths and verdicts are fixed per sequence: every mode sees the same samples, migrated or not."""
+    samples = {m: rows(runs[m] / "samples.jsonl") for m in runs}
+    key = [(r["step"], r["uid"], r["response_tokens"], r["reward"]) for r in samples["colocated"]]
+    for m in ("disaggregated", "shiftable"):
+        assert [(r["step"], r["uid"], r["response_tokens"], r["reward"]) for r in samples[m]] == key
+    assert sum(r["migrations"] for r in samples["shiftable"]) > 0
+
+
+def test_measured_costs_drive_a_simulation(tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(PROFILE))
+    s = simulate(tmp_path / "run", f"sim.costs={costs}", "mode=colocated", "rollout.max_new_tokens=64",
+                 "eval.max_new_tokens=64", "judge.max_new_tokens=64", "sim.judge_output_len=32", "sim.prompt_len=64",
+                 "rollout.max_batch=32")  # fmt: skip
+    assert s["shifts"] > 0 and 0 < s["shift_seconds"]["max"] <= max(PROFILE["shift"].values())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["sim.gpu=B200"], "sim.gpu: expected one of H100, H800, H200, A100, got 'B200'"),
+        (["sim.gpus=100", "sim.instance_gpus=8"], "sim.gpus: expected a multiple of instance_gpus (8), got 100"),
+        (["sim.lengths.kind=zipf"], "sim.lengths.kind: must be one of fixed, uniform, lognormal, pareto"),
+        (["sim.lengths.sigma=-1"], "sim.lengths.sigma: got -1.0, must be a finite number >= 0"),
+        (["sim.gpsu=8"], "unknown key 'sim.gpsu'"),
+        (["sim.yes_probability=2"], "sim.yes_probability: expected a number in [0, 1], got 2"),
+        (["sim.costs=/nonexistent.json"], "sim.costs: expected 'roofline' or a measured-costs JSON file"),
+        (["sim.lengths_file=/nonexistent.jsonl"], "sim.lengths_file: file '/nonexistent.jsonl' not found"),
+        (["sim.policy_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with"),
+        (["mode=disaggregated", "split=rollout:2,genrm:1,train:1"], "uses 4 devices, but devices=128"),
+    ],
+)
+def test_a_bad_sim_setting_exits_2_with_one_line(args, message, capsys, tmp_path):
+    assert main(["simulate", EXAMPLE, *args, "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_prints_the_summary_and_virtual_time(capsys, tmp_path):
+    assert main(["simulate", EXAMPLE, *SMALL, "mode=colocated", "--out", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "colocated on 4 device(s), 2 steps" in out and "timeline:" in out
+    assert "on 4 x H100 (4 instances of 1 GPU)" in out and "s of wall time" in out
+
+
+def test_lengths_from_a_trace_file(tmp_path):
+    trace = tmp_path / "lengths.jsonl"
+    trace.write_text("\n".join(str(n) for n in (50, 60, 70, 2000)) + "\n")
+    simulate(tmp_path / "run", f"sim.lengths_file={trace}", "mode=colocated")
+    lengths = {r["response_tokens"] for r in rows(tmp_path / "run/samples.jsonl")}
+    assert lengths <= {50, 60, 70, 1024} and len(lengths) > 1
+
+
+def test_the_simulator_imports_neither_torch_nor_ray_nor_numpy():
+    proc = probe("pivotrl.sim.driver", "pivotrl.sim.engine", "pivotrl.sim.run", "pivotrl.sim.config", "pivotrl.summary")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_compare_reads_simulated_runs(runs):
+    from pivotrl.compare import compare_runs
+
+    c = compare_runs(runs["colocated"], runs["shiftable"])
+    assert c.samples == 2 * 32 and c.token_match == 1.0 and c.reward_match == 1.0
