@@ -88,6 +88,7 @@ class DeviceView:
     training: bool = False  # in the optimizer step
     aborting: bool = False  # an Abort in flight
     leaving: Role | None = None  # aborted to take this role: it shifts there next, whatever the plan says by then
+    heading: Role | None = None  # the role of the shift in flight
     accumulating: bool = False  # an Accumulate in flight
     grads: bool = False  # holds gradients of this step: stays in the train role until the step
     groups: int = 0  # groups accumulated on it in this step
@@ -208,7 +209,7 @@ class Controller:
             stale = want is not Role.GENRM and d.version != self.version
             if d.role is not want or stale:
                 cmds.append(Shift(d.id, want, self.version))
-                d.shifting = True
+                d.shifting, d.heading = True, want
         for role in (Role.ROLLOUT, Role.GENRM):
             ready = self._ready(role)
             here = set(ready)
@@ -232,7 +233,10 @@ class Controller:
         pinned = frozenset(
             d.id for d in self.devices if d.shifting or d.training or d.accumulating or d.grads or d.aborting
         )
-        return PlanView(self.clock(), tuple(d.role for d in self.devices), pinned, self.workload)
+        # a device on its way to a role counts as holding it: planned back to the role it is
+        # leaving, it would shift straight back on arrival
+        roles = tuple(d.heading if d.shifting else d.leaving or d.role for d in self.devices)
+        return PlanView(self.clock(), roles, pinned, self.workload)
 
     def workload(self) -> Workload:
         """What is left in the step, in the planner's terms."""

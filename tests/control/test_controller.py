@@ -388,3 +388,13 @@ def test_an_abort_commits_the_device_to_the_role_it_was_aborted_for():
     after = [c for e in cluster.ready for c in ctl.handle(e)]
     assert Shift(0, G, 0) in after
     assert not any(isinstance(c, Generate | Judge) and c.device == 0 for c in after)
+
+
+def test_the_plan_sees_a_shifting_device_in_the_role_it_is_heading_to():
+    """Seen in its old role (and pinned there), a shifting device got planned back to it
+    and shifted straight back on arrival: a third of a simulated cluster's shifts."""
+    ctl = controller(Steered())  # rollout: 0, 1; genrm: 2; train: 3
+    shifts = [c for c in ctl.start() if isinstance(c, Shift)]
+    assert [s.role for s in shifts] == [R, R, G, T]
+    view = ctl._plan_view()
+    assert view.roles == (R, R, G, T) and view.pinned == frozenset(range(4))
