@@ -124,9 +124,7 @@ def run_job(
         while not ctl.done:
             for c in commands:
                 driver.submit(c)
-            commands = []
-            for event in driver.next_events():
-                commands += ctl.handle(event)
+            commands = ctl.handle_all(driver.next_events())
             writer.samples(sample_rows(ctl.finished_steps))
             ctl.finished_steps.clear()
             while written < len(ctl.metrics):

@@ -26,6 +26,12 @@ SIMULATOR = [
     "pivotrl.sim.costs",
     "pivotrl.sim.measured",
     "pivotrl.sim.workload",
+    "pivotrl.sim.config",
+    "pivotrl.sim.engine",
+    "pivotrl.sim.synthetic",
+    "pivotrl.sim.driver",
+    "pivotrl.sim.run",
+    "pivotrl.summary",
 ]
 
 PROBE = """

@@ -10,7 +10,6 @@ import pytest
 from pivotrl.cli import main
 from pivotrl.config import load_config
 from pivotrl.sim.run import run_simulation
-from tests.control.test_purity import probe
 from tests.sim.test_measured import PROFILE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,11 +145,6 @@ def test_lengths_from_a_trace_file(tmp_path):
     simulate(tmp_path / "run", f"sim.lengths_file={trace}", "mode=colocated")
     lengths = {r["response_tokens"] for r in rows(tmp_path / "run/samples.jsonl")}
     assert lengths <= {50, 60, 70, 1024} and len(lengths) > 1
-
-
-def test_the_simulator_imports_neither_torch_nor_ray_nor_numpy():
-    proc = probe("pivotrl.sim.driver", "pivotrl.sim.engine", "pivotrl.sim.run", "pivotrl.sim.config", "pivotrl.summary")
-    assert proc.returncode == 0, proc.stderr
 
 
 def test_compare_reads_simulated_runs(runs):
