@@ -91,7 +91,6 @@ class DeviceView:
     heading: Role | None = None  # the role of the shift in flight
     accumulating: bool = False  # an Accumulate in flight
     grads: bool = False  # holds gradients of this step: stays in the train role until the step
-    groups: int = 0  # groups accumulated on it in this step
 
 
 @dataclass(slots=True)
@@ -252,7 +251,7 @@ class Controller:
             judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
             judge_tokens_mean=self.measured["judge_tokens"],
             train_groups_left=groups_left,
-            train_tokens_per_group=self.measured["response_tokens"] * g,
+            train_tokens_per_group=(self.measured["prompt_tokens"] + self.measured["response_tokens"]) * g,
             step_seconds=self.measured["step_seconds"],
             prompt_tokens_mean=self.measured["prompt_tokens"],
         )
@@ -264,8 +263,8 @@ class Controller:
             mean = sum(r.tokens for r in event.results) / len(event.results)
             m["judge_tokens"] += a * (mean - m["judge_tokens"])
         elif isinstance(event, Generated) and event.results:
-            mean = sum(len(r.output_ids) for r in event.results) / len(event.results)
-            m["response_tokens"] += a * (mean - m["response_tokens"])
+            # (response lengths are averaged over whole steps, in _on_trained: the responses that
+            # finish first are the short ones, and those that finish last the long ones)
             prompt = sum(len(r.prompt_ids) for r in event.results) / len(event.results)
             m["prompt_tokens"] += a * (prompt - m["prompt_tokens"])
         elif isinstance(event, Trained):
@@ -399,18 +398,24 @@ class Controller:
         if not train_devs:
             return []
         groups = len(self.step.samples) // self.spec.group_size
-        quota = -(-groups // len(train_devs))  # groups per device, so the backward spreads evenly
+        # an even share of the groups queued now, counting train devices still shifting in, and
+        # never more than every device's share of the step: a backlog handed whole to the few
+        # devices training when it arrives would run on them alone while the devices the plan
+        # sends next find an empty queue; small shares rebalance as devices free up
+        share = min(-(-len(self.train_queue) // len(train_devs)), -(-groups // len(self.devices)))
         cmds: list[Command] = []
-        for i in train_devs:
+        # devices already holding gradients first: they stay in the role until the optimizer step
+        # anyway, while a device given its first group is pinned there too, out of the planner's reach
+        for i in sorted(train_devs, key=lambda i: not self.devices[i].grads):
             d = self.devices[i]
             if not self.train_queue:
                 break
             if d.role is not Role.TRAIN or d.version != self.version or d.shifting or d.accumulating:
                 continue
-            take = [self.train_queue.popleft() for _ in range(min(quota - d.groups, len(self.train_queue)))]
+            take = [self.train_queue.popleft() for _ in range(min(share, len(self.train_queue)))]
             if take:
                 cmds.append(Accumulate(i, self.version, self._shard(take)))
-                d.accumulating, d.grads, d.groups = True, True, d.groups + len(take)
+                d.accumulating, d.grads = True, True
                 if self.step.train_start is None:
                     self.step.train_start = self.clock()
         ready = all(
@@ -449,10 +454,12 @@ class Controller:
         self.version = e.version
         for i in e.devices:
             d = self.devices[i]
-            d.training, d.grads, d.groups = False, False, 0
+            d.training, d.grads = False, False
             d.version = e.version  # the trainer's replica is the new version
         self.training = False
         self.step.train_stats = e.stats
+        samples = self.step.samples
+        self.measured["response_tokens"] = sum(len(s.response_ids) for s in samples) / max(1, len(samples))
         self.step.finished = self.clock()
         self.pending_metrics[self.step.step] = self._step_metrics(self.step)
         self.finished_steps.append(self.step)

@@ -120,6 +120,7 @@ def make_policy(
     max_batch: int = 64,
     rollout_tokens: int = 64,
     judge_tokens: int = 64,
+    step_samples: int = 0,
 ) -> AllocationPolicy:
     """The allocation policy registered under ``mode``."""
     if mode == "colocated":
@@ -133,6 +134,6 @@ def make_policy(
             raise ValueError("split: only used with mode=disaggregated")
         from pivotrl.control.shiftable import Shiftable
 
-        return Shiftable(devices, max_batch, rollout_tokens, judge_tokens)
+        return Shiftable(devices, max_batch, rollout_tokens, judge_tokens, step_samples)
     known = ", ".join(("colocated", "disaggregated", "shiftable"))
     raise ValueError(f"mode: {mode!r} is not available (known: {known})")

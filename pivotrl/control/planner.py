@@ -5,8 +5,9 @@ It turns live demand (a ``Workload``) and measured ``Profiles`` (both in
 
 1. ``estimate``: a fluid model of the rest of the step gives, for one allocation
    (devices per role), the time until the step completes and when each phase ends.
-2. ``Planner.plan``: every allocation is estimated; moving there costs the shift
-   overhead of the devices that would move. The best one replaces the current
+2. ``Planner.plan``: every allocation is estimated, the devices that would move
+   joining their new role only after their shift, and the requests they hold
+   costing their re-prefill where they migrate. The best one replaces the current
    one only when it wins by more than a margin (hysteresis), and a device that
    just moved may not go back for a while (cooldown): demand that oscillates
    faster than shifts pay off must not make devices flap.
@@ -25,9 +26,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pivotrl.control.messages import ROLES, Role
-from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, Workload, _positive
+from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload, _positive
 
-__all__ = ["LengthModel", "Profiles", "RoleProfile", "ShiftCosts", "Workload", "Planner", "estimate", "initial_split"]
+__all__ = [
+    "LengthModel",
+    "Profiles",
+    "RoleProfile",
+    "ShiftCosts",
+    "TrainProfile",
+    "Workload",
+    "Planner",
+    "estimate",
+    "initial_split",
+]
 
 INF = math.inf
 Alloc = tuple[int, int, int]  # devices on rollout, genrm, train (the order of ``ROLES``)
@@ -132,8 +143,10 @@ def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max
     A fluid model with the step's dependencies:
 
     - rollout ends at max(expected tokens left / throughput of its devices,
-      expected rest of the longest sequence / the speed of one sequence); the
-      second bound is the tail, which more devices do not shorten;
+      when the longest sequence ends); the second bound is the tail: one step
+      per token of the longest's expected rest, each step lengthened by the
+      sequences batched with it, which more devices spread thinner (but a
+      step never gets faster than a sequence alone);
     - judging runs on its devices from now, and cannot end before the rollout
       does plus one judgment;
     - the backward runs on the train devices from now (an optimistic bound:
@@ -150,9 +163,24 @@ def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max
     return _estimate(_summarize(workload, profiles), profiles, tuple(alloc.get(r, 0) for r in ROLES), max_batch)
 
 
-def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int) -> Estimate:
+def _gen_rate(profile: RoleProfile, items: float, n: int, max_batch: int) -> float:
+    """Tokens/s of each of ``n`` devices sharing ``items`` sequences evenly: devices beyond
+    one per sequence idle."""
+    per = items / n
+    return profile.rate(min(max_batch, per)) if per >= 1 else per * profile.rate(1)
+
+
+Late = tuple[tuple[int, float], ...]  # per role (ROLES order): devices of the allocation still to arrive, and when
+ON_TIME: Late = ((0, 0.0), (0, 0.0), (0, 0.0))
+
+
+def _now_and_later(n: int, late: tuple[int, float]) -> list[tuple[float, int]]:
+    k, at = late
+    return [(0.0, n - k), (at, k)] if k else [(0.0, n)]
+
+
+def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = ON_TIME) -> Estimate:
     n_r, n_g, n_t = alloc
-    seq_speed = p.rollout.rate(1)
     hop = p.costs.cost  # a device handed to the next phase pays its shift
     # rollout
     tail = False
@@ -161,24 +189,30 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int) -> Estimate:
     elif n_r == 0:
         t_r = worst = INF
     else:
-        bulk = _drain(w.tokens, lambda n: p.rollout.rate(min(max_batch, w.seqs / n)), [(0.0, n_r)])
-        t_r, tail = max(bulk, w.longest / seq_speed), w.longest / seq_speed >= bulk
-        worst = max(bulk, w.worst / seq_speed)
+        bulk = _drain(w.tokens, lambda n: _gen_rate(p.rollout, w.seqs, n, max_batch), _now_and_later(n_r, late[0]))
+        # the longest sequence takes one step per token, and each step also carries its batch-mates:
+        # its device's share of the other sequences' tokens
+        mates = 0.0 if w.seqs < 2 else min(-(-w.seqs // n_r), max_batch) - 1
+        mates_s = p.rollout.step_per_seq * max(0.0, w.tokens - w.longest) * mates / max(1, w.seqs - 1)
+        alone = p.rollout.step_seconds(1)
+        start = late[0][1] if late[0][0] == n_r else 0.0  # every rollout device is on its way
+        last = start + w.longest * alone + mates_s
+        t_r, tail = max(bulk, last), last >= bulk
+        worst = max(bulk, start + w.worst * alone + mates_s)
     handoff_r = 0.0 < t_r < INF  # rollout devices free up later in the step
     # judging
     t_g, r_judged = 0.0, False
     if w.judge_items:
-        arrivals = [(0.0, n_g)] + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
-        bulk = _drain(
-            w.judge_items * w.judge_tokens, lambda n: p.judge.rate(min(max_batch, w.judge_items / n)), arrivals
-        )
+        arrivals = _now_and_later(n_g, late[1]) + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
+        judge_rate = lambda n: _gen_rate(p.judge, w.judge_items, n, max_batch)  # noqa: E731
+        bulk = _drain(w.judge_items * w.judge_tokens, judge_rate, arrivals)
         latency = w.judge_tokens / p.judge.rate(1)
         t_g = max(bulk, latency, t_r + latency if w.judge_future else 0.0)
         r_judged = handoff_r and t_r < t_g
     # backward
     t_b = 0.0
     if w.groups:
-        arrivals = [(0.0, n_t)]
+        arrivals = _now_and_later(n_t, late[2])
         if 0.0 < t_g < INF:
             arrivals.append((t_g + hop(Role.GENRM, Role.TRAIN), n_g + (n_r if r_judged else 0)))
         if handoff_r and not r_judged:
@@ -256,7 +290,7 @@ class Decision:
 
 @dataclass(slots=True)
 class _Candidate:
-    bound: float  # est + the shift part of the overhead: a lower bound of total
+    bound: float  # the estimate before migrations: a lower bound of total
     moved: int
     alloc: Alloc
     flows: dict[tuple[Role | None, Role], int]
@@ -340,9 +374,15 @@ class Planner:
                     gives[src] += k
             if any(k > movable[r] for r, k in gives.items()):
                 continue
-            est = _estimate(w, profiles, alloc, max_batch)
-            shift = max((profiles.costs.cost(s, d) for s, d in flows), default=0.0)
-            cands.append(_Candidate(est.total + shift, sum(flows.values()), alloc, flows, est, shift))
+            # devices moving now join their role after their shift
+            late = [[0, 0.0] for _ in ROLES]
+            for (src, dst), k in flows.items():
+                slot = late[ROLES.index(dst)]
+                slot[0] += k
+                slot[1] = max(slot[1], profiles.costs.cost(src, dst))
+            est = _estimate(w, profiles, alloc, max_batch, tuple((k, at) for k, at in late))
+            shift = max((at for _, at in late), default=0.0)
+            cands.append(_Candidate(est.total, sum(flows.values()), alloc, flows, est, shift))
         cands.sort(key=lambda c: (c.bound, c.moved, c.alloc))
         scene = _Scene(
             unassigned,
@@ -389,11 +429,11 @@ class Planner:
         if alt.total < INF and (base == INF or gain > alt.overhead + margin):
             return alt, (
                 f"{why}: est {_s(base)} -> {_s(alt.est.total)} with {_delta(stay.alloc, alt.alloc)}; "
-                f"gain {_s(gain)} > cost {_s(alt.overhead)} + margin {_s(margin)}"
+                f"gain {_s(gain)} > migration {_s(alt.overhead)} + margin {_s(margin)}"
             )
         return stay, (
             f"{why}: keep {fmt_alloc(stay.alloc)}, est {_s(base)}; best move {fmt_alloc(alt.alloc)} "
-            f"est {_s(alt.est.total)}, gain {_s(gain)} <= cost {_s(alt.overhead)} + margin {_s(margin)}"
+            f"est {_s(alt.est.total)}, gain {_s(gain)} <= migration {_s(alt.overhead)} + margin {_s(margin)}"
         )
 
     def _barred(self, device: int, now: float) -> Role | None:
@@ -446,7 +486,9 @@ def _search(cands: list[_Candidate], scene: _Scene) -> tuple[_Candidate, _Candid
 def _pick(c: _Candidate, scene: _Scene) -> bool:
     """Which devices make the candidate's moves: the least loaded, so the fewest
     sequences migrate, and none that would go back to a role it left within
-    the cooldown. Sets the overhead; False if impossible. When none of the
+    the cooldown. Sets the overhead (the slowest shift, plus the migrated
+    requests' re-prefill shared by the devices that stay in their role);
+    False if impossible. When none of the
     least loaded devices is barred they are simply the first of each role's
     order, priced from prefix sums without listing them (a cluster's plans
     weigh hundreds of candidates moving tens of devices)."""
@@ -465,9 +507,11 @@ def _pick(c: _Candidate, scene: _Scene) -> bool:
                 return False
             takes.append((src, slots, chosen))
             requests = sum(scene.busy.get(d, 0) for d, _ in chosen)
-        migrate += scene.costs.migration_cost(requests * scene.context[src])
+        # the devices staying in the role re-prefill the migrated requests side by side
+        stay = max(1, c.alloc[ROLES.index(src)])
+        migrate += scene.costs.migration_cost(requests * scene.context[src]) / stay
     c.takes, c.picked = takes, True
-    c.overhead = c.shift + migrate
+    c.overhead = migrate
     c.total = c.est.total + c.overhead
     return True
 

@@ -2,7 +2,8 @@
 
 * ``LengthModel``: response lengths seen, for how long running sequences still
   go (their expected rest, and the expected end of the last of them);
-* ``RoleProfile``: throughput of a device in a role against its batch;
+* ``RoleProfile``: how fast a device generates against its batch; ``TrainProfile``:
+  how fast it trains;
 * ``ShiftCosts``: the measured seconds of each kind of shift, and the
   re-prefill rate that prices a migration;
 * ``Workload``: the step's remaining work, as the controller sees it.
@@ -137,46 +138,122 @@ class LengthModel:
 
 @dataclass(slots=True)
 class RoleProfile:
-    """Throughput of one device in a role, learned online: a roofline.
+    """How fast one device generates in a role, against its batch, learned online.
 
-    ``rate(b) = min(b * seq_rate, device_rate)``: each sequence decodes at
-    ``seq_rate`` until the device saturates at ``device_rate``. A measurement
-    updates (EWMA) the term that binds at its batch, because that is the one it
-    tells about: a tail slice of two sequences says how fast a sequence goes,
-    not how much a full device does. A measurement beyond the other term raises
-    it too. Priors come from the config or the simulator's cost model.
+    A decode step of ``b`` sequences takes ``step_base + step_per_seq * b`` seconds:
+    what every step pays whatever its batch (reading the weights, launching
+    kernels, the host loop) plus each sequence's own share (reading its KV cache,
+    its FLOPs). So a device makes ``rate(b) = b / (step_base + step_per_seq * b)``
+    tokens/s: a sequence alone goes at ``rate(1)``, and a device gains throughput
+    with every sequence it batches, ever more slowly, towards ``1 / step_per_seq``.
+    (A min(b * per-sequence rate, device rate) roofline says a device saturates;
+    on a GPU whose step is dominated by reading KV caches it never does, and a
+    planner that believes it does crams the rollout onto too few devices.)
+
+    Each measured slice (tokens in seconds at batch b) is a point ``(b, seconds * b
+    / tokens)`` of that line. The line is a least-squares fit in which every slice
+    weighs ``decay`` times the one after it, and the prior line counts as two
+    points of weight ``prior_weight``, at batch 1 and ``ref_batch``: it decides
+    alone before the first slice, and where the slices say nothing (slices that
+    all ran at one batch fix the line's height there, not its tilt).
     """
 
-    device_rate: float  # tokens/s of one device at saturation
-    seq_rate: float  # tokens/s of one sequence (decode speed; for train: of one sample)
-    alpha: float = 0.3  # weight of a new measurement
+    step_base: float  # seconds of a decode step whatever its batch
+    step_per_seq: float  # seconds each sequence adds to a step
+    decay: float = 0.99  # weight an older slice keeps at each new one
+    prior_weight: float = 0.1
+    ref_batch: float = 32.0
     samples: int = 0
+    _data: list[float] = field(default_factory=lambda: [0.0] * 5, init=False, repr=False)  # sum of w, wb, wy, wbb, wby
+    _prior: tuple[float, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _positive("device_rate", self.device_rate)
-        _positive("seq_rate", self.seq_rate)
-        if not 0 < self.alpha <= 1:
-            raise ValueError(f"alpha: got {self.alpha!r}, must be in (0, 1]")
+        _positive("step_base", self.step_base)
+        _positive("step_per_seq", self.step_per_seq, strict=False)
+        _positive("prior_weight", self.prior_weight)
+        _positive("ref_batch", self.ref_batch)
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay: got {self.decay!r}, must be in (0, 1]")
+        if self.ref_batch <= 1:
+            raise ValueError(f"ref_batch: got {self.ref_batch!r}, must be > 1 (the prior's second point)")
+        sums = [0.0] * 5
+        for b in (1.0, self.ref_batch):
+            _add(sums, b, self.step_base + self.step_per_seq * b, self.prior_weight)
+        self._prior = tuple(sums)
 
-    def observe(self, tokens: int, seconds: float, batch: int) -> None:
-        """One measured slice: ``tokens`` produced in ``seconds`` by ``batch`` sequences.
+    @classmethod
+    def from_rates(cls, seq_rate: float, device_rate: float, **kwargs: float) -> RoleProfile:
+        """The line through ``rate(1) = seq_rate`` approaching ``device_rate`` with large batches."""
+        _positive("seq_rate", seq_rate)
+        _positive("device_rate", device_rate)
+        if device_rate <= seq_rate:
+            raise ValueError(f"device_rate: got {device_rate}, must exceed seq_rate {seq_rate}")
+        return cls(step_base=1 / seq_rate - 1 / device_rate, step_per_seq=1 / device_rate, **kwargs)
+
+    def observe(self, tokens: int, seconds: float, batch: float) -> None:
+        """One measured slice: ``tokens`` sampled in ``seconds`` by ``batch`` sequences (a mean).
         A slice without tokens (prefill only) says nothing about decoding and is skipped."""
         _positive("seconds", seconds)
         if tokens < 0 or batch < 1:
             raise ValueError(f"tokens={tokens}, batch={batch}: need tokens >= 0 and batch >= 1")
         if tokens == 0:
             return
-        rate, a = tokens / seconds, self.alpha
-        saturated = batch * self.seq_rate >= self.device_rate
-        if saturated or rate > self.device_rate:
-            self.device_rate += a * (rate - self.device_rate)
-        if not saturated or rate / batch > self.seq_rate:
-            self.seq_rate += a * (rate / batch - self.seq_rate)
+        d = self._data
+        for i in range(5):
+            d[i] *= self.decay
+        _add(d, float(batch), seconds * batch / tokens, 1.0)  # a step's seconds: seconds / (tokens / batch)
         self.samples += 1
+        self._fit()
+
+    def _fit(self) -> None:
+        w, sb, sy, sbb, sby = (p + d for p, d in zip(self._prior, self._data, strict=True))
+        det = w * sbb - sb * sb  # > 0: the prior's two points differ in batch
+        slope = max(0.0, (w * sby - sb * sy) / det)
+        base = (sy - slope * sb) / w
+        if base <= 0:  # the data say a step costs nothing of its own: all of it is per sequence
+            base, slope = 1e-9, max(sby / sbb, 1e-9)
+        self.step_base, self.step_per_seq = base, slope
+
+    def step_seconds(self, batch: float) -> float:
+        return self.step_base + self.step_per_seq * batch
 
     def rate(self, batch: float) -> float:
         """Tokens/s of one device running ``batch`` sequences (fractional in the fluid model)."""
-        return min(batch * self.seq_rate, self.device_rate) if batch > 0 else 0.0
+        return batch / (self.step_base + self.step_per_seq * batch) if batch > 0 else 0.0
+
+
+def _add(sums: list[float], b: float, y: float, w: float) -> None:
+    """Point ``(b, y)`` into the sums of a least-squares line, weighed ``w / y^2``: errors count
+    relative to the step they are of, so a prior off by orders of magnitude gives way to the data."""
+    w /= y * y
+    sums[0] += w
+    sums[1] += w * b
+    sums[2] += w * y
+    sums[3] += w * b * b
+    sums[4] += w * b * y
+
+
+@dataclass(slots=True)
+class TrainProfile:
+    """Training throughput of one device (tokens/s through forward and backward), learned
+    online as an EWMA of measured backward passes: its cost is per token whatever the batch."""
+
+    device_rate: float
+    alpha: float = 0.3  # weight of a new measurement
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("device_rate", self.device_rate)
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha: got {self.alpha!r}, must be in (0, 1]")
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        _positive("seconds", seconds)
+        if tokens < 0:
+            raise ValueError(f"tokens: got {tokens}, must be >= 0")
+        if tokens:
+            self.device_rate += self.alpha * (tokens / seconds - self.device_rate)
+            self.samples += 1
 
 
 @dataclass(slots=True)
@@ -216,7 +293,7 @@ class ShiftCosts:
 class Profiles:
     rollout: RoleProfile
     judge: RoleProfile
-    train: RoleProfile
+    train: TrainProfile
     lengths: LengthModel = field(default_factory=LengthModel)
     costs: ShiftCosts = field(default_factory=ShiftCosts)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pivotrl.control.messages import Accumulated, Event, Generated, Progress, Role, ShiftDone
 from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Planner
-from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, Workload
+from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload
 
 
 class PlanView:
@@ -52,7 +52,9 @@ class Shiftable:
     preempt = True
     wants_view = True
 
-    def __init__(self, devices: int, max_batch: int, rollout_tokens: int, judge_tokens: int) -> None:
+    def __init__(
+        self, devices: int, max_batch: int, rollout_tokens: int, judge_tokens: int, step_samples: int = 0
+    ) -> None:
         if devices < 1:
             raise ValueError(f"shiftable needs at least 1 device, got {devices}")
         self.devices, self.max_batch = devices, max_batch
@@ -60,10 +62,15 @@ class Shiftable:
         # rough priors, of the order of one CPU thread on the bundled models; the first measured
         # slices of each role replace them (EWMA)
         self.profiles = Profiles(
-            rollout=RoleProfile(device_rate=4000.0, seq_rate=300.0),
-            judge=RoleProfile(device_rate=4000.0, seq_rate=300.0),
-            train=RoleProfile(device_rate=3000.0, seq_rate=300.0),
-            lengths=LengthModel(prior_mean=rollout_tokens / 2, prior_max=float(rollout_tokens)),
+            rollout=RoleProfile.from_rates(seq_rate=300.0, device_rate=4000.0),
+            judge=RoleProfile.from_rates(seq_rate=300.0, device_rate=4000.0),
+            train=TrainProfile(device_rate=3000.0),
+            # lengths of the last step's worth of responses: mid-step, the short ones of this step and
+            # the long ones that ended the last, together about one whole step. A shorter window
+            # would hold the responses that finish first, biased short, or last, biased long
+            lengths=LengthModel(
+                prior_mean=rollout_tokens / 2, prior_max=float(rollout_tokens), window=max(step_samples, 4096)
+            ),
             costs=ShiftCosts(),
         )
         self.judge_tokens = float(judge_tokens)
@@ -72,15 +79,20 @@ class Shiftable:
 
     def observe(self, event: Event, previous_role: Role | None) -> None:
         p = self.profiles
-        if isinstance(event, Progress) and event.tokens and event.seconds > 0:
-            profile = p.rollout if event.role is Role.ROLLOUT else p.judge
-            profile.observe(event.tokens, event.seconds, max(1, event.running))
+        if isinstance(event, Progress) and event.tokens and event.seconds > event.prefill_seconds:
+            # the mean batch of the slice's decode steps; the batch it started with counts sequences
+            # that finished early in it, and overstates what each step carried
+            batch = event.tokens / event.steps if event.steps else max(1, event.running)
+            if event.role is Role.ROLLOUT:  # decode steps alone: the tail runs on them
+                p.rollout.observe(event.tokens, event.seconds - event.prefill_seconds, batch)
+            else:  # a judgment reads a whole response before its short verdict: prefill is its work too
+                p.judge.observe(event.tokens, event.seconds, batch)
             p.costs.observe_prefill(event.prefill_tokens, event.prefill_seconds)
         elif isinstance(event, Generated):
             for r in event.results:
                 p.lengths.observe(len(r.output_ids))
         elif isinstance(event, Accumulated) and event.tokens and event.seconds > 0:
-            p.train.observe(event.tokens, event.seconds, max(1, event.samples))
+            p.train.observe(event.tokens, event.seconds)
         elif isinstance(event, ShiftDone) and event.seconds > 0:
             p.costs.observe(previous_role, event.role, event.seconds)
 

@@ -93,6 +93,7 @@ def run_job(
         cfg.rollout.max_batch,
         cfg.rollout.max_new_tokens,
         cfg.judge.max_new_tokens,
+        cfg.rollout.prompts_per_step * cfg.rollout.group_size,
     )
     origin = time.time()
     if in_process is None:

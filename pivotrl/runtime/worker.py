@@ -174,25 +174,37 @@ class Worker:
         t0 = self.now()
         running, before = ctx.engine.load, ctx.engine.stats.generated_tokens
         finished: list[SeqState] = []
-        stats, prefill_tokens, prefill_s = ctx.engine.stats, 0, 0.0
+        stats, prefill_tokens, prefill_s, steps = ctx.engine.stats, 0, 0.0, 0
         while ctx.engine.has_work:  # at least one engine step, then until the slice is used
             p0, s0 = stats.prefill_tokens, self.now()
             finished += ctx.engine.step()
             if stats.prefill_tokens != p0:  # a prefill step: timed apart, it prices a migration's re-prefill
                 prefill_tokens += stats.prefill_tokens - p0
                 prefill_s += self.now() - s0
+            else:
+                steps += 1
             if self.now() - t0 >= seconds:
                 break
         t1 = self.now()
         role = self.role
-        measured = {"tokens": stats.generated_tokens - before, "running": running, "finished": len(finished)}
+        measured = {
+            "tokens": stats.generated_tokens - before, "running": running, "finished": len(finished), "steps": steps
+        }  # fmt: skip
         if prefill_tokens:
             measured |= {"prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 6)}
         self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1, measured))
         so_far = tuple((s.uid, len(s.output_ids)) for s in ctx.engine.running.values()) if role is Role.ROLLOUT else ()
         events: list[Event] = [
             Progress(
-                self.device, role, t1 - t0, stats.generated_tokens - before, running, so_far, prefill_tokens, prefill_s
+                self.device,
+                role,
+                t1 - t0,
+                stats.generated_tokens - before,
+                running,
+                so_far,
+                prefill_tokens,
+                prefill_s,
+                steps,
             )
         ]
         if role is Role.ROLLOUT and finished:

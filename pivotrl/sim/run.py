@@ -25,6 +25,8 @@ from pivotrl.config import JobConfig, parse_split
 from pivotrl.control.controller import Controller, LoopSpec
 from pivotrl.control.messages import Role
 from pivotrl.control.modes import AllocationPolicy, make_policy
+from pivotrl.control.profiles import Profiles, RoleProfile, TrainProfile
+from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.log import logger
 from pivotrl.reward.genrm import GenRM
@@ -33,7 +35,7 @@ from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, RooflineCost
 from pivotrl.sim.driver import SimDriver, SimSpec
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.measured import MeasuredCosts
-from pivotrl.sim.models import MODELS
+from pivotrl.sim.models import MODELS, ModelSpec
 from pivotrl.sim.workload import LengthDist
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.arithmetic import Problem
@@ -126,13 +128,37 @@ def build(cfg: JobConfig) -> Simulation:
             )
     try:
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
-                            j.max_new_tokens)  # fmt: skip
+                            j.max_new_tokens, r.prompts_per_step * r.group_size)  # fmt: skip
         job = dataclasses.replace(cfg, devices=sim.devices)
     except ValueError as e:
         raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None
+    if isinstance(alloc, Shiftable):
+        _startup_profile(alloc.profiles, spec)
     train_set = synthetic.problems(max(r.prompts_per_step, 1024))
     heldout = synthetic.problems(cfg.eval.size, tag="h")
     return Simulation(job, spec, loop_spec(job), alloc, genrm, train_set, heldout)
+
+
+def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
+    """The planner's priors from the devices it runs on, as an engine measures itself when it
+    starts (a decode step alone and at a larger batch, a prefill, a training pass): its first
+    plans are made for these devices, not for the runtime's CPU defaults. Measurements of the
+    run replace them as they come."""
+    c, tp, ref = spec.costs, spec.tp, 32
+    response = spec.lengths.quantile(0.5)
+
+    def line(model: ModelSpec, context: int, per_item: float) -> RoleProfile:
+        one, many = c.decode_step(model, tp, 1, context), c.decode_step(model, tp, ref, context)
+        per_seq = (many - one) / (ref - 1) + per_item
+        return RoleProfile(step_base=max(one - per_seq, 1e-6), step_per_seq=per_seq, ref_batch=ref)
+
+    judge_prompt = spec.prompt_len + response + spec.judge_template_len
+    judge_read = c.prefill(spec.genrm, tp, judge_prompt) / spec.judge_output_len  # a judgment's prefill, per step
+    profiles.rollout = line(spec.policy, spec.prompt_len + response, 0.0)
+    profiles.judge = line(spec.genrm, judge_prompt + spec.judge_output_len // 2, judge_read)
+    tokens = 16 * (spec.prompt_len + response)
+    profiles.train = TrainProfile(device_rate=tokens / c.train_tokens(spec.policy, tokens, tp))
+    profiles.costs.prefill_rate = 4096 / c.prefill(spec.policy, tp, 4096, spec.prompt_len + response)
 
 
 def gps_bytes(spec: SimSpec) -> dict[str, int]:

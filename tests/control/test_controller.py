@@ -398,3 +398,13 @@ def test_the_plan_sees_a_shifting_device_in_the_role_it_is_heading_to():
     assert [s.role for s in shifts] == [R, R, G, T]
     view = ctl._plan_view()
     assert view.roles == (R, R, G, T) and view.pinned == frozenset(range(4))
+
+
+def test_a_judged_backlog_goes_out_in_shares():
+    """Judged groups go to the train devices in shares of at most every device's share of
+    the step: a backlog handed whole to the few devices training when it arrives would run
+    on them alone while devices sent to train next find an empty queue."""
+    cluster = run(controller(Disaggregated(4)))  # train: device 3 alone, 4 groups a step
+    for _, _, accumulates in cluster.trains:
+        assert [len(a.shard.response_ids) // GROUP for a in accumulates] == [1] * PROMPTS  # ceil(4 / 4)
+        assert {a.device for a in accumulates} == {3}

@@ -15,6 +15,7 @@ from pivotrl.control.planner import (
     Profiles,
     RoleProfile,
     ShiftCosts,
+    TrainProfile,
     Workload,
     estimate,
     fmt_alloc,
@@ -25,13 +26,21 @@ R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
 MAX_BATCH = 32
 
 
+PER_SEQ = 0.03 / 31  # a decode step takes 0.05 s alone and 0.08 s with 32 sequences
+
+
+def generation() -> RoleProfile:
+    """20 tok/s for a sequence alone, 400 tok/s for a device at the batch cap (32)."""
+    return RoleProfile(step_base=0.05 - PER_SEQ, step_per_seq=PER_SEQ)
+
+
 def profiles(shift: float = 0.05, prior_mean: float = 1000.0, prior_max: float = 2048.0) -> Profiles:
-    """Rollout and judge: 20 tok/s per sequence, 400 tok/s per device; train: 1000 tok/s.
+    """Rollout and judge: ``generation()``; train: 1000 tok/s.
     Lengths: the prior only (memoryless, mean ``prior_mean``)."""
     return Profiles(
-        rollout=RoleProfile(device_rate=400, seq_rate=20),
-        judge=RoleProfile(device_rate=400, seq_rate=20),
-        train=RoleProfile(device_rate=1000, seq_rate=50),
+        rollout=generation(),
+        judge=generation(),
+        train=TrainProfile(device_rate=1000),
         lengths=LengthModel(prior_mean=prior_mean, prior_max=prior_max),
         costs=ShiftCosts(prior=shift),
     )
@@ -66,10 +75,10 @@ EARLY = Workload(
 
 
 def test_estimate_of_the_tail_by_hand():
-    # 2 sequences, ~1000 tokens left each at 20 tok/s: rollout ends at 50 s whatever the devices.
+    # 2 sequences, ~1000 tokens left each, one per device at 20 tok/s: rollout ends at 50 s.
     # 602 judgments x 100 tokens = 60200 tokens. One judge device (400 tok/s) does 20020 by 50.05 s,
-    # when the 3 rollout devices join after their 0.05 s shift: 4 x min(32 x 20, 400) = 1600 tok/s
-    # for 40180 -> 25.1125 s.
+    # when the 3 rollout devices join after their 0.05 s shift: 4 x 400 tok/s (batches of 32)
+    # = 1600 tok/s for 40180 -> 25.1125 s.
     e = estimate(TAIL, profiles(), alloc(3, 1, 0), MAX_BATCH)
     assert (e.rollout_end, e.judge_end, e.backward_end, e.total) == pytest.approx((50.0, 75.1625, 0.0, 75.1625))
     assert e.tail and e.seqs == 2
@@ -79,9 +88,11 @@ def test_estimate_of_the_tail_by_hand():
 def test_tail_bound_dominates_with_few_sequences():
     few = Workload(rollout_remaining=[0, 0], judge_future=2)
     many = Workload(rollout_remaining=[0] * 200, judge_future=200)
-    for n in (1, 2, 4, 8):
+    for n in (2, 4, 8):
         e = estimate(few, profiles(), alloc(n, 1, 0), MAX_BATCH)
         assert e.tail and e.rollout_end == pytest.approx(1000 / 20)  # one sequence's speed, however many devices
+    both = estimate(few, profiles(), alloc(1, 1, 0), MAX_BATCH)  # on one device, each step carries both
+    assert both.rollout_end == pytest.approx(2000 / generation().rate(2))
     e = estimate(many, profiles(), alloc(2, 1, 0), MAX_BATCH)
     assert not e.tail and e.rollout_end == pytest.approx(200 * 1000 / (2 * 400))
 
@@ -166,11 +177,22 @@ def test_planner_moves_the_cheapest_devices(busy, pinned, moved):
 
 
 def test_migrations_count_in_the_overhead():
-    # the rollout context is prompt + mean tokens so far (650); 5000 tok/s re-prefill
+    # the rollout context is prompt + mean tokens so far (650); 5000 tok/s re-prefill, shared by the
+    # rollout devices that stay
     idle = Planner(4).plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
     busy = Planner(4).plan(0.0, roles("rrrr"), {0: 4, 1: 4, 2: 4, 3: 4}, set(), TAIL, profiles(), MAX_BATCH)
-    assert idle.overhead == pytest.approx(0.05)
-    assert busy.overhead == pytest.approx(0.05 + len(busy.moves) * 4 * 650 / 5000)
+    assert idle.moves and idle.overhead == 0.0
+    moved = len(busy.moves)
+    assert busy.overhead == pytest.approx(moved * 4 * 650 / 5000 / (4 - moved))
+
+
+def test_moved_devices_join_after_their_shift():
+    # JUDGE_BURST on rrrr: judging is all there is, so the judge devices' shift delays it one for one
+    for shift in (0.05, 5.0):
+        d = Planner(4).plan(0.0, roles("rrrr"), {}, set(), JUDGE_BURST, profiles(shift=shift), MAX_BATCH)
+        assert d.moves and d.after is not None
+        there = estimate(JUDGE_BURST, profiles(shift=shift), alloc(*d.after.alloc), MAX_BATCH)  # as if arrived
+        assert d.after.judge_end == pytest.approx(there.judge_end + shift)
 
 
 def test_reason_carries_the_numbers():
@@ -186,9 +208,10 @@ def test_reason_carries_the_numbers():
 
 
 def test_hysteresis_keeps_small_gains():
-    # EARLY from rrgt: idle judge and train devices to rollout gain 35% (83.8 s -> 54.6 s)
-    eager = Planner(4, hysteresis=0.2).plan(0.0, roles("rrgt"), {}, set(), EARLY, profiles(), MAX_BATCH)
-    calm = Planner(4, hysteresis=0.5).plan(0.0, roles("rrgt"), {}, set(), EARLY, profiles(), MAX_BATCH)
+    # EARLY from rrgt: idle judge and train devices to rollout gain 17% (83.8 s -> 69.9 s): 64 sequences
+    # on 4 devices instead of 2 make batches of 16 instead of 32, each at 62% of a full device's rate
+    eager = Planner(4, hysteresis=0.1).plan(0.0, roles("rrgt"), {}, set(), EARLY, profiles(), MAX_BATCH)
+    calm = Planner(4, hysteresis=0.2).plan(0.0, roles("rrgt"), {}, set(), EARLY, profiles(), MAX_BATCH)
     assert eager.moves and not calm.moves
     assert "margin" in calm.reason
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pivotrl.control.messages import Role
-from pivotrl.control.profiles import LengthModel, RoleProfile, ShiftCosts
+from pivotrl.control.profiles import LengthModel, RoleProfile, ShiftCosts, TrainProfile
 
 R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
 
@@ -80,40 +80,102 @@ def test_length_model_rejects_bad_settings(kwargs):
 
 # -- RoleProfile --------------------------------------------------------------------------------
 
-OBSERVE = [
-    # device_rate=100, seq_rate=10, alpha=0.5; one slice (tokens, seconds, batch) -> (device_rate, seq_rate)
-    pytest.param((60, 1.0, 4), (100.0, 12.5), id="unsaturated:learns-seq-rate"),
-    pytest.param((80, 1.0, 16), (90.0, 10.0), id="saturated:learns-device-rate"),
-    pytest.param((300, 1.0, 16), (200.0, 14.375), id="saturated-but-faster-seqs:both"),
-    pytest.param((130, 1.0, 2), (115.0, 37.5), id="unsaturated-but-above-device-rate:both"),
-    pytest.param((0, 1.0, 4), (100.0, 10.0), id="no-tokens:skipped"),
-]
+
+def line(base: float, per_seq: float, batch: int, tokens: int = 100) -> tuple[int, float, int]:
+    """The slice (tokens, seconds, batch) of a device whose decode step takes base + per_seq * batch."""
+    return tokens, tokens / batch * (base + per_seq * batch), batch
 
 
-@pytest.mark.parametrize(("slice_", "after"), OBSERVE)
-def test_role_profile_updates_the_term_that_binds(slice_, after):
-    p = RoleProfile(device_rate=100, seq_rate=10, alpha=0.5)
-    p.observe(*slice_)
-    assert (p.device_rate, p.seq_rate) == pytest.approx(after)
+def test_role_profile_rate_follows_its_step_line():
+    p = RoleProfile(step_base=0.04, step_per_seq=0.01)
+    assert p.rate(0) == 0.0
+    assert p.rate(1) == pytest.approx(20.0)  # 1 token per 0.05 s step
+    assert p.rate(6) == pytest.approx(60.0)  # 6 tokens per 0.1 s step
+    assert p.rate(1e9) == pytest.approx(100.0, rel=1e-6)  # towards 1 / step_per_seq, never beyond
+    assert all(p.rate(b) < p.rate(b + 1) for b in range(1, 64))  # every sequence batched adds throughput
 
 
-def test_role_profile_is_an_ewma():
-    p = RoleProfile(device_rate=100, seq_rate=10, alpha=0.5)
-    for _ in range(20):
-        p.observe(8, 1.0, 1)  # a sequence alone goes at 8 tok/s
-    assert p.seq_rate == pytest.approx(8.0, abs=1e-4)
-    assert p.samples == 20
+def test_role_profile_from_rates():
+    p = RoleProfile.from_rates(seq_rate=20, device_rate=100)
+    assert (p.step_base, p.step_per_seq) == pytest.approx((0.04, 0.01))
 
 
-@pytest.mark.parametrize(("batch", "rate"), [(0, 0.0), (0.5, 5.0), (4, 40.0), (10, 100.0), (64, 100.0)])
-def test_role_profile_rate_is_a_roofline(batch, rate):
-    assert RoleProfile(device_rate=100, seq_rate=10).rate(batch) == rate
+def test_role_profile_learns_the_line_from_slices_at_several_batches():
+    p = RoleProfile(step_base=1.0, step_per_seq=0.5)  # a prior far off
+    for i in range(200):
+        p.observe(*line(0.008, 0.0001, batch=(1, 16, 64, 128)[i % 4]))
+    assert (p.step_base, p.step_per_seq) == pytest.approx((0.008, 0.0001), rel=0.01)
+
+
+def test_role_profile_at_one_batch_goes_through_the_measured_step():
+    # every slice at batch 32: the line goes through the measured step there; the prior still tilts it
+    p = RoleProfile(step_base=0.04, step_per_seq=0.01)
+    for _ in range(200):
+        p.observe(*line(0.02, 0.005, batch=32))
+    assert p.step_seconds(32) == pytest.approx(0.02 + 0.005 * 32, rel=0.01)
+    assert p.step_base > 0 and p.step_per_seq > 0
+
+
+def test_role_profile_forgets_old_slices():
+    p = RoleProfile(step_base=0.04, step_per_seq=0.01)
+    for i in range(100):
+        p.observe(*line(0.04, 0.01, batch=(1, 32)[i % 2]))
+    for i in range(800):  # contexts grew: each sequence now costs twice as much
+        p.observe(*line(0.04, 0.02, batch=(1, 32)[i % 2]))
+    assert p.step_per_seq == pytest.approx(0.02, rel=0.02)
+    assert p.samples == 900
+
+
+def test_role_profile_line_stays_positive_on_odd_data():
+    p = RoleProfile(step_base=0.04, step_per_seq=0.01)
+    for i in range(50):  # bigger batches faster per step (noise): no negative slope
+        p.observe(*line(0.2, -0.001, batch=(1, 100)[i % 2]))
+    assert p.step_per_seq >= 0 and p.step_base > 0
+    for i in range(50):  # steps costing nothing of their own: no negative base
+        p.observe(*line(0.0, 0.01, batch=(2, 100)[i % 2]))
+    assert p.step_base > 0 and p.rate(1) > 0
+
+
+def test_role_profile_skips_slices_without_tokens():
+    p = RoleProfile(step_base=0.04, step_per_seq=0.01)
+    p.observe(0, 1.0, 4)
+    assert (p.step_base, p.step_per_seq, p.samples) == (0.04, 0.01, 0)
 
 
 @pytest.mark.parametrize("slice_", [pytest.param((10, 0.0, 1), id="seconds"), pytest.param((10, 1.0, 0), id="batch")])
 def test_role_profile_rejects_bad_measurements(slice_):
     with pytest.raises(ValueError):
-        RoleProfile(device_rate=100, seq_rate=10).observe(*slice_)
+        RoleProfile(step_base=0.04, step_per_seq=0.01).observe(*slice_)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"step_base": 0.0, "step_per_seq": 0.01},
+        {"step_base": 0.04, "step_per_seq": -1.0},
+        {"step_base": 0.04, "step_per_seq": 0.01, "decay": 0.0},
+        {"step_base": 0.04, "step_per_seq": 0.01, "ref_batch": 1.0},
+    ],
+)
+def test_role_profile_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        RoleProfile(**kwargs)
+
+
+def test_role_profile_from_rates_rejects_a_device_slower_than_a_sequence():
+    with pytest.raises(ValueError, match="device_rate"):
+        RoleProfile.from_rates(seq_rate=100, device_rate=50)
+
+
+def test_train_profile_is_an_ewma_of_tokens_per_second():
+    p = TrainProfile(device_rate=1000, alpha=0.5)
+    p.observe(0, 1.0)  # nothing trained: skipped
+    assert (p.device_rate, p.samples) == (1000, 0)
+    for _ in range(20):
+        p.observe(3000, 2.0)
+    assert p.device_rate == pytest.approx(1500, abs=1e-3) and p.samples == 20
+    with pytest.raises(ValueError):
+        p.observe(10, 0.0)
 
 
 # -- ShiftCosts -----------------------------------------------------------------------------------
