@@ -109,6 +109,7 @@ class StepRecord:
     generated: int = 0
     group_judged: dict[int, int] = field(default_factory=dict)  # prompt index -> judged members
     accumulated: int = 0  # groups whose backward is done
+    backward: set[int] = field(default_factory=set)  # groups handed to a backward (prompt indexes)
     rollout_end: float | None = None
     first_judged: float | None = None
     judge_end: float | None = None
@@ -242,18 +243,31 @@ class Controller:
         s = self.scheduler
         running = [uid for d in self.devices if d.role is Role.ROLLOUT for uid in s.inflight.get(d.id, ())]
         gen_uids = [r.uid for r in s.gen_queue] + running
-        judge_running = sum(s.load(d.id) for d in self.devices if d.role is Role.GENRM)
+        judging = [uid for d in self.devices if d.role is Role.GENRM for uid in s.inflight.get(d.id, ())]
         step, g = self.step, self.spec.group_size
         groups_left = 0 if step is None else len(step.samples) // g - step.accumulated
+        by_uid, m = self.by_uid, self.measured
+        read = sum(
+            len(by_uid[u].prompt_ids) + len(by_uid[u].response_ids)
+            for u in (*(r.uid for r in s.judge_queue), *judging)
+            if u in by_uid
+        )
+        # the groups left are the ones with the longest responses (those end last): their tokens as known
+        # so far, the mean length for responses still generating
+        expected = m["prompt_tokens"] + m["response_tokens"]
+        left = [x for x in step.samples if x.prompt_index not in step.backward] if step is not None else []
+        train_tokens = sum(len(x.prompt_ids) + len(x.response_ids) if x.response_ids else expected for x in left)
+        per_group = train_tokens / (len(left) // g) if len(left) >= g else expected * g
         return Workload(
             rollout_remaining=[self.tokens_so_far.get(uid, 0) for uid in gen_uids],
-            judge_queued=len(s.judge_queue) + judge_running,
+            judge_queued=len(s.judge_queue) + len(judging),
             judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
             judge_tokens_mean=self.measured["judge_tokens"],
             train_groups_left=groups_left,
-            train_tokens_per_group=(self.measured["prompt_tokens"] + self.measured["response_tokens"]) * g,
+            train_tokens_per_group=per_group,
             step_seconds=self.measured["step_seconds"],
             prompt_tokens_mean=self.measured["prompt_tokens"],
+            judge_read_tokens=read,
         )
 
     def _measure(self, event: Event) -> None:
@@ -414,6 +428,7 @@ class Controller:
                 continue
             take = [self.train_queue.popleft() for _ in range(min(share, len(self.train_queue)))]
             if take:
+                self.step.backward.update(take)
                 cmds.append(Accumulate(i, self.version, self._shard(take)))
                 d.accumulating, d.grads = True, True
                 if self.step.train_start is None:

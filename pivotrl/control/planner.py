@@ -69,6 +69,7 @@ class _Work:
     judge_items: int
     judge_future: int
     judge_tokens: float
+    judge_read: float  # prompt + response tokens every judgment left must read (prefill)
     groups: int
     group_tokens: float
     step_seconds: float
@@ -88,6 +89,15 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         judge_items=w.judge_queued + w.judge_future,
         judge_future=w.judge_future,
         judge_tokens=w.judge_tokens_mean,
+        # responses still generating are read once they end: prompt, tokens so far and their expected rest
+        judge_read=w.judge_read_tokens
+        + w.judge_future
+        / max(1, len(w.rollout_remaining))
+        * (
+            len(w.rollout_remaining) * w.prompt_tokens_mean
+            + sum(w.rollout_remaining)
+            + sum(exp[t] * n for t, n in by_t.items())
+        ),
         groups=w.train_groups_left,
         group_tokens=w.train_tokens_per_group,
         step_seconds=w.step_seconds,
@@ -205,7 +215,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = 
     if w.judge_items:
         arrivals = _now_and_later(n_g, late[1]) + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
         judge_rate = lambda n: _gen_rate(p.judge, w.judge_items, n, max_batch)  # noqa: E731
-        bulk = _drain(w.judge_items * w.judge_tokens, judge_rate, arrivals)
+        # reading the judged responses counts as decode work at the rate of a full judge device
+        reads = w.judge_read * _gen_rate(p.judge, w.judge_items, max(1, n_g + n_r), max_batch) / p.judge.prefill_rate
+        bulk = _drain(w.judge_items * w.judge_tokens + reads, judge_rate, arrivals)
         latency = w.judge_tokens / p.judge.rate(1)
         t_g = max(bulk, latency, t_r + latency if w.judge_future else 0.0)
         r_judged = handoff_r and t_r < t_g

@@ -160,6 +160,7 @@ class RoleProfile:
 
     step_base: float  # seconds of a decode step whatever its batch
     step_per_seq: float  # seconds each sequence adds to a step
+    prefill_rate: float = 5000.0  # tokens/s a device reads prompts at (EWMA of timed prefills)
     decay: float = 0.99  # weight an older slice keeps at each new one
     prior_weight: float = 0.1
     ref_batch: float = 32.0
@@ -201,9 +202,15 @@ class RoleProfile:
         d = self._data
         for i in range(5):
             d[i] *= self.decay
-        _add(d, float(batch), seconds * batch / tokens, 1.0)  # a step's seconds: seconds / (tokens / batch)
+        y = seconds * batch / tokens  # a step's seconds: seconds / (tokens / batch)
+        _add(d, float(batch), y, 1.0, max(y, self.step_seconds(batch)))
         self.samples += 1
         self._fit()
+
+    def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.3) -> None:
+        """A timed prefill (``tokens`` in ``seconds``) moves ``prefill_rate`` towards it."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_rate += alpha * (tokens / seconds - self.prefill_rate)
 
     def _fit(self) -> None:
         w, sb, sy, sbb, sby = (p + d for p, d in zip(self._prior, self._data, strict=True))
@@ -222,10 +229,12 @@ class RoleProfile:
         return batch / (self.step_base + self.step_per_seq * batch) if batch > 0 else 0.0
 
 
-def _add(sums: list[float], b: float, y: float, w: float) -> None:
-    """Point ``(b, y)`` into the sums of a least-squares line, weighed ``w / y^2``: errors count
-    relative to the step they are of, so a prior off by orders of magnitude gives way to the data."""
-    w /= y * y
+def _add(sums: list[float], b: float, y: float, w: float, scale: float | None = None) -> None:
+    """Point ``(b, y)`` into the sums of a least-squares line, weighed ``w / scale^2`` (``scale``
+    defaults to ``y``): errors count relative to the step they are of, so a prior off by orders of
+    magnitude gives way to the data, and a slice measuring next to nothing cannot outweigh all."""
+    scale = y if scale is None else scale
+    w /= scale * scale
     sums[0] += w
     sums[1] += w * b
     sums[2] += w * y
@@ -310,11 +319,13 @@ class Workload:
     train_tokens_per_group: float = 512.0
     step_seconds: float = 0.0  # the optimizer step, after the last backward
     prompt_tokens_mean: float = 0.0  # prompt tokens re-prefilled with a migrated sequence
+    judge_read_tokens: float = 0.0  # prompt + response tokens of the judgments queued or running: what they read
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.rollout_remaining):
             raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
-        for name in ("judge_queued", "judge_future", "train_groups_left", "step_seconds", "prompt_tokens_mean"):
+        for name in ("judge_queued", "judge_future", "train_groups_left", "step_seconds", "prompt_tokens_mean",
+                     "judge_read_tokens"):  # fmt: skip
             _positive(name, getattr(self, name), strict=False)
         _positive("judge_tokens_mean", self.judge_tokens_mean)
         _positive("train_tokens_per_group", self.train_tokens_per_group)

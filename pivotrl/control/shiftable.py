@@ -82,11 +82,12 @@ class Shiftable:
         if isinstance(event, Progress) and event.tokens and event.seconds > event.prefill_seconds:
             # the mean batch of the slice's decode steps; the batch it started with counts sequences
             # that finished early in it, and overstates what each step carried
-            batch = event.tokens / event.steps if event.steps else max(1, event.running)
-            if event.role is Role.ROLLOUT:  # decode steps alone: the tail runs on them
-                p.rollout.observe(event.tokens, event.seconds - event.prefill_seconds, batch)
-            else:  # a judgment reads a whole response before its short verdict: prefill is its work too
-                p.judge.observe(event.tokens, event.seconds, batch)
+            profile = p.rollout if event.role is Role.ROLLOUT else p.judge
+            if event.steps:  # decode steps alone (a slice of prefills only says nothing of them)
+                profile.observe(event.tokens, event.seconds - event.prefill_seconds, event.tokens / event.steps)
+            elif not event.prefill_seconds:  # a runtime that does not count its steps
+                profile.observe(event.tokens, event.seconds, max(1, event.running))
+            profile.observe_prefill(event.prefill_tokens, event.prefill_seconds)
             p.costs.observe_prefill(event.prefill_tokens, event.prefill_seconds)
         elif isinstance(event, Generated):
             for r in event.results:

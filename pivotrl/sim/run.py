@@ -126,10 +126,15 @@ def build(cfg: JobConfig) -> Simulation:
                 f"sim.instance_gpus: {name} with {context}-token sequences does not fit on "
                 f"{sim.instance_gpus} x {sim.gpu} (give an instance more GPUs)"
             )
+    # an engine runs no more sequences than its KV memory holds; handing it more only queues them
+    # inside it, out of reach of devices that join the role later
+    held = min(spec.capacity(Role.ROLLOUT), spec.capacity(Role.GENRM))
+    if held < r.max_batch:
+        r = dataclasses.replace(r, max_batch=held)
     try:
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                             j.max_new_tokens, r.prompts_per_step * r.group_size)  # fmt: skip
-        job = dataclasses.replace(cfg, devices=sim.devices)
+        job = dataclasses.replace(cfg, devices=sim.devices, rollout=r)
     except ValueError as e:
         raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None
     if isinstance(alloc, Shiftable):
@@ -147,18 +152,19 @@ def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
     c, tp, ref = spec.costs, spec.tp, 32
     response = spec.lengths.quantile(0.5)
 
-    def line(model: ModelSpec, context: int, per_item: float) -> RoleProfile:
+    def line(model: ModelSpec, context: int) -> RoleProfile:
         one, many = c.decode_step(model, tp, 1, context), c.decode_step(model, tp, ref, context)
-        per_seq = (many - one) / (ref - 1) + per_item
+        per_seq = (many - one) / (ref - 1)
         return RoleProfile(step_base=max(one - per_seq, 1e-6), step_per_seq=per_seq, ref_batch=ref)
 
     judge_prompt = spec.prompt_len + response + spec.judge_template_len
-    judge_read = c.prefill(spec.genrm, tp, judge_prompt) / spec.judge_output_len  # a judgment's prefill, per step
-    profiles.rollout = line(spec.policy, spec.prompt_len + response, 0.0)
-    profiles.judge = line(spec.genrm, judge_prompt + spec.judge_output_len // 2, judge_read)
+    profiles.rollout = line(spec.policy, spec.prompt_len + response)
+    profiles.judge = line(spec.genrm, judge_prompt + spec.judge_output_len // 2)
     tokens = 16 * (spec.prompt_len + response)
     profiles.train = TrainProfile(device_rate=tokens / c.train_tokens(spec.policy, tokens, tp))
     profiles.costs.prefill_rate = 4096 / c.prefill(spec.policy, tp, 4096, spec.prompt_len + response)
+    profiles.rollout.prefill_rate = profiles.costs.prefill_rate
+    profiles.judge.prefill_rate = judge_prompt / c.prefill(spec.genrm, tp, judge_prompt)
 
 
 def gps_bytes(spec: SimSpec) -> dict[str, int]:

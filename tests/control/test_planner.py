@@ -29,9 +29,10 @@ MAX_BATCH = 32
 PER_SEQ = 0.03 / 31  # a decode step takes 0.05 s alone and 0.08 s with 32 sequences
 
 
-def generation() -> RoleProfile:
-    """20 tok/s for a sequence alone, 400 tok/s for a device at the batch cap (32)."""
-    return RoleProfile(step_base=0.05 - PER_SEQ, step_per_seq=PER_SEQ)
+def generation(prefill_rate: float = 1e12) -> RoleProfile:
+    """20 tok/s for a sequence alone, 400 tok/s for a device at the batch cap (32); prompts read in
+    no time unless ``prefill_rate`` says otherwise."""
+    return RoleProfile(step_base=0.05 - PER_SEQ, step_per_seq=PER_SEQ, prefill_rate=prefill_rate)
 
 
 def profiles(shift: float = 0.05, prior_mean: float = 1000.0, prior_max: float = 2048.0) -> Profiles:
@@ -333,3 +334,13 @@ def test_many_devices_are_searched_coarse_to_fine_close_to_the_optimum(workload)
     d = Planner(n).plan(0.0, dict.fromkeys(range(n)), {}, set(), workload, p, MAX_BATCH)
     assert time.perf_counter() - t0 < 0.5  # an exhaustive search is ~13k estimates per plan
     assert d.after.total <= optimum * 1.02 + 1e-9
+
+
+def test_judging_includes_reading_the_responses():
+    # 400 judgments of 100 tokens on 2 devices at 400 tok/s: 50 s. Each also reads a 2000-token
+    # prompt + response at 4000 tok/s (0.5 s of a device = 200 tokens of decode at 400 tok/s)
+    queued = Workload(judge_queued=400, judge_tokens_mean=100, judge_read_tokens=400 * 2000)
+    p = profiles()
+    p.judge = generation(prefill_rate=4000)
+    e = estimate(queued, p, alloc(0, 2, 0), MAX_BATCH)
+    assert e.judge_end == pytest.approx((400 * 100 + 400 * 2000 * 400 / 4000) / 800)
