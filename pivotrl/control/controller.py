@@ -108,6 +108,7 @@ class StepRecord:
     migrations: int = 0
     generated: int = 0
     group_judged: dict[int, int] = field(default_factory=dict)  # prompt index -> judged members
+    group_generated: dict[int, int] = field(default_factory=dict)  # prompt index -> generated members
     accumulated: int = 0  # groups whose backward is done
     backward: set[int] = field(default_factory=set)  # groups handed to a backward (prompt indexes)
     rollout_end: float | None = None
@@ -260,10 +261,16 @@ class Controller:
         per_group = train_tokens / (len(left) // g) if len(left) >= g else expected * g
         return Workload(
             rollout_remaining=[self.tokens_so_far.get(uid, 0) for uid in gen_uids],
+            rollout_queued=len(s.gen_queue),
+            rollout_holders=sum(1 for d in self.devices if d.role is Role.ROLLOUT and s.load(d.id)),
             judge_queued=len(s.judge_queue) + len(judging),
             judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
             judge_tokens_mean=self.measured["judge_tokens"],
             train_groups_left=groups_left,
+            train_groups_ready=len(self.train_queue),
+            train_groups_judging=0
+            if step is None
+            else sum(1 for p, n in step.group_generated.items() if n == g and step.group_judged.get(p, 0) < g),
             train_tokens_per_group=per_group,
             step_seconds=self.measured["step_seconds"],
             prompt_tokens_mean=self.measured["prompt_tokens"],
@@ -369,6 +376,7 @@ class Controller:
             s.correct = exact_match(r.text, s.reference)
             assert self.step is not None
             self.step.generated += 1
+            self.step.group_generated[s.prompt_index] = self.step.group_generated.get(s.prompt_index, 0) + 1
             if self.step.generated == len(self.step.samples):
                 self.step.rollout_end = self.clock()
             judge_reqs.append(JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge))

@@ -63,14 +63,20 @@ class _Work:
     """A workload reduced to the numbers the model needs, computed once per plan."""
 
     seqs: int
+    queued: int  # sequences waiting for a device
+    holders: int  # devices running the others (0: unknown)
     tokens: float  # expected tokens still to generate, all sequences
     longest: float  # expected remaining tokens of the longest-running sequence
     worst: float  # the most any sequence may still generate
     judge_items: int
+    judge_queued: int
     judge_future: int
     judge_tokens: float
     judge_read: float  # prompt + response tokens every judgment left must read (prefill)
+    judge_read_queued: float  # of which the judgments queued or running
     groups: int
+    ready: int  # groups whose backward can start now
+    judging: int  # groups generated whole, whose backward starts once the judge queue drains
     group_tokens: float
     step_seconds: float
     gen_context: float  # tokens re-prefilled per migrated rollout sequence
@@ -83,13 +89,17 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
     running = [t for t in w.rollout_remaining if t > 0]
     return _Work(
         seqs=len(w.rollout_remaining),
+        queued=w.rollout_queued,
+        holders=w.rollout_holders,
         tokens=sum(exp[t] * n for t, n in by_t.items()),
         longest=lm.expected_longest(by_t),
         worst=max((lm.max_remaining(t) for t in by_t), default=0.0),
         judge_items=w.judge_queued + w.judge_future,
+        judge_queued=w.judge_queued,
         judge_future=w.judge_future,
         judge_tokens=w.judge_tokens_mean,
         # responses still generating are read once they end: prompt, tokens so far and their expected rest
+        judge_read_queued=w.judge_read_tokens,
         judge_read=w.judge_read_tokens
         + w.judge_future
         / max(1, len(w.rollout_remaining))
@@ -99,6 +109,8 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
             + sum(exp[t] * n for t, n in by_t.items())
         ),
         groups=w.train_groups_left,
+        ready=min(w.train_groups_ready, w.train_groups_left),
+        judging=min(w.train_groups_judging, max(0, w.train_groups_left - w.train_groups_ready)),
         group_tokens=w.train_tokens_per_group,
         step_seconds=w.step_seconds,
         gen_context=w.prompt_tokens_mean + (sum(running) / len(running) if running else 0.0),
@@ -145,6 +157,30 @@ def _drain(work: float, per_device: Callable[[int], float], arrivals: list[tuple
             left -= rate * (at - t)
         t, n = at, n + k
     return t + left / (n * per_device(n)) if n else INF
+
+
+def _fluid(work: list[tuple[float, float]], arrivals: list[tuple[float, int]], rate: float) -> float:
+    """When work released at ``work`` (time, amount) is done by devices joining at ``arrivals``
+    (time, count), each doing ``rate`` per second: the fluid model of ``_drain`` with work that
+    is not all there from the start."""
+    total = sum(x for _, x in work)
+    if total <= 0:
+        return 0.0
+    times = sorted({at for at, _ in work} | {at for at, k in arrivals if k > 0 and at < INF})
+    done = 0.0
+    for i, t in enumerate(times):
+        nxt = times[i + 1] if i + 1 < len(times) else INF
+        released = sum(x for at, x in work if at <= t)
+        n = sum(k for at, k in arrivals if at <= t and k > 0)
+        if n and released > done:
+            finish = t + (released - done) / (n * rate)
+            if finish <= nxt:  # caught up: idle until more work comes, or done
+                done = released
+                if released >= total:
+                    return finish
+            else:
+                done += n * rate * (nxt - t)
+    return INF
 
 
 def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: int) -> Estimate:
@@ -199,10 +235,16 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = 
     elif n_r == 0:
         t_r = worst = INF
     else:
-        bulk = _drain(w.tokens, lambda n: _gen_rate(p.rollout, w.seqs, n, max_batch), _now_and_later(n_r, late[0]))
+        # running sequences stay where they are: rollout devices beyond those running them help only
+        # with queued sequences (a device taken from the role hands its sequences to the others)
+        useful = n_r if w.queued or not w.holders else min(n_r, w.holders)
+        k_late = min(late[0][0], useful)
+        bulk = _drain(
+            w.tokens, lambda n: _gen_rate(p.rollout, w.seqs, n, max_batch), _now_and_later(useful, (k_late, late[0][1]))
+        )
         # the longest sequence takes one step per token, and each step also carries its batch-mates:
         # its device's share of the other sequences' tokens
-        mates = 0.0 if w.seqs < 2 else min(-(-w.seqs // n_r), max_batch) - 1
+        mates = 0.0 if w.seqs < 2 else min(-(-w.seqs // useful), max_batch) - 1
         mates_s = p.rollout.step_per_seq * max(0.0, w.tokens - w.longest) * mates / max(1, w.seqs - 1)
         alone = p.rollout.step_seconds(1)
         start = late[0][1] if late[0][0] == n_r else 0.0  # every rollout device is on its way
@@ -211,13 +253,15 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = 
         worst = max(bulk, start + w.worst * alone + mates_s)
     handoff_r = 0.0 < t_r < INF  # rollout devices free up later in the step
     # judging
-    t_g, r_judged = 0.0, False
+    t_g, t_q, r_judged = 0.0, 0.0, False
     if w.judge_items:
         arrivals = _now_and_later(n_g, late[1]) + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
         judge_rate = lambda n: _gen_rate(p.judge, w.judge_items, n, max_batch)  # noqa: E731
         # reading the judged responses counts as decode work at the rate of a full judge device
-        reads = w.judge_read * _gen_rate(p.judge, w.judge_items, max(1, n_g + n_r), max_batch) / p.judge.prefill_rate
-        bulk = _drain(w.judge_items * w.judge_tokens + reads, judge_rate, arrivals)
+        per_read = _gen_rate(p.judge, w.judge_items, max(1, n_g + n_r), max_batch) / p.judge.prefill_rate
+        bulk = _drain(w.judge_items * w.judge_tokens + w.judge_read * per_read, judge_rate, arrivals)
+        # when the judgments waiting now are done: the groups generated whole can train from then
+        t_q = _drain(w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read, judge_rate, arrivals)
         latency = w.judge_tokens / p.judge.rate(1)
         t_g = max(bulk, latency, t_r + latency if w.judge_future else 0.0)
         r_judged = handoff_r and t_r < t_g
@@ -229,8 +273,16 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = 
             arrivals.append((t_g + hop(Role.GENRM, Role.TRAIN), n_g + (n_r if r_judged else 0)))
         if handoff_r and not r_judged:
             arrivals.append((t_r + hop(Role.ROLLOUT, Role.TRAIN), n_r))
-        group = w.group_tokens / p.train.device_rate
-        bulk = _drain(w.groups * w.group_tokens, lambda n: p.train.device_rate, arrivals)
+        group, rate = w.group_tokens / p.train.device_rate, p.train.device_rate
+        if w.judge_items and 0.0 < t_g < INF:
+            # a group trains once its last response is judged: the groups judged now from now, those
+            # generated whole once the judgments waiting now are done, the rest (a response of theirs
+            # still generating, mostly the longest) when judging ends
+            rest = w.groups - w.ready - w.judging
+            chunks = [(0.0, w.ready), (min(t_q, t_g), w.judging), (t_g, rest)]
+            bulk = _fluid([(at, k * w.group_tokens) for at, k in chunks if k], arrivals, rate)
+        else:
+            bulk = _drain(w.groups * w.group_tokens, lambda n: rate, arrivals)
         t_b = max(bulk, group, t_g + group if w.judge_items else 0.0)
     total = max(t_r, t_g, t_b) + w.step_seconds
     return Estimate(alloc, t_r, t_g, t_b, total, w.seqs, tail, worst)

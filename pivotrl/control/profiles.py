@@ -312,10 +312,14 @@ class Workload:
     """What is left of the step, as the controller sees it now."""
 
     rollout_remaining: list[int] = field(default_factory=list)  # tokens so far per unfinished sequence (queued: 0)
+    rollout_queued: int = 0  # of which waiting for a device
+    rollout_holders: int = 0  # devices running the others (0: unknown, any rollout device may)
     judge_queued: int = 0  # judgments waiting or running
     judge_future: int = 0  # responses that will still need judging (= unfinished rollout sequences)
     judge_tokens_mean: float = 64.0  # tokens a judgment writes
     train_groups_left: int = 0  # groups whose backward is not done
+    train_groups_ready: int = 0  # of which judged, so their backward can start now
+    train_groups_judging: int = 0  # of which generated whole, waiting for judgments
     train_tokens_per_group: float = 512.0
     step_seconds: float = 0.0  # the optimizer step, after the last backward
     prompt_tokens_mean: float = 0.0  # prompt tokens re-prefilled with a migrated sequence
@@ -324,8 +328,10 @@ class Workload:
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.rollout_remaining):
             raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
-        for name in ("judge_queued", "judge_future", "train_groups_left", "step_seconds", "prompt_tokens_mean",
-                     "judge_read_tokens"):  # fmt: skip
+        counts = ("rollout_queued", "rollout_holders", "judge_queued", "judge_future", "train_groups_left",
+                  "train_groups_ready", "train_groups_judging", "step_seconds", "prompt_tokens_mean",
+                  "judge_read_tokens")  # fmt: skip
+        for name in counts:
             _positive(name, getattr(self, name), strict=False)
         _positive("judge_tokens_mean", self.judge_tokens_mean)
         _positive("train_tokens_per_group", self.train_tokens_per_group)
