@@ -1,4 +1,4 @@
-"""Command line: ``pivotrl train | simulate | prepare | plan | timeline | compare``.
+"""Command line: ``pivotrl train | simulate | prepare | plan | profile | timeline | compare``.
 
 A user's mistake (bad config, missing file, unsupported checkpoint) prints
 one line naming what is wrong and what is allowed and exits with status 2;
@@ -125,6 +125,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pivotrl.sim.measured import fit_run
+
+    try:
+        fit = fit_run(args.run_dir)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    fit.costs.save(args.out)
+    for m in (fit.costs.rollout, fit.costs.genrm):
+        line = f"{m.step_base_s * 1e3:.2f} ms + {m.step_per_seq_s * 1e6:.1f} us/sequence"
+        kv, prefill = m.step_per_kv_token_s * 1e9, m.prefill_per_token_s * 1e6
+        print(f"{m.model}: decode step {line} + {kv:.0f} ns/KV token, prefill {prefill:.1f} us/token")
+    t = fit.costs.train
+    print(f"train: {t.per_token_s * 1e6:.1f} us/token + {t.per_call_s * 1e3:.1f} ms/call, "
+          f"optimizer step {t.optimizer_step_s * 1e3:.1f} ms")  # fmt: skip
+    print(f"measured costs written to {args.out} (use: pivotrl simulate CONFIG sim.costs={args.out} ...)")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from pivotrl.compare import compare_runs, format_comparison
 
@@ -166,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("run_dir")
     tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png)")
     tl.set_defaults(func=cmd_timeline)
+    pf = sub.add_parser("profile", help="fit a measured-costs file (sim.costs) to a finished run's events")
+    pf.add_argument("run_dir", help="a run directory of `pivotrl train`")
+    pf.add_argument("--out", required=True, help="measured-costs JSON file to write")
+    pf.set_defaults(func=cmd_profile)
     cp = sub.add_parser("compare", help="compare two runs of one job: samples, rewards, held-out accuracy")
     cp.add_argument("run_a")
     cp.add_argument("run_b")

@@ -5,15 +5,18 @@ bundled tiny models, GPUs otherwise). What it can record maps onto this shape:
 the (batch, context, seconds) of each engine step fit the decode line, prefill
 and training divide seconds by tokens, and shifts are keyed by (from, to) role
 as the planner's ``ShiftCosts`` keys them. With those numbers the simulator
-replays the run and is checked against it before it is trusted at scale.
+replays the run and is checked against it before it is trusted at scale
+(``fit_run`` reads them off a run directory; ``benchmarks/fidelity.py``
+compares the replay with the run).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from statistics import fmean, median
 from typing import Any
 
 from pivotrl.control.messages import ROLES, Role
@@ -27,7 +30,8 @@ def shift_key(src: Role | None, dst: Role) -> str:
 
 
 REQUIRED_SHIFTS = tuple(shift_key(a, b) for a in ROLES for b in ROLES if a is not b)
-OPTIONAL_SHIFTS = tuple(shift_key(None, b) for b in ROLES)
+REFRESH = shift_key(Role.ROLLOUT, Role.ROLLOUT)  # a rollout device taking the next policy version, engine kept
+OPTIONAL_SHIFTS = (*(shift_key(None, b) for b in ROLES), REFRESH)
 
 
 def _check_field(where: str, kind: str, value: Any) -> None:
@@ -56,9 +60,16 @@ def _parse(cls: Any, data: Any, where: str) -> Any:
             raise ValueError(f"{where}.{key}: unknown key; allowed: {', '.join(names)}")
     for f in fields(cls):
         if f.name not in data:
+            if f.default is not MISSING:  # optional: a profile written before the field existed
+                continue
             raise ValueError(f"{where}.{f.name}: missing key")
         _check_field(f"{where}.{f.name}", str(f.type), data[f.name])
     return cls(**data)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    """The fields of a measure; an optional one at its default is left out, as a file without it reads."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj) if getattr(obj, f.name) != f.default}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +99,9 @@ class TrainMeasure:
 
     per_token_s: float  # forward + backward per sample token; n devices share the tokens
     optimizer_step_s: float  # gradient sync and update, as measured (taken as independent of the group size)
+    # each accumulate call besides its tokens (Python, padding to a micro-batch's longest sample, the command's
+    # round trip): optional, 0 when not measured
+    per_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_all(self, "TrainMeasure")
@@ -103,13 +117,15 @@ class MeasuredCosts:
          "rollout": {"model": "policy", "step_base_s": ..., "step_per_seq_s": ..., "step_per_kv_token_s": ...,
                      "prefill_per_token_s": ..., "max_batch": 64, "max_len": 256},
          "genrm":   {"model": "genrm", ...the same keys...},
-         "train":   {"per_token_s": ..., "optimizer_step_s": ...},
+         "train":   {"per_token_s": ..., "optimizer_step_s": ..., "per_call_s": ...},
          "shift":   {"rollout->genrm": 0.4, "rollout->train": ..., ...every ordered pair of roles...}}
 
     The model arguments of the protocol pick the role by name (``rollout.model`` or
     ``genrm.model``); their shapes are ignored. Instances are one device (``tp`` 1). A
     ``"none->role"`` shift (first load) is optional: unmeasured, it costs the mean of the
-    measured shifts into that role.
+    measured shifts into that role. So is ``"rollout->rollout"``, a rollout device taking
+    the next policy version in its running engine (``refresh``): unmeasured, it costs a
+    first load into rollout. So is ``train.per_call_s`` (0 when left out).
     """
 
     rollout: GenMeasure
@@ -157,9 +173,9 @@ class MeasuredCosts:
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,
-            "rollout": asdict(self.rollout),
-            "genrm": asdict(self.genrm),
-            "train": asdict(self.train),
+            "rollout": _as_dict(self.rollout),
+            "genrm": _as_dict(self.genrm),
+            "train": _as_dict(self.train),
             "shift": dict(self.shifts),
         }
 
@@ -172,6 +188,11 @@ class MeasuredCosts:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def fit(cls, run_dir: str | Path) -> MeasuredCosts:
+        """Fitted to a run directory of the real runtime: ``fit_run(run_dir).costs``."""
+        return fit_run(run_dir).costs
 
     def _gen(self, model: ModelSpec, tp: int) -> GenMeasure:
         if tp != 1:
@@ -214,7 +235,9 @@ class MeasuredCosts:
             raise ValueError(f"model {model.name!r}: only the policy {self.rollout.model!r} is trained")
         _check_tp(n_gpus, "n_gpus")
         _check("tokens", tokens)
-        return tokens * self.train.per_token_s / n_gpus
+        if tokens == 0:
+            return 0.0
+        return self.train.per_call_s + tokens * self.train.per_token_s / n_gpus
 
     def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
         _check_tp(n_gpus, "n_gpus")
@@ -226,14 +249,370 @@ class MeasuredCosts:
         key = shift_key(src, dst)
         if key in self.shifts:
             return self.shifts[key]
-        into = [s for k, s in self.shifts.items() if k.endswith(f"->{dst.value}") and not k.startswith("none")]
+        into = [s for k, s in self.shifts.items() if k.endswith(f"->{dst.value}") and k in REQUIRED_SHIFTS]
         return sum(into) / len(into)
 
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
         return self.prefill(model, tp, tokens)
 
     def refresh(self, model: ModelSpec, tp: int) -> float:
-        """Not measured apart: a first load into rollout (``none->rollout``, else the mean measured shift
-        into rollout), an upper bound since it includes the engine start."""
+        """``rollout->rollout`` as measured; else a first load into rollout (``none->rollout``, else the
+        mean measured shift into rollout), an upper bound since it includes the engine start."""
         self._gen(model, tp)
+        if REFRESH in self.shifts:
+            return self.shifts[REFRESH]
         return self.shift(model, None, Role.ROLLOUT, tp)
+
+
+# -- fitting a profile from a run ------------------------------------------------------------
+#
+# A generation slice of events.jsonl (``Worker.run``: engine steps for about 50 ms between two
+# looks at the control plane) carries ``tokens`` (one per sequence per step, prefills included),
+# ``running`` (the engine's load when it began), ``finished``, ``steps`` (decode steps) and, when
+# it prefilled, ``prefill_tokens`` and ``prefill_s``. A device's slices are replayed in order to
+# recover the rest of a row ``seconds = base * steps + per_seq * decode + per_kv * kv_tokens``:
+#
+#   admitted   load - the sequences still running after the previous slice of the same role
+#              (0 after anything else: a shift, an abort, training, an engine run dry)
+#   decode     tokens - admitted (an admitted sequence samples its first token in the prefill)
+#   kv_tokens  the batch starts at the load (at most max_batch) and loses its finished sequences
+#              evenly over the slice; contexts are the prefill plus a token a step, and a finished
+#              sequence leaves with the mean context
+#   steps      when not logged (older runs): decode = steps * (load - finished / 2)
+
+
+GEN_ROLES = ("rollout", "genrm")
+
+
+@dataclass(slots=True)
+class _GenSlice:
+    """One generation slice with what the replay recovered."""
+
+    device: int
+    role: str
+    start: float
+    end: float
+    prefill_tokens: int
+    prefill_s: float
+    admitted: int
+    steps: float
+    decode_tokens: float
+    kv_tokens: float
+    gap_s: float | None = None  # until the device's next slice, when work was left for it (a round trip)
+
+
+@dataclass(frozen=True, slots=True)
+class RunFit:
+    """A cost profile read off one run, with the run's slice cadence and what the fit saw."""
+
+    costs: MeasuredCosts
+    slice_s: float  # the median period of a device's generation slices, one start to the next (sim.slice_s)
+    # per role: slices fitted, their rms error, the round trip, tokens prefilled per admitted sequence; the
+    # train spans used; every fallback taken
+    report: dict[str, Any]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-300:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def nonneg_least_squares(
+    rows: list[tuple[float, ...]], y: list[float], weights: list[float] | None = None
+) -> list[float]:
+    """Weighted least squares with every coefficient >= 0, by trying each subset of the columns
+    (there are three): the best fit whose coefficients are all non-negative. A term the data
+    cannot tell apart from the others (a context that barely varies, say) drops out at 0 rather
+    than going negative and making short or long steps cost less than nothing."""
+    k = len(rows[0])
+    w = weights or [1.0] * len(rows)
+    best: tuple[float, list[float]] = (math.inf, [0.0] * k)
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        a = [[sum(wi * r[i] * r[j] for r, wi in zip(rows, w, strict=True)) for j in cols] for i in cols]
+        b = [sum(wi * r[i] * t for r, t, wi in zip(rows, y, w, strict=True)) for i in cols]
+        x = _solve(a, b)
+        if x is None or min(x) < 0:
+            continue
+        coef = [0.0] * k
+        for j, v in zip(cols, x, strict=True):
+            coef[j] = v
+        sse = sum(
+            wi * (t - sum(c * v for c, v in zip(coef, r, strict=True))) ** 2
+            for r, t, wi in zip(rows, y, w, strict=True)
+        )
+        if sse < best[0]:
+            best = (sse, coef)
+    return best[1]
+
+
+def _read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ValueError("not a run directory (it does not exist)")
+    for name in ("config.json", "events.jsonl"):
+        if not (run / name).is_file():
+            raise ValueError(f"not a run directory (no {name})")
+    try:
+        config = json.loads((run / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config.json: not JSON ({e.msg})") from None
+    if not isinstance(config, dict):
+        raise ValueError("config.json: expected an object")
+    events = []
+    for lineno, line in enumerate((run / "events.jsonl").read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"events.jsonl:{lineno}: not JSON ({err.msg})") from None
+        keys = ("device", "role", "name", "start", "end")
+        if not isinstance(e, dict) or any(k not in e for k in keys) or not isinstance(e.get("args", {}), dict):
+            raise ValueError(f"events.jsonl:{lineno}: expected an object with {', '.join(keys)} and args")
+        e.setdefault("args", {})
+        events.append(e)
+    return config, events
+
+
+def _config_int(config: dict[str, Any], section: str, key: str) -> int:
+    value = config[section].get(key) if isinstance(config.get(section), dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json: {section}.{key}: got {value!r}, expected an int >= 1")
+    return value
+
+
+def _replay(events: list[dict[str, Any]], max_batch: int) -> tuple[list[_GenSlice], int]:
+    """Each device's generation slices in order, with admitted sequences, steps and KV tokens recovered;
+    and how many slices disagreed with the replay (their running count was taken from the load)."""
+    skipped = 0
+    by_device: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        by_device.setdefault(e["device"], []).append(e)
+    out: list[_GenSlice] = []
+    for device, evs in sorted(by_device.items()):
+        evs.sort(key=lambda e: (e["start"], e["end"]))
+        running, context, last = 0, 0.0, None  # sequences left running, their summed context, the last slice
+        for i, e in enumerate(evs):
+            a = e["args"]
+            if e["role"] not in GEN_ROLES or "tokens" not in a:
+                last = None
+                continue
+            if "running" not in a or "finished" not in a:
+                raise ValueError(f"device {device}: a {e['role']} slice at {e['start']:.3f} s has no running/finished")
+            if last is None or last.role != e["role"]:
+                running, context = 0, 0.0
+            load, tokens, finished = int(a["running"]), int(a["tokens"]), int(a["finished"])
+            prefill_tokens, prefill_s = int(a.get("prefill_tokens", 0)), float(a.get("prefill_s", 0.0))
+            waiting = load - running
+            if waiting < 0 or ((waiting > 0) != (prefill_tokens > 0) and running < max_batch):  # out of step
+                if prefill_tokens:  # the engine was empty after all: everything is admitted here
+                    running, context = 0, 0.0
+                else:  # nothing was admitted: all of the load was running
+                    running, context = min(load, max_batch), context / max(running, 1) * min(load, max_batch)
+                skipped += 1
+            batch = min(load, max_batch)
+            admitted = load - running if load <= max_batch else min(load - running, max_batch - running + finished)
+            decode = max(0, tokens - admitted)
+            context += prefill_tokens + admitted
+            steps = kv = 0.0
+            if decode and batch:
+                gone = min(finished, batch)
+                if isinstance(a.get("steps"), int) and a["steps"] > 0:  # logged by newer runs
+                    steps = float(a["steps"])
+                else:
+                    steps = min(max((decode - gone / 2) / (batch - gone / 2), decode / batch), float(decode))
+                mean_ctx = context / batch
+                # batch b_k = batch - gone * k / steps at step k, context mean_ctx + k: sum of b_k * (mean_ctx + k)
+                kv = mean_ctx * decode + batch * steps * (steps - 1) / 2 - gone * (steps - 1) * (2 * steps - 1) / 6
+            running = max(0, running + admitted - finished)
+            context = running * (context / max(batch, 1) + steps) if running else 0.0
+            g = _GenSlice(device, e["role"], e["start"], e["end"], prefill_tokens, prefill_s, admitted, steps,
+                          float(decode), max(kv, 0.0))  # fmt: skip
+            nxt = evs[i + 1] if i + 1 < len(evs) else None
+            if load > finished and nxt is not None and nxt["role"] == e["role"] and "tokens" in nxt["args"]:
+                g.gap_s = max(0.0, nxt["start"] - e["end"])  # work was left: the next slice came at once
+            out.append(g)
+            last = g
+    return out, skipped
+
+
+def _fit_generation(slices: list[_GenSlice], role: str, steady: float) -> tuple[dict[str, float], dict[str, Any]]:
+    """The decode line and prefill rate of one role from its slices after ``steady``.
+
+    A slice's seconds are its length less its prefill steps, plus the round trip to the next slice
+    (the device waits while its report goes to the control plane and the next slice comes back; a
+    slice that ran its engine dry pays the role's median round trip): the simulator reports at slice
+    ends without delay, so the line carries that time.
+
+    The fit is of the time per step, each slice weighted by its steps. A slice lasts about as long
+    as the runtime's slice whatever its steps cost, so a plain fit of slice seconds on steps would
+    read the slices whose steps ran fast (more of them) as evidence of a cheap step; per step, the
+    fitted line adds up to the measured time of all the slices."""
+    mine = [g for g in slices if g.role == role]
+    if not mine:
+        raise ValueError(f"no {role} generation slices in events.jsonl (a run of this version logs them)")
+    gaps = [g.gap_s for g in mine if g.gap_s is not None]
+    gap = median(gaps) if gaps else 0.0
+    used = [g for g in mine if g.start >= steady] or mine
+    rows = [(g.steps, g.decode_tokens, g.kv_tokens) for g in used if g.decode_tokens > 0]
+    y = [g.end - g.start - g.prefill_s + (gap if g.gap_s is None else g.gap_s) for g in used if g.decode_tokens > 0]
+    if len(rows) < 3:
+        raise ValueError(f"{len(rows)} {role} slices with decode steps: too few to fit a decode line (need 3)")
+    coef = nonneg_least_squares(rows, y, [1 / r[0] for r in rows])
+    pred = [sum(c * v for c, v in zip(coef, r, strict=True)) for r in rows]
+    scale = sum(y) / sum(pred) if sum(pred) > 0 else 1.0  # 1 unless the base term dropped out
+    coef = [c * scale for c in coef]
+    rms = math.sqrt(sum((t - p * scale) ** 2 for t, p in zip(y, pred, strict=True)) / len(y))
+    prefill = [g for g in used if g.prefill_tokens > 0]
+    if not prefill:
+        raise ValueError(f"no timed {role} prefill in events.jsonl")
+    per_token = sum(g.prefill_s for g in prefill) / sum(g.prefill_tokens for g in prefill)
+    fitted = {"step_base_s": coef[0], "step_per_seq_s": coef[1], "step_per_kv_token_s": coef[2],
+              "prefill_per_token_s": per_token}  # fmt: skip
+    report = {"slices": len(rows), "mean_slice_s": sum(y) / len(y), "rms_error_s": rms, "scale": scale,
+              "round_trip_s": gap, "prefills": len(prefill)}  # fmt: skip
+    return fitted, report
+
+
+def _steady_start(events: list[dict[str, Any]]) -> float:
+    """The end of the run's first optimizer step: what comes before pays first loads, cold engines and
+    the first evaluation; 0 when the run never stepped (everything is used then)."""
+    steps = [e for e in events if e["role"] == "train" and e["name"].startswith("step ")]
+    if not steps:
+        return 0.0
+    first = min(steps, key=lambda e: e["start"])["name"]
+    return max(e["end"] for e in steps if e["name"] == first)
+
+
+def _shift_seconds(events: list[dict[str, Any]], steady: float) -> tuple[dict[str, float], list[str]]:
+    """Every ordered pair of roles and the refresh, each the mean of its spans after ``steady``.
+
+    First loads (``none->role``) are left out: they include starting the process and the engine,
+    paid once in the first step. A pair the steady window never saw takes, in order, the mean of
+    its spans from the first step, of the steady shifts into the same role, of all steady shifts
+    between two roles, or of the first loads into the role (an upper bound): each one named in the
+    returned list of fallbacks. An unmeasured refresh is left out (``MeasuredCosts.refresh``)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e["role"] == "shift":
+            spans.setdefault(e["name"], []).append((e["start"], e["end"] - e["start"]))
+
+    def mean_of(keys: list[str], steady_only: bool) -> float | None:
+        v = [sec for k in keys for start, sec in spans.get(k, []) if start >= steady or not steady_only]
+        return fmean(v) if v else None
+
+    out: dict[str, float] = {}
+    fallbacks: list[str] = []
+    for key in (*REQUIRED_SHIFTS, REFRESH):
+        dst = key.split("->")[1]
+        into = [k for k in REQUIRED_SHIFTS if k.endswith(f"->{dst}")]
+        tries = [("measured", mean_of([key], True)), ("measured in the first step", mean_of([key], False))]
+        if key != REFRESH:
+            tries += [
+                (f"mean shift into {dst}", mean_of(into, True)),
+                ("mean shift", mean_of(list(REQUIRED_SHIFTS), True)),
+                (f"first loads into {dst}", mean_of([f"none->{dst}"], False)),
+            ]
+        value = next(((how, v) for how, v in tries if v is not None), None)
+        if value is None:
+            if key == REFRESH:
+                continue
+            raise ValueError(f"shift {key}: no shift spans in events.jsonl to measure it or fall back on")
+        out[key] = value[1]
+        if value[0] != "measured":
+            fallbacks.append(f"shift {key}: {value[0]}")
+    return out, fallbacks
+
+
+def _fit_train(events: list[dict[str, Any]], steady: float, prompt: float) -> tuple[TrainMeasure, dict[str, Any]]:
+    """Accumulate spans give ``seconds = per_call + per_token * tokens`` (least squares; tokens count
+    each sample's prompt, as the simulator does, though the spans log response tokens only). The call
+    term is fitted only when the calls' sizes differ at least twofold; else it cannot be told from the
+    token term and is 0 (seconds over tokens). The optimizer step is the mean over steps of the time
+    from the last device joining it to the last one leaving."""
+    acc = [e for e in events if e["role"] == "train" and e["name"].startswith("accumulate")]
+    acc = [e for e in acc if e["start"] >= steady] or acc
+    if not acc or any("tokens" not in e["args"] or "samples" not in e["args"] for e in acc):
+        raise ValueError("no accumulate spans with samples and tokens in events.jsonl")
+    tokens = [e["args"]["tokens"] + e["args"]["samples"] * prompt for e in acc]
+    seconds = [e["end"] - e["start"] for e in acc]
+    per_call, per_token = 0.0, sum(seconds) / sum(tokens)
+    if max(tokens) >= 2 * min(tokens):
+        per_call, per_token = nonneg_least_squares([(1.0, t) for t in tokens], seconds)
+    steps: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["role"] == "train" and e["name"].startswith("step "):
+            steps.setdefault(e["name"], []).append(e)
+    groups = [g for g in steps.values() if min(e["start"] for e in g) >= steady] or list(steps.values())
+    if not groups:
+        raise ValueError("no optimizer step spans in events.jsonl")
+    optimizer = fmean([max(e["end"] for e in g) - max(e["start"] for e in g) for g in groups])
+    return TrainMeasure(per_token, optimizer, per_call), {"accumulates": len(acc), "optimizer_steps": len(groups)}
+
+
+def fit_run(run_dir: str | Path) -> RunFit:
+    """Fit a ``MeasuredCosts`` to a run directory of the real runtime (its ``config.json`` and
+    ``events.jsonl``), with the run's slice cadence.
+
+    Only the steady state counts: the spans after the end of the first optimizer step (the first
+    step pays the first loads, cold engines and the start-of-run evaluation). Every cost is a mean
+    over it (time-weighted for the decode line), so that the simulated step compares with the mean
+    measured step. Decode: the line above (``_fit_generation``). Prefill: seconds over tokens of
+    the timed prefills. Training and the optimizer step: ``_fit_train``. Shifts:
+    ``_shift_seconds``. Raises ``ValueError`` naming the run directory and what is missing or
+    wrong.
+    """
+    try:
+        return _fit_run(run_dir)
+    except ValueError as e:
+        raise ValueError(f"{run_dir}: {e}") from None
+
+
+def _fit_run(run_dir: str | Path) -> RunFit:
+    config, events = _read_run(run_dir)
+    max_batch = _config_int(config, "rollout", "max_batch")
+    cap = max(_config_int(config, "rollout", "max_new_tokens"), _config_int(config, "eval", "max_new_tokens"))
+    judge_cap = 2 * _config_int(config, "rollout", "max_new_tokens") + _config_int(config, "judge", "max_new_tokens")
+    steady = _steady_start(events)
+    slices, skipped = _replay(events, max_batch)
+    gen: dict[str, GenMeasure] = {}
+    report: dict[str, Any] = {"steady_from_s": steady, "replay_out_of_step": skipped}
+    prompt: dict[str, float] = {}
+    names = [
+        Path(str(config[k].get("path", ""))).name if isinstance(config.get(k), dict) else ""
+        for k in ("policy", "judge")
+    ]
+    names = [n or k for n, k in zip(names, ("policy", "judge"), strict=True)]
+    names = names if names[0] != names[1] else ["policy", "judge"]
+    for role, name, longest in zip(GEN_ROLES, names, (cap, judge_cap), strict=True):
+        line, report[role] = _fit_generation(slices, role, steady)
+        fresh = [g for g in slices if g.role == role and g.admitted > 0 and g.prefill_tokens > 0]
+        if not fresh:
+            raise ValueError(f"no {role} slice admitted sequences: the prompt length is unknown")
+        admitted = sum(g.admitted for g in fresh)
+        prompt[role] = report[role]["prompt_tokens"] = sum(g.prefill_tokens for g in fresh) / admitted
+        # the KV slot the runtime sizes: prompt plus the output limits (ContextSpec)
+        gen[role] = GenMeasure(name, **line, max_batch=max_batch, max_len=math.ceil(prompt[role]) + longest)
+    train, report["train"] = _fit_train(events, steady, prompt["rollout"])
+    shifts, report["fallbacks"] = _shift_seconds(events, steady)
+    mode, devices = config.get("mode", "?"), config.get("devices", "?")
+    device = f"fitted to {Path(run_dir).name}: {mode} on {devices} device(s)"
+    costs = MeasuredCosts(gen["rollout"], gen["genrm"], train, shifts, device)
+    period = [g.end - g.start + g.gap_s for g in slices if g.gap_s is not None and g.start >= steady]
+    slice_s = median(period) if period else median([g.end - g.start for g in slices])
+    return RunFit(costs, slice_s, report)
