@@ -18,7 +18,7 @@ policy; the scheduler hands queued requests to devices holding the role.
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,10 +211,12 @@ class Controller:
             if d.role is not want or stale:
                 cmds.append(Shift(d.id, want, self.version))
                 d.shifting, d.heading = True, want
-        for role in (Role.ROLLOUT, Role.GENRM):
-            ready = self._ready(role)
-            here = set(ready)
-            joining = sum(1 for d in self.devices if targets.get(d.id) is role and d.id not in here)
+        wanted = Counter(targets.values())
+        for role, queue in ((Role.ROLLOUT, self.scheduler.gen_queue), (Role.GENRM, self.scheduler.judge_queue)):
+            if not queue:
+                continue
+            ready = self._ready(role)  # each has the role as its target: it would be shifting otherwise
+            joining = max(0, wanted[role] - len(ready))
             if role is Role.ROLLOUT:
                 cmds += self.scheduler.dispatch_gen(ready, self.version, joining)
             else:
@@ -224,9 +226,14 @@ class Controller:
 
     def demand(self) -> Demand:
         s = self.scheduler
-        loads = tuple(s.load(d.id) for d in self.devices)
-        gen = len(s.gen_queue) + sum(n for d, n in zip(self.devices, loads, strict=True) if d.role is Role.ROLLOUT)
-        judge = len(s.judge_queue) + sum(n for d, n in zip(self.devices, loads, strict=True) if d.role is Role.GENRM)
+        loads = s.loads(len(self.devices))
+        gen, judge = len(s.gen_queue), len(s.judge_queue)
+        for d, n in zip(self.devices, loads, strict=True):
+            if n:
+                if d.role is Role.ROLLOUT:
+                    gen += n
+                elif d.role is Role.GENRM:
+                    judge += n
         view = self._plan_view() if self.policy.wants_view else None
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
 

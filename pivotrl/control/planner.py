@@ -297,9 +297,7 @@ def _allocations(devices: int, floor: Alloc) -> Iterator[Alloc]:
 EXHAUSTIVE_UP_TO = 32  # devices; beyond, allocations are searched coarse to fine
 
 
-def _candidate_allocations(
-    devices: int, floor: Alloc, counts: Alloc, w: _Work, p: Profiles, max_batch: int
-) -> list[Alloc]:
+def _candidate_allocations(devices: int, floor: Alloc, counts: Alloc, total: Callable[[Alloc], float]) -> list[Alloc]:
     """Every allocation for a few devices. For many (a cluster's instances), a grid of
     about 16 x 16 allocations, then every allocation within half a grid cell (at most
     4 devices) of the grid's best and within one device of the current one: about two
@@ -316,7 +314,7 @@ def _candidate_allocations(
         for r in axis(floor[0], devices - floor[1] - floor[2])
         for g in axis(floor[1], devices - r - floor[2])
     ]
-    best = min(grid, key=lambda a: _estimate(w, p, a, max_batch).total)
+    best = min(grid, key=total)
     out = set(grid)
     for (cr, cg, _), radius in ((best, min(max(1, k // 2), 4)), (counts, 1)):
         for r in range(max(floor[0], cr - radius), cr + radius + 1):
@@ -428,25 +426,19 @@ class Planner:
         floor = tuple(sum(1 for d in pinned if current[d] is role) for role in ROLES)
         unassigned = sorted(d for d, r in current.items() if r is None and d not in pinned)
         movable = {r: sum(1 for d, x in current.items() if x is r and d not in pinned) for r in ROLES}
-        cands = []
+        made: dict[Alloc, _Candidate | None] = {}
+
+        def candidate(alloc: Alloc) -> _Candidate | None:
+            if alloc not in made:
+                made[alloc] = self._candidate(alloc, counts, len(unassigned), movable, w, profiles, max_batch)
+            return made[alloc]
+
+        def bound(alloc: Alloc) -> float:
+            c = candidate(alloc)
+            return INF if c is None else c.bound
+
         total = sum(counts) + len(unassigned)
-        for alloc in _candidate_allocations(total, floor, counts, w, profiles, max_batch):
-            flows = _flows(counts, len(unassigned), alloc)
-            gives = Counter[Role]()
-            for (src, _), k in flows.items():
-                if src is not None:
-                    gives[src] += k
-            if any(k > movable[r] for r, k in gives.items()):
-                continue
-            # devices moving now join their role after their shift
-            late = [[0, 0.0] for _ in ROLES]
-            for (src, dst), k in flows.items():
-                slot = late[ROLES.index(dst)]
-                slot[0] += k
-                slot[1] = max(slot[1], profiles.costs.cost(src, dst))
-            est = _estimate(w, profiles, alloc, max_batch, tuple((k, at) for k, at in late))
-            shift = max((at for _, at in late), default=0.0)
-            cands.append(_Candidate(est.total, sum(flows.values()), alloc, flows, est, shift))
+        cands = [c for a in _candidate_allocations(total, floor, counts, bound) if (c := candidate(a)) is not None]
         cands.sort(key=lambda c: (c.bound, c.moved, c.alloc))
         scene = _Scene(
             unassigned,
@@ -480,6 +472,28 @@ class Planner:
                 self._left[d] = (now, src)
             self.log.append(decision)
         return decision
+
+    @staticmethod
+    def _candidate(
+        alloc: Alloc, counts: Alloc, unassigned: int, movable: dict[Role, int], w: _Work, p: Profiles, max_batch: int
+    ) -> _Candidate | None:
+        """``alloc`` as a candidate (None if it moves more devices of a role than may move), its
+        moved devices joining their role after their shift."""
+        flows = _flows(counts, unassigned, alloc)
+        gives = Counter[Role]()
+        for (src, _), k in flows.items():
+            if src is not None:
+                gives[src] += k
+        if any(k > movable[r] for r, k in gives.items()):
+            return None
+        late = [[0, 0.0] for _ in ROLES]
+        for (src, dst), k in flows.items():
+            slot = late[ROLES.index(dst)]
+            slot[0] += k
+            slot[1] = max(slot[1], p.costs.cost(src, dst))
+        est = _estimate(w, p, alloc, max_batch, tuple((k, at) for k, at in late))
+        shift = max((at for _, at in late), default=0.0)
+        return _Candidate(est.total, sum(flows.values()), alloc, flows, est, shift)
 
     def _choose(self, alt: _Candidate | None, stay: _Candidate, w: _Work) -> tuple[_Candidate, str]:
         """Move to ``alt`` (the best allocation that moves a device holding a role) only if

@@ -26,6 +26,11 @@ class Scheduler:
     def load(self, device: int) -> int:
         return len(self.inflight.get(device, ()))
 
+    def loads(self, devices: int) -> tuple[int, ...]:
+        """``load`` of devices 0 .. devices - 1."""
+        inflight = self.inflight
+        return tuple(len(inflight[d]) if d in inflight else 0 for d in range(devices))
+
     def submit_gen(self, reqs: list[GenRequest], front: bool = False) -> None:
         if front:
             self.gen_queue.extendleft(reversed(reqs))

@@ -44,6 +44,7 @@ class PlanView:
 
 
 REPLAN_SHARE = 0.01  # re-plan at the latest after this share of the step's estimated rest
+REPLAN_SHARE_CLUSTER = 0.03  # the same beyond EXACT_UP_TO devices, where a plan weighs hundreds of allocations
 EXACT_UP_TO = 32  # devices; beyond, only a phase change or the timer triggers a plan (some device always moves)
 
 
@@ -75,6 +76,7 @@ class Shiftable:
         )
         self.judge_tokens = float(judge_tokens)
         self._train: tuple[int, ...] = ()
+        self._horizon = 0.0  # the step's estimated length, as the recent plans saw it (decaying maximum)
         self._last: tuple[tuple, float, float, dict[int, Role]] | None = None  # (situation, when, next due, targets)
 
     def observe(self, event: Event, previous_role: Role | None) -> None:
@@ -100,9 +102,9 @@ class Shiftable:
     def targets(self, demand: Demand) -> dict[int, Role]:
         view = demand.view
         assert isinstance(view, PlanView), "shiftable mode needs the controller's plan view"
-        situation: tuple = (demand.gen_pending > 0, demand.judge_pending > 0, demand.train_ready, demand.training)
+        situation: tuple = (demand.gen_pending > 0, demand.train_ready, demand.training)
         if len(view.roles) <= EXACT_UP_TO:  # a few devices: any device that shifts or runs dry is news
-            situation += (view.roles, view.pinned, tuple(n == 0 for n in demand.loads))
+            situation += (demand.judge_pending > 0, view.roles, view.pinned, tuple(n == 0 for n in demand.loads))
         if self._last is not None:
             last, _, due, targets = self._last
             if situation == last and view.now < due:  # nothing changed that a plan reacts to
@@ -120,7 +122,10 @@ class Shiftable:
         # the next plan is due after a small share of the step's estimated rest: often on a
         # CPU (tens of ms), every second or so on a cluster where steps take minutes
         rest = decision.after.total if decision.after is not None else 0.0
-        due = view.now + (REPLAN_SHARE * rest if rest < float("inf") else 0.0)
+        share = REPLAN_SHARE if len(view.roles) <= EXACT_UP_TO else REPLAN_SHARE_CLUSTER
+        # a share of the whole step, not of what is left of it: plans would come ever faster at its end
+        self._horizon = max(self._horizon * 0.98, rest) if rest < float("inf") else self._horizon
+        due = view.now + (share * self._horizon if rest < float("inf") else 0.0)
         self._last = (situation, view.now, due, decision.targets)
         return decision.targets
 

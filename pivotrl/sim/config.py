@@ -74,6 +74,8 @@ class SimConfig:
     judge_output_len: int = 512  # tokens of a judgment (capped at judge.max_new_tokens; a capped one has no verdict)
     yes_probability: float = 0.5  # chance a response is right (and judged so); accuracy is not meaningful here
     slice_s: float = 5.0  # virtual seconds between two reports of a generating device
+    react_s: float = 0.1  # the control plane's reaction time: completions this close are handled together
+    # (at most half a slice)
     costs: str = "roofline"  # "roofline" (from the GPU's datasheet) or a MeasuredCosts JSON file
 
     def __post_init__(self) -> None:
@@ -93,6 +95,8 @@ class SimConfig:
             raise ValueError(f"yes_probability: expected a number in [0, 1], got {self.yes_probability!r}")
         if not (isinstance(self.slice_s, float | int) and 0 < self.slice_s < math.inf):
             raise ValueError(f"slice_s: expected a number > 0, got {self.slice_s!r}")
+        if not (isinstance(self.react_s, float | int) and 0 <= self.react_s < math.inf):
+            raise ValueError(f"react_s: expected a number >= 0, got {self.react_s!r}")
         if not isinstance(self.costs, str) or not self.costs:
             raise ValueError(f"costs: expected 'roofline' or a measured-costs JSON file, got {self.costs!r}")
 

@@ -101,6 +101,7 @@ class SimSpec:
     yes_probability: float  # chance that a response is right (and is judged right)
     verdicts: tuple[str, str]  # judgment of a wrong and of a right response (parsed by the job's GenRM)
     slice_s: float = 5.0
+    react_s: float = 0.0  # events within this long of the first are handled together, at the last one's time
 
     def capacity(self, role: Role) -> int:
         """Sequences one instance of ``role`` runs at once: the engine's slots, or fewer if KV memory says so."""
@@ -199,9 +200,13 @@ class SimDriver:
                     f"the control plane repeats itself without progress: {LIVELOCK_ROUNDS} rounds of commands at "
                     f"t={self.now:.3f} s, the latest {', '.join(self._recent)}"
                 )
-            self.now = max(self.now, t)
-            while self._heap and self._heap[0][0] == t:
-                out += heapq.heappop(self._heap)[2]()
+            # what completes within the control plane's reaction time is handled as one batch when the
+            # last of it lands: a cluster's devices finish at distinct instants, thousands a step
+            until = t + min(self.spec.react_s, self.spec.slice_s / 2)
+            while self._heap and self._heap[0][0] <= until:
+                t, _, fn = heapq.heappop(self._heap)
+                self.now = max(self.now, t)
+                out += fn()
         return out
 
     # -- scheduling -----------------------------------------------------------------

@@ -118,6 +118,7 @@ def build(cfg: JobConfig) -> Simulation:
         yes_probability=float(sim.yes_probability),
         verdicts=(verdicts[0] or "", verdicts[1] or ""),
         slice_s=float(sim.slice_s),
+        react_s=float(sim.react_s),
     )
     for role, name, context in ((Role.ROLLOUT, sim.policy_model, spec.rollout_context),
                                 (Role.GENRM, sim.genrm_model, spec.judge_context)):  # fmt: skip

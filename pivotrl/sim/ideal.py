@@ -1,0 +1,157 @@
+"""The ideal throughput of a simulated job: all the work of a step divided by all the capacity.
+
+A mode's throughput is only good or bad next to what the cluster could do at
+all. The ideal prices every piece of a step's work with the job's own cost
+model and workload, at the most efficient batch the memory allows, and spreads
+it over every GPU with no idle time and no shift cost:
+
+    GPU-seconds of a step  W = W_rollout + W_genrm + W_train
+    ideal samples/s           = N / (W / G)          N samples per step, G GPUs
+
+with, for N responses of length L (drawn from the job's capped distribution),
+prompts of P tokens, judge prompts of J = P + L + T tokens and judgments of O
+tokens (``sim.judge_output_len`` capped at ``judge.max_new_tokens``), on
+instances of ``tp`` GPUs holding at most B (policy) and Bj (judge) sequences
+(``SimSpec.capacity``: ``rollout.max_batch`` or fewer if the KV cache says so):
+
+    W_rollout = tp * N * [prefill(B prompts of P) / B + E[L - 1] * decode_step(B, c) / B]
+    W_genrm   = tp * N * [prefill(Bj prompts of E[J]) / Bj + (O - 1) * decode_step(Bj, cj) / Bj]
+    W_train   = train_tokens(N * (P + E[L]) tokens on 1 GPU, sequences of P + E[L])
+                + tp * optimizer_step(tp GPUs)
+
+The first token of a response comes from its prefill, as in the modeled
+engine, so a response decodes L - 1 steps at contexts P + 1 .. P + L - 1; the
+decode step is priced at the token-weighted mean context
+c = P + E[L (L - 1) / 2] / E[L - 1] (cj = E[J] + O / 2 for the judge). E is
+taken over a grid of quantiles of the length distribution, the same
+inverse-transform draws the simulator makes. Left out, as no mode can avoid
+them less than this: idle time (the tail of a step waiting for its longest
+response, roles waiting for each other), shifts and weight refreshes,
+migrations' re-prefill, the gradient sync of a data-parallel group (the
+optimizer step is priced on one instance), and prefills in smaller batches
+than B. So no mode beats it, and each mode's share of it says how much of the
+cluster it wastes.
+
+The ideal also ignores latency. A step of on-policy RL cannot end before its
+longest response is generated and judged, one token after the other, so its
+``critical_path_s`` (the longest of N responses, the ``1 - 1/2N`` quantile,
+decoded at batch 1, then judged at batch 1) is a floor under any mode's step
+time; where it exceeds the ideal step time, no synchronous schedule reaches
+the ideal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pivotrl.config import JobConfig
+from pivotrl.control.messages import Role
+from pivotrl.sim.driver import SimSpec
+from pivotrl.sim.run import build
+from pivotrl.sim.workload import LengthDist
+
+GRID = 4096  # quantiles of the length distribution the expectations are taken over
+
+
+@dataclass(frozen=True, slots=True)
+class IdealStep:
+    """The GPU-seconds of one step's work, by piece, and what they allow on ``gpus`` GPUs."""
+
+    samples: int  # responses per step
+    gpus: int
+    rollout_batch: int  # B: the batch decode is priced at
+    genrm_batch: int  # Bj
+    mean_response: float  # E[L], tokens
+    gpu_seconds: dict[str, float]  # rollout_prefill, rollout_decode, genrm_prefill, genrm_decode, train, optimizer
+    critical_path_s: float = 0.0  # the longest response generated and judged alone
+
+    @property
+    def total(self) -> float:
+        return sum(self.gpu_seconds.values())
+
+    @property
+    def by_role(self) -> dict[str, float]:
+        g = self.gpu_seconds
+        return {
+            Role.ROLLOUT.value: g["rollout_prefill"] + g["rollout_decode"],
+            Role.GENRM.value: g["genrm_prefill"] + g["genrm_decode"],
+            Role.TRAIN.value: g["train"] + g["optimizer"],
+        }
+
+    @property
+    def step_seconds(self) -> float:
+        return self.total / self.gpus
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.step_seconds
+
+    def split(self, devices: int) -> dict[str, int]:
+        """``devices`` divided between the roles in proportion to their work, at least one each: the
+        static split that would be best if every role were busy all the time."""
+        share = {r: w / self.total for r, w in self.by_role.items()}
+        out = {r: max(1, round(s * devices)) for r, s in share.items()}
+        largest = max(out, key=lambda r: out[r])
+        out[largest] += devices - sum(out.values())
+        return out
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "samples_per_s": self.samples_per_s,
+            "step_seconds": self.step_seconds,
+            "gpu_seconds": dict(self.gpu_seconds),
+            "gpu_seconds_by_role": self.by_role,
+            "rollout_batch": self.rollout_batch,
+            "genrm_batch": self.genrm_batch,
+            "mean_response": self.mean_response,
+            "critical_path_s": self.critical_path_s,
+        }
+
+
+def length_moments(dist: LengthDist, cap: int, grid: int = GRID) -> tuple[float, float]:
+    """``E[L]`` and ``E[L (L - 1) / 2]`` of ``min(L, cap)``, over ``grid`` evenly spaced quantiles."""
+    if grid < 1:
+        raise ValueError(f"grid: got {grid!r}, must be >= 1")
+    lengths = [min(dist.quantile((i + 0.5) / grid), cap) for i in range(grid)]
+    return sum(lengths) / grid, sum(n * (n - 1) / 2 for n in lengths) / grid
+
+
+def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: int, grid: int = GRID) -> IdealStep:
+    """The ideal step of ``samples`` responses on ``spec``'s cluster; ``rollout_tokens`` and
+    ``judge_tokens`` are the jobs' generation caps (``rollout.max_new_tokens``, ``judge.max_new_tokens``)."""
+    if samples < 1:
+        raise ValueError(f"samples: got {samples!r}, must be >= 1")
+    costs, tp, p = spec.costs, spec.tp, spec.prompt_len
+    b, bj = spec.capacity(Role.ROLLOUT), spec.capacity(Role.GENRM)
+    if b < 1 or bj < 1:
+        raise ValueError(f"an instance of {tp} GPU(s) holds no sequence (rollout {b}, judge {bj})")
+    mean_len, pairs = length_moments(spec.lengths, rollout_tokens, grid)
+    decode_steps = mean_len - 1  # E[L - 1]: the first token comes from the prefill
+    context = p + pairs / decode_steps if decode_steps > 0 else float(p)
+    judge_prompt = p + mean_len + spec.judge_template_len
+    out_len = min(spec.judge_output_len, judge_tokens)
+    n = samples
+    gpu_seconds = {
+        "rollout_prefill": tp * n * costs.prefill(spec.policy, tp, b * p, p) / b,
+        "rollout_decode": tp * n * decode_steps * costs.decode_step(spec.policy, tp, b, context) / b,
+        "genrm_prefill": tp * n * costs.prefill(spec.genrm, tp, round(bj * judge_prompt), round(judge_prompt)) / bj,
+        "genrm_decode": tp * n * (out_len - 1) * costs.decode_step(spec.genrm, tp, bj, judge_prompt + out_len / 2) / bj,
+        "train": costs.train_tokens(spec.policy, round(n * (p + mean_len)), 1, round(p + mean_len)),
+        "optimizer": tp * costs.optimizer_step(spec.policy, tp),
+    }
+    longest = min(spec.lengths.quantile(1 - 1 / (2 * n)), rollout_tokens)
+    judged = p + longest + spec.judge_template_len
+    critical = (
+        costs.prefill(spec.policy, tp, p, p)
+        + costs.decode_span(spec.policy, tp, 1, p + 1, longest - 1)
+        + costs.prefill(spec.genrm, tp, judged, judged)
+        + costs.decode_span(spec.genrm, tp, 1, judged + 1, out_len - 1)
+    )
+    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical)
+
+
+def ideal_for_job(cfg: JobConfig) -> IdealStep:
+    """The ideal step of a ``pivotrl simulate`` job, from the spec the simulator builds for it."""
+    spec = build(cfg).spec
+    r = cfg.rollout
+    return ideal_step(spec, r.prompts_per_step * r.group_size, r.max_new_tokens, cfg.judge.max_new_tokens)
