@@ -77,6 +77,7 @@ class LoopSpec:
     eval_every: int
     scale_by_std: bool
     per_device: int  # requests in flight per device
+    judge_per_device: int = 0  # judgments in flight per device (0: per_device)
 
 
 @dataclass(slots=True)
@@ -130,7 +131,7 @@ class Controller:
         self.spec, self.policy, self.genrm, self.clock = spec, policy, genrm, clock
         self.train_set, self.heldout = train_set, heldout
         self.devices = [DeviceView(i) for i in range(policy.devices)]
-        self.scheduler = Scheduler(spec.per_device)
+        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None)
         self.version = 0
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}

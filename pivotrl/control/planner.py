@@ -183,7 +183,7 @@ def _fluid(work: list[tuple[float, float]], arrivals: list[tuple[float, int]], r
     return INF
 
 
-def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: int) -> Estimate:
+def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: Batch) -> Estimate:
     """Seconds until the step completes with ``alloc`` devices per role from now on.
 
     A fluid model with the step's dependencies:
@@ -225,8 +225,12 @@ def _now_and_later(n: int, late: tuple[int, float]) -> list[tuple[float, int]]:
     return [(0.0, n - k), (at, k)] if k else [(0.0, n)]
 
 
-def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = ON_TIME) -> Estimate:
+Batch = int | tuple[int, int]  # sequences one device runs at once: for both roles, or (rollout, judge)
+
+
+def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late = ON_TIME) -> Estimate:
     n_r, n_g, n_t = alloc
+    max_batch, judge_batch = max_batch if isinstance(max_batch, tuple) else (max_batch, max_batch)
     hop = p.costs.cost  # a device handed to the next phase pays its shift
     # rollout
     tail = False
@@ -248,6 +252,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = 
         mates_s = p.rollout.step_per_seq * max(0.0, w.tokens - w.longest) * mates / max(1, w.seqs - 1)
         alone = p.rollout.step_seconds(1)
         start = late[0][1] if late[0][0] == n_r else 0.0  # every rollout device is on its way
+        slots = useful * max_batch
+        if w.seqs > slots:  # the last sequences wait for a slot: about until the bulk before them is done
+            start += bulk * (1 - slots / w.seqs)
         last = start + w.longest * alone + mates_s
         t_r, tail = max(bulk, last), last >= bulk
         worst = max(bulk, start + w.worst * alone + mates_s)
@@ -256,9 +263,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: int, late: Late = 
     t_g, t_q, r_judged = 0.0, 0.0, False
     if w.judge_items:
         arrivals = _now_and_later(n_g, late[1]) + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
-        judge_rate = lambda n: _gen_rate(p.judge, w.judge_items, n, max_batch)  # noqa: E731
+        judge_rate = lambda n: _gen_rate(p.judge, w.judge_items, n, judge_batch)  # noqa: E731
         # reading the judged responses counts as decode work at the rate of a full judge device
-        per_read = _gen_rate(p.judge, w.judge_items, max(1, n_g + n_r), max_batch) / p.judge.prefill_rate
+        per_read = _gen_rate(p.judge, w.judge_items, max(1, n_g + n_r), judge_batch) / p.judge.prefill_rate
         bulk = _drain(w.judge_items * w.judge_tokens + w.judge_read * per_read, judge_rate, arrivals)
         # when the judgments waiting now are done: the groups generated whole can train from then
         t_q = _drain(w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read, judge_rate, arrivals)
@@ -410,7 +417,7 @@ class Planner:
         pinned: set[int],
         workload: Workload,
         profiles: Profiles,
-        max_batch: int,
+        max_batch: Batch,
     ) -> Decision:
         """The role of every device from now on. Every split of the devices is a candidate,
         pinned devices keeping theirs; a role may get none even with work left, since
@@ -420,7 +427,8 @@ class Planner:
             raise ValueError(f"current: names devices {sorted(current)}, expected 0..{self.devices - 1}")
         if not pinned <= set(current):
             raise ValueError(f"pinned: {sorted(pinned - set(current))} are not devices")
-        _positive("max_batch", max_batch)
+        for cap in max_batch if isinstance(max_batch, tuple) else (max_batch,):
+            _positive("max_batch", cap)
         w = _summarize(workload, profiles)
         counts = tuple(sum(1 for r in current.values() if r is role) for role in ROLES)
         floor = tuple(sum(1 for d in pinned if current[d] is role) for role in ROLES)
@@ -475,7 +483,7 @@ class Planner:
 
     @staticmethod
     def _candidate(
-        alloc: Alloc, counts: Alloc, unassigned: int, movable: dict[Role, int], w: _Work, p: Profiles, max_batch: int
+        alloc: Alloc, counts: Alloc, unassigned: int, movable: dict[Role, int], w: _Work, p: Profiles, max_batch: Batch
     ) -> _Candidate | None:
         """``alloc`` as a candidate (None if it moves more devices of a role than may move), its
         moved devices joining their role after their shift."""

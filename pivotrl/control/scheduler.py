@@ -15,10 +15,12 @@ from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
 
 
 class Scheduler:
-    def __init__(self, per_device: int) -> None:
-        if per_device < 1:
-            raise ValueError(f"per_device must be >= 1, got {per_device}")
+    def __init__(self, per_device: int, judge_per_device: int | None = None) -> None:
+        for name, n in (("per_device", per_device), ("judge_per_device", judge_per_device or per_device)):
+            if n < 1:
+                raise ValueError(f"{name} must be >= 1, got {n}")
         self.per_device = per_device
+        self.judge_per_device = judge_per_device or per_device
         self.gen_queue: deque[GenRequest] = deque()
         self.judge_queue: deque[JudgeRequest] = deque()
         self.inflight: dict[int, set[int]] = {}  # device -> uids it is working on
@@ -47,14 +49,14 @@ class Scheduler:
         self.inflight[device].discard(uid)
 
     def dispatch_gen(self, devices: list[int], version: int, joining: int = 0) -> list[Generate]:
-        batches = self._spread(self.gen_queue, devices, joining)
+        batches = self._spread(self.gen_queue, devices, self.per_device, joining)
         return [Generate(d, tuple(reqs), version) for d, reqs in batches.items()]
 
     def dispatch_judge(self, devices: list[int], joining: int = 0) -> list[Judge]:
-        batches = self._spread(self.judge_queue, devices, joining)
+        batches = self._spread(self.judge_queue, devices, self.judge_per_device, joining)
         return [Judge(d, tuple(reqs)) for d, reqs in batches.items()]
 
-    def _spread(self, queue: deque, devices: list[int], joining: int = 0) -> dict[int, list]:
+    def _spread(self, queue: deque, devices: list[int], cap: int, joining: int = 0) -> dict[int, list]:
         """Hand queued requests one at a time to the least-loaded device with room.
 
         ``joining`` devices are taking the role (shifting into it) and not ready yet: the
@@ -65,7 +67,6 @@ class Scheduler:
             return batches
         heap = [(self.load(d), d) for d in devices]  # least loaded first, ties to the lowest id
         heapq.heapify(heap)
-        cap = self.per_device
         if joining:
             share = -(-(len(queue) + sum(n for n, _ in heap)) // (len(heap) + joining))
             cap = min(cap, max(1, share))

@@ -58,7 +58,8 @@ class Shiftable:
     ) -> None:
         if devices < 1:
             raise ValueError(f"shiftable needs at least 1 device, got {devices}")
-        self.devices, self.max_batch = devices, max_batch
+        self.devices = devices
+        self.max_batch: int | tuple[int, int] = max_batch  # sequences a device runs at once: both roles, or each
         self.planner = Planner(devices)
         # rough priors, of the order of one CPU thread on the bundled models; the first measured
         # slices of each role replace them (EWMA)

@@ -129,9 +129,8 @@ def build(cfg: JobConfig) -> Simulation:
             )
     # an engine runs no more sequences than its KV memory holds; handing it more only queues them
     # inside it, out of reach of devices that join the role later
-    held = min(spec.capacity(Role.ROLLOUT), spec.capacity(Role.GENRM))
-    if held < r.max_batch:
-        r = dataclasses.replace(r, max_batch=held)
+    judge_batch = spec.capacity(Role.GENRM)
+    r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
     try:
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                             j.max_new_tokens, r.prompts_per_step * r.group_size)  # fmt: skip
@@ -140,9 +139,11 @@ def build(cfg: JobConfig) -> Simulation:
         raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None
     if isinstance(alloc, Shiftable):
         _startup_profile(alloc.profiles, spec)
+        alloc.max_batch = (r.max_batch, judge_batch)
     train_set = synthetic.problems(max(r.prompts_per_step, 1024))
     heldout = synthetic.problems(cfg.eval.size, tag="h")
-    return Simulation(job, spec, loop_spec(job), alloc, genrm, train_set, heldout)
+    loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch)
+    return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
 
 
 def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
