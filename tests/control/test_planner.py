@@ -344,3 +344,33 @@ def test_judging_includes_reading_the_responses():
     p.judge = generation(prefill_rate=4000)
     e = estimate(queued, p, alloc(0, 2, 0), MAX_BATCH)
     assert e.judge_end == pytest.approx((400 * 100 + 400 * 2000 * 400 / 4000) / 800)
+
+
+def test_rollout_devices_holding_no_sequence_do_not_speed_it_up():
+    # 8 sequences running on 2 of 4 rollout devices: the other 2 could judge without slowing the rollout
+    spread = Workload(rollout_remaining=[100] * 8, judge_future=8, rollout_holders=2)
+    fresh = Workload(rollout_remaining=[100] * 8, judge_future=8)  # who runs them unknown: any device may
+    p = profiles()
+    assert estimate(spread, p, alloc(4, 0, 0), MAX_BATCH).rollout_end == pytest.approx(
+        estimate(spread, p, alloc(2, 2, 0), MAX_BATCH).rollout_end
+    )
+    assert (
+        estimate(fresh, p, alloc(4, 0, 0), MAX_BATCH).rollout_end
+        < estimate(fresh, p, alloc(2, 2, 0), MAX_BATCH).rollout_end
+    )
+
+
+def test_sequences_beyond_the_slots_wait_before_their_tail():
+    # 128 fresh sequences on 2 devices of 32 slots: the last ones start once half the work is done
+    queued = Workload(rollout_remaining=[0] * 128, rollout_queued=64, judge_future=128)
+    e = estimate(queued, profiles(prior_mean=100, prior_max=200), alloc(2, 0, 0), MAX_BATCH)
+    room = estimate(queued, profiles(prior_mean=100, prior_max=200), alloc(4, 0, 0), MAX_BATCH)
+    assert e.rollout_end > room.rollout_end * 1.5
+
+
+def test_groups_train_once_judged():
+    # the same work left, but 8 of 16 groups already judged: their backward runs while judging goes on
+    base = dict(judge_queued=80, judge_tokens_mean=100, train_groups_left=16, train_tokens_per_group=2000)
+    none = estimate(Workload(**base), profiles(), alloc(0, 2, 2), MAX_BATCH)
+    half = estimate(Workload(**base, train_groups_ready=8), profiles(), alloc(0, 2, 2), MAX_BATCH)
+    assert half.judge_end == none.judge_end and half.backward_end < none.backward_end

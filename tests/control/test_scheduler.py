@@ -103,3 +103,15 @@ def test_devices_still_shifting_in_keep_a_share(joining, expected):
     assert [len(first.get(d, [])) for d in (0, 1)] == expected
     s.dispatch_gen([0, 1, 2, 3], version=0)  # the others arrive: the work ends up even
     assert [s.load(d) for d in range(4)] == ([128, 128, 0, 0] if joining == 0 else [64] * 4)
+
+
+def test_judgments_have_their_own_cap():
+    s = Scheduler(per_device=8, judge_per_device=2)
+    s.submit_gen(gen(*range(20)))
+    s.submit_judge(judge(*range(100, 120)))
+    assert [len(c.requests) for c in s.dispatch_gen([0, 1], version=0)] == [8, 8]
+    assert [len(c.requests) for c in s.dispatch_judge([2, 3])] == [2, 2]
+    assert len(s.judge_queue) == 16  # the rest waits here for whichever judge frees up (or joins) first
+    assert s.loads(4) == (8, 8, 2, 2)
+    with pytest.raises(ValueError, match="judge_per_device must be >= 1"):
+        Scheduler(4, judge_per_device=-1)

@@ -239,3 +239,19 @@ def test_a_control_plane_that_loops_in_zero_virtual_time_is_stopped_with_a_messa
             d.submit(Generate(0, reqs, 0))
             [aborted] = [e for e in d.next_events() if isinstance(e, Aborted)]
             reqs = aborted.gen or reqs
+
+
+@pytest.mark.parametrize("react", [0.0, 5.0])
+def test_completions_within_the_reaction_time_are_handled_together(react):
+    # a 1.5B judge loads faster than the 7B policy: the two shifts end at different instants
+    d = driver("sim.slice_s=10", f"sim.react_s={react}", "sim.genrm_model=Qwen2.5-1.5B")
+    d.submit(Shift(0, Role.ROLLOUT, 0))
+    d.submit(Shift(1, Role.GENRM, 0))
+    first = d.next_events()
+    if react == 0.0:
+        assert [e.device for e in first] == [1]  # the judge's, alone, when it lands
+        assert d.clock() == pytest.approx(first[0].seconds)
+        first += d.next_events()
+    else:
+        assert sorted(e.device for e in first) == [0, 1]  # one batch, handled when the later lands
+    assert d.clock() == pytest.approx(max(e.seconds for e in first))
