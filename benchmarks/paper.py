@@ -1,0 +1,600 @@
+"""Shiftable against its baselines on cluster-scale jobs, next to the ideal throughput.
+
+Four model groups (policy + generative judge) on 128 simulated H100s, each run
+with ``pivotrl simulate examples/sim128.yaml`` in colocated, disaggregated and
+shiftable mode, every run in its own process:
+
+    dense-7b    Qwen2.5-7B policy,  Qwen2.5-7B judge      dense pair
+    moe-30b     Qwen3-30B-A3B,      Qwen3-30B-A3B judge   MoE pair
+    judge-32b   Qwen2.5-7B policy,  Qwen2.5-32B judge     a GenRM larger than the policy
+    dense-14b   Qwen2.5-14B policy, Qwen2.5-14B judge     a larger dense pair
+
+Workload (sim128.yaml): 512 prompts x 16 responses a step, prompts of 512
+tokens, lognormal response lengths (median 1200, sigma 0.9, capped at 8192),
+judge prompts of prompt + response + 256 tokens, 512-token judgments, at
+most 256 sequences per engine. Costs: ``RooflineCosts`` (H100 datasheet peaks
+times the efficiencies documented in ``pivotrl/sim/costs.py``).
+
+Tensor parallelism: the simulator has one ``sim.instance_gpus`` for every
+instance, policy and judge alike. Each group takes the power of two from 1 to
+8 whose ideal throughput (below) is highest: a smaller instance has less room
+for KV cache and decodes smaller batches, a larger one pays more collectives
+(``--tp`` forces one). With a 7B policy and a 32B judge that puts the policy
+on 4 GPUs too, where it would rather have 1.
+
+Steady state: ``--steps`` steps (default 8) per run; the first is left out
+(it runs on the planner's priors and pays every device's first load). A
+mode's throughput is samples per step over the mean of the other steps'
+times; busy fractions, shifts and shift seconds are taken over the same
+window (from the end of step 1 to the end of the last step).
+
+The disaggregated baseline gets its best static split, searched on the
+steady step time of shorter runs (``--search-steps``, default 4: 3 steady
+steps), then run again with ``--steps``. The search starts at the split that
+gives each role devices in proportion to its ideal work, evaluates the 3x3
+grid of (judge, train) device counts around it at a spacing of D/8 devices (D
+instances), re-centred on the best while it moves; then a compass search
+(moving s devices from any role to any other, six neighbours) at D/16, D/32,
+..., re-centred while it improves, down to one device or ``--search-levels``
+halvings. A split is never run twice: 9 runs for the first grid, at most 5
+more per re-centring and 6 per compass move, stopped at ``--search-budget``
+(default 24, which the 128-GPU groups reach); every run is in the report.
+
+Ideal throughput (``pivotrl.sim.ideal``): every piece of a step's work priced
+by the same cost model at the best batch the KV memory allows (rollout and
+judge prefill and decode, training forward and backward, the optimizer update
+on one instance), in GPU-seconds, divided by the cluster's GPUs: no idle time,
+no shifts, no weight refreshes, no gradient sync. Each mode's share of it
+says how much of the cluster the mode leaves unused. Next to it, the critical
+path: the step's longest response generated and judged alone, a floor under
+any on-policy step (the chart marks the throughput it allows).
+
+Writes ``benchmarks/results/paper.{json,md,png}``: the JSON has a ``groups``
+list (per group ``name``, ``ideal``, ``modes``, ``ideal_fraction`` per mode,
+``speedup_vs_colocated``, ``speedup_vs_disaggregated``, the search's runs),
+the markdown the table with its assumptions, the PNG the bar chart.
+
+``--sweep`` instead runs the dense-7b job across the length tail (uniform,
+lognormal sigma 0.5 / 0.9 / 1.3 and a Pareto tail, all at the mean length of
+sim128.yaml's), the judge size (1.5B, 14B, 32B beside the 7B policy) and the
+cluster size (``--sweep-gpus``, 32 to 1024), and writes
+``paper_sweep.{json,md,png}`` (the JSON after every point, so a long sweep
+keeps what it finished).
+
+    .venv/bin/python benchmarks/paper.py                        # main table, ~11 min on 2 cores
+    .venv/bin/python benchmarks/paper.py --quick                # smoke run: 32 GPUs, 3 steps, ~2 min
+    .venv/bin/python benchmarks/paper.py --groups dense-7b --steps 6
+    .venv/bin/python benchmarks/paper.py --sweep --steps 6 --search-budget 16   # sensitivity, about an hour
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common import machine, write_report
+
+from pivotrl.config import load_config
+from pivotrl.errors import UserError
+from pivotrl.sim.ideal import IdealStep, ideal_for_job
+from pivotrl.sim.workload import LengthDist
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples/sim128.yaml"
+RESULTS = ROOT / "benchmarks/results"
+MODES = ("colocated", "disaggregated", "shiftable")
+ROLES = ("rollout", "genrm", "train")
+TPS = (1, 2, 4, 8)
+Split = tuple[int, int, int]  # rollout, genrm, train devices
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    name: str
+    policy: str
+    genrm: str
+    what: str
+    extra: tuple[str, ...] = ()  # further overrides (a sweep point's lengths, say)
+
+
+GROUPS = {
+    g.name: g
+    for g in (
+        Group("dense-7b", "Qwen2.5-7B", "Qwen2.5-7B", "dense pair"),
+        Group("moe-30b", "Qwen3-30B-A3B", "Qwen3-30B-A3B", "MoE pair"),
+        Group("judge-32b", "Qwen2.5-7B", "Qwen2.5-32B", "judge larger than the policy"),
+        Group("dense-14b", "Qwen2.5-14B", "Qwen2.5-14B", "larger dense pair"),
+    )
+}
+
+
+# -- the job and its ideal ------------------------------------------------------------------
+
+
+def job_overrides(group: Group, gpus: int, tp: int) -> list[str]:
+    # eval.size: the held-out evaluations run at the start and after the last step, outside the window measured
+    return [f"sim.policy_model={group.policy}", f"sim.genrm_model={group.genrm}", f"sim.gpus={gpus}",
+            f"sim.instance_gpus={tp}", "eval.size=16", *group.extra]  # fmt: skip
+
+
+def ideal(overrides: list[str]) -> IdealStep:
+    return ideal_for_job(load_config(EXAMPLE, [*overrides, "mode=colocated"]))
+
+
+def choose_tp(group: Group, gpus: int, forced: int | None = None) -> tuple[int, IdealStep]:
+    """The instance size whose ideal throughput is highest (``forced``: that one)."""
+    best: tuple[int, IdealStep] | None = None
+    for tp in [forced] if forced else TPS:
+        if gpus % tp or gpus // tp < 3:
+            continue
+        try:
+            step = ideal(job_overrides(group, gpus, tp))
+        except UserError:  # a model does not fit on tp GPUs
+            continue
+        if best is None or step.samples_per_s > best[1].samples_per_s:
+            best = (tp, step)
+    if best is None:
+        raise SystemExit(f"{group.name}: no instance size in {TPS} fits both models on {gpus} GPUs")
+    return best
+
+
+# -- the split search -----------------------------------------------------------------------
+
+
+def _valid(split: Split, devices: int) -> bool:
+    return min(split) >= 1 and sum(split) == devices
+
+
+def _move(split: Split, src: int, dst: int, n: int) -> Split:
+    r, g, t = (k - n * (i == src) + n * (i == dst) for i, k in enumerate(split))
+    return r, g, t
+
+
+def search_split(
+    evaluate: Callable[[Split], float], devices: int, seed: Split, levels: int = 3, budget: int = 24
+) -> tuple[Split, list[tuple[Split, float]]]:
+    """The split with the lowest ``evaluate`` (a steady step time; ``inf`` when a run failed) found by
+    a coarse grid then a compass search (module docstring); every split evaluated, in order."""
+    if not _valid(seed, devices):
+        raise ValueError(f"seed: {seed} is not a split of {devices} devices with one per role")
+    tried: dict[Split, float] = {}
+
+    def run(split: Split) -> float:
+        if split not in tried and len(tried) < budget:
+            tried[split] = evaluate(split)
+        return tried.get(split, math.inf)
+
+    def best_of(points: list[Split], best: Split) -> Split:
+        for p in points:
+            if _valid(p, devices) and run(p) < run(best):
+                best = p
+        return best
+
+    best, spacing = seed, max(1, round(devices / 8))
+    run(best)
+    while True:  # coarse: the 3x3 grid of (genrm, train) counts, re-centred while the best moves
+        _, g, t = best
+        grid = [(devices - g - t - (i + j) * spacing, g + i * spacing, t + j * spacing)
+                for i in (-1, 0, 1) for j in (-1, 0, 1)]  # fmt: skip
+        before, best = best, best_of(grid, best)
+        if best == before or len(tried) >= budget:
+            break
+    for _ in range(levels):  # refine: move `spacing` devices from one role to another
+        spacing //= 2
+        if spacing < 1:
+            break
+        while len(tried) < budget:
+            moves = [_move(best, src, dst, spacing) for src, dst in itertools.permutations(range(3), 2)]
+            before, best = best, best_of(moves, best)
+            if best == before:
+                break
+    return best, list(tried.items())
+
+
+def split_text(split: Split) -> str:
+    return ",".join(f"{r}:{n}" for r, n in zip(ROLES, split, strict=True))
+
+
+# -- one run --------------------------------------------------------------------------------
+
+
+def steady(run_dir: Path) -> dict[str, Any]:
+    """Throughput, step time, busy fractions and shifts over the steps after the first."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    later = metrics[1:] or metrics
+    per_step = summary["samples"] / summary["steps"]
+    step_s = sum(m["step_seconds"] for m in later) / len(later)
+    spans = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    ends: dict[int, float] = {}  # step -> end of its optimizer step
+    for s in spans:
+        if s["role"] == "train" and s["name"].startswith("step v"):
+            v = int(s["name"].rsplit("v", 1)[1])
+            ends[v] = max(ends.get(v, 0.0), s["end"])
+    w0, w1 = (ends[1], ends[len(metrics)]) if len(metrics) > 1 else (0.0, ends[len(metrics)])
+    busy = dict.fromkeys((*ROLES, "shift"), 0.0)
+    moves = 0
+    for s in spans:
+        seconds = min(s["end"], w1) - max(s["start"], w0)
+        if s["role"] in busy and seconds > 0:
+            busy[s["role"]] += seconds
+        src, _, dst = s["name"].partition("->")
+        if s["role"] == "shift" and w0 <= s["start"] < w1 and src not in (dst, "none"):
+            moves += 1
+    capacity = summary["devices"] * (w1 - w0)
+    fractions = {r: b / capacity for r, b in busy.items()} if capacity > 0 else busy
+    return {
+        "samples_per_s": per_step / step_s,
+        "step_seconds": step_s,
+        "step_seconds_each": [m["step_seconds"] for m in metrics],
+        "busy_fraction": fractions,
+        "idle_fraction": max(0.0, 1 - sum(fractions.values())),
+        "shifts_per_step": sum(m["shifts"] for m in later) / len(later),  # role moves and weight reloads
+        "moves_per_step": moves / max(len(later), 1),  # devices changing role
+        "shift_seconds_per_step": sum(m["shift_seconds"] for m in later) / len(later),  # device-seconds
+        "migrations_per_step": sum(m["migrations"] for m in later) / len(later),
+    }
+
+
+def simulate(overrides: list[str], timeout: float, keep: Path | None = None) -> dict[str, Any]:
+    """One ``pivotrl simulate`` in its own process; its steady numbers, or the error that stopped it."""
+    out = Path(tempfile.mkdtemp(prefix="pivotrl-paper-"))
+    cmd = [sys.executable, "-m", "pivotrl.cli", "simulate", str(EXAMPLE), *overrides, "--out", str(out), "--quiet"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        error = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
+    except subprocess.TimeoutExpired:
+        error = f"stopped after {timeout:.0f} s"
+    row: dict[str, Any] = {"wall_s": time.perf_counter() - t0}
+    if error:
+        row["error"] = error
+    else:
+        row.update(steady(out))
+    if keep is not None and not error:
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(out), keep)
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+# -- a group in every mode ------------------------------------------------------------------
+
+
+def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    tp, best_ideal = choose_tp(group, gpus, args.tp)
+    devices = gpus // tp
+    base = job_overrides(group, gpus, tp)
+    keep = (lambda mode: args.runs / group.name / mode) if args.runs else (lambda mode: None)
+    print(f"{group.name}: {group.policy} + {group.genrm} judge, {gpus} GPUs as {devices} instances of {tp}; "
+          f"ideal {best_ideal.samples_per_s:.1f} samples/s", flush=True)  # fmt: skip
+    modes: dict[str, dict[str, Any]] = {}
+    for mode in ("colocated", "shiftable"):
+        modes[mode] = simulate([*base, f"mode={mode}", f"steps={args.steps}"], args.timeout, keep(mode))
+        print(f"  {mode}: {_rate(modes[mode])} ({modes[mode]['wall_s']:.0f} s)", flush=True)
+
+    def evaluate(split: Split) -> float:
+        r = simulate([*base, "mode=disaggregated", f"split={split_text(split)}", f"steps={args.search_steps}"],
+                     args.timeout)  # fmt: skip
+        print(f"  search {split_text(split)}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)
+        return r.get("step_seconds", math.inf)
+
+    seed = best_ideal.split(devices)
+    split, trials = search_split(evaluate, devices, (seed["rollout"], seed["genrm"], seed["train"]),
+                                 args.search_levels, args.search_budget)  # fmt: skip
+    dis = simulate([*base, "mode=disaggregated", f"split={split_text(split)}", f"steps={args.steps}"], args.timeout,
+                   keep("disaggregated"))  # fmt: skip
+    dis["split"] = split_text(split)
+    dis["search"] = [{"split": split_text(s), "step_seconds": v} for s, v in trials]
+    modes["disaggregated"] = dis
+    print(f"  disaggregated {dis['split']}: {_rate(dis)} after {len(trials)} search runs", flush=True)
+    rate = {m: r.get("samples_per_s", 0.0) for m, r in modes.items()}
+
+    def speedup(baseline: str) -> float | None:
+        return rate["shiftable"] / rate[baseline] if rate[baseline] > 0 and rate["shiftable"] > 0 else None
+
+    return {
+        "name": group.name,
+        "what": group.what,
+        "policy": group.policy,
+        "genrm": group.genrm,
+        "gpus": gpus,
+        "instance_gpus": tp,
+        "devices": devices,
+        "overrides": base,
+        "ideal": best_ideal.to_dict(),
+        "modes": {m: modes[m] for m in MODES},
+        "ideal_fraction": {m: rate[m] / best_ideal.samples_per_s for m in MODES},
+        "speedup_vs_colocated": speedup("colocated"),
+        "speedup_vs_disaggregated": speedup("disaggregated"),
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def _rate(r: dict[str, Any]) -> str:
+    return f"{r['samples_per_s']:.1f} samples/s, {r['step_seconds']:.1f} s/step" if "samples_per_s" in r else r["error"]
+
+
+# -- reports --------------------------------------------------------------------------------
+
+HEAD = ("group", "mode", "layout", "samples/s", "step s", "of ideal", "rollout", "genrm", "train", "shift", "idle",
+        "shifts/step", "moves/step", "shift s/step")  # fmt: skip
+
+
+def rows(g: dict[str, Any], label: str | None = None) -> list[list[str]]:
+    """The table rows of one group: a row per mode, then the ideal."""
+    out = []
+    for mode in MODES:
+        r = g["modes"][mode]
+        layout = r.get("split", "all roles" if mode == "colocated" else "planner")
+        if "samples_per_s" not in r:
+            out.append([label or g["name"], mode, layout, "failed: " + r.get("error", "?")] + [""] * (len(HEAD) - 4))
+            continue
+        b = r["busy_fraction"]
+        out.append([label or g["name"], mode, layout, f"{r['samples_per_s']:.1f}", f"{r['step_seconds']:.1f}",
+                    f"{g['ideal_fraction'][mode]:.0%}", *(f"{b[k]:.0%}" for k in (*ROLES, "shift")),
+                    f"{r['idle_fraction']:.0%}", f"{r['shifts_per_step']:.0f}", f"{r['moves_per_step']:.0f}",
+                    f"{r['shift_seconds_per_step']:.0f}"])  # fmt: skip
+    i = g["ideal"]
+    shares = {k: v / sum(i["gpu_seconds_by_role"].values()) for k, v in i["gpu_seconds_by_role"].items()}
+    out.append([label or g["name"], "ideal", f"TP{g['instance_gpus']}, batch {i['rollout_batch']}/{i['genrm_batch']}",
+                f"{i['samples_per_s']:.1f}", f"{i['step_seconds']:.1f}", "100%", *(f"{shares[k]:.0%}" for k in ROLES),
+                "0%", "0%", "", "", ""])  # fmt: skip
+    return out
+
+
+def _times(x: float | None) -> str:
+    return f"{x:.2f}x" if x else "n/a"
+
+
+def speedups(g: dict[str, Any]) -> str:
+    i = g["ideal"]
+    return (
+        f"shiftable vs colocated {_times(g['speedup_vs_colocated'])}, "
+        f"vs disaggregated {_times(g['speedup_vs_disaggregated'])}; "
+        f"ideal step {i['step_seconds']:.0f} s, critical path {i['critical_path_s']:.0f} s"
+    )
+
+
+def bound(g: dict[str, Any]) -> float:
+    """Samples/s if a step took the longer of the ideal step and the critical path."""
+    i = g["ideal"]
+    return i["samples_per_s"] * i["step_seconds"] / max(i["step_seconds"], i["critical_path_s"])
+
+
+def text_table(table: list[list[str]], head: tuple[str, ...] = HEAD) -> str:
+    widths = [max(len(x) for x in col) for col in zip(head, *table, strict=True)]
+
+    def line(r: list[str] | tuple[str, ...]) -> str:
+        return "  ".join(x.rjust(w) if i > 2 else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths, strict=True)))
+
+    return "\n".join([line(head), *(line(r) for r in table)])
+
+
+def md_table(table: list[list[str]], head: tuple[str, ...] = HEAD) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|"]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in table])
+
+
+ASSUMPTIONS = """\
+- Simulated with `pivotrl simulate` (the real controller, scheduler and planner on a virtual clock) on H100 SXM
+  (989 TFLOP/s bf16 dense, 3.35 TB/s HBM, 80 GB, PCIe Gen5 to the host, NVLink in 8-GPU nodes, 50 GB/s per GPU
+  between nodes); costs from `RooflineCosts` (datasheet peaks times the efficiencies in `pivotrl/sim/costs.py`).
+- Workload `examples/sim128.yaml`: 512 prompts x 16 responses a step, 512-token prompts, lognormal response lengths
+  (median 1200, sigma 0.9, cap 8192), judge prompt = prompt + response + 256 tokens, 512-token judgments,
+  at most 256 sequences per engine.
+- One tensor-parallel size for every instance (the simulator's `sim.instance_gpus`), chosen per group as the one
+  with the highest ideal throughput.
+- Throughput over steps 2..N (step 1 runs on priors and pays the first loads); busy, shifts and shift seconds over
+  the same window. Shifts count role moves and per-step weight reloads; moves count devices changing role;
+  shift s is device-seconds spent shifting.
+- Disaggregated: the best static split found by a grid-then-compass search on the steady step time.
+- Ideal: all the work of a step (prefill and decode of rollout and judge at the largest batch the KV cache
+  allows, training forward and backward, the optimizer update) in GPU-seconds over all GPUs; no idle time,
+  no shifts, no weight refreshes, no gradient sync (`pivotrl/sim/ideal.py`). Its role columns are the
+  shares of that work. The critical path is the longest response of a step generated and judged alone, at
+  batch 1: no on-policy step is shorter (the black mark on the chart: samples/s at the longer of the two)."""
+
+
+def _short(model: str) -> str:
+    return model.removeprefix("Qwen2.5-").removeprefix("Qwen3-")
+
+
+def _bars(
+    ax: Any, items: list[dict[str, Any]], value: Callable[[dict[str, Any], str], float], ticks: list[str]
+) -> None:
+    """Per item a bar for each mode and the ideal (labelled with the mode's share of the ideal), and the
+    critical-path bound as a black mark over the ideal's bar."""
+    colors = {"colocated": "#8c8c8c", "disaggregated": "#4c72b0", "shiftable": "#dd8452", "ideal": "#55a868"}
+    width = 0.2
+    for k, mode in enumerate((*MODES, "ideal")):
+        xs = [i + (k - 1.5) * width for i in range(len(items))]
+        ys = [value(g, mode) for g in items]
+        ideal = mode == "ideal"
+        ax.bar(xs, ys, width, label=mode, color=colors[mode], edgecolor="#2d6a3e" if ideal else "white",
+               hatch="//" if ideal else None)  # fmt: skip
+        for x, y, g in zip(xs, ys, items, strict=True):
+            if not ideal and y > 0:
+                ax.text(x, y, f"{g['ideal_fraction'][mode]:.0%}", ha="center", va="bottom", fontsize=7)
+    xs = [i + 1.5 * width for i in range(len(items))]
+    ax.hlines([value(g, "bound") for g in items], [x - width / 2 for x in xs], [x + width / 2 for x in xs],
+              colors="black", linewidths=1.5, label="critical-path bound")  # fmt: skip
+    ax.set_xticks(range(len(items)), ticks, fontsize=7)
+    ax.margins(y=0.15)
+
+
+def _tick(g: dict[str, Any], label: str) -> str:
+    return f"{g[label]}\n{_short(g['policy'])} + {_short(g['genrm'])} judge, TP{g['instance_gpus']}"
+
+
+def plot(items: list[dict[str, Any]], path: Path, title: str, label: str) -> None:
+    """Groups: samples/s side by side. Sweep points (``label`` "point"): one panel per swept axis, each mode
+    as a share of its point's ideal, since throughputs of different clusters do not compare."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def rate(g: dict[str, Any], mode: str) -> float:
+        if mode == "bound":
+            return bound(g)
+        return g["ideal"]["samples_per_s"] if mode == "ideal" else g["modes"][mode].get("samples_per_s", 0.0)
+
+    if label != "point":
+        fig, ax = plt.subplots(figsize=(max(6, 1.9 * len(items)), 4.2))
+        _bars(ax, items, rate, [_tick(g, label) for g in items])
+        ax.set_ylabel("samples/s (steady)")
+        ax.legend(fontsize=7, ncols=5, loc="upper right")
+        ax.set_title(title, fontsize=10)
+    else:
+        axes = list(dict.fromkeys(g["sweep"] for g in items))
+        sizes = [sum(g["sweep"] == a for g in items) for a in axes]
+        fig, panels = plt.subplots(1, len(axes), figsize=(1.9 * len(items) + 1, 4.4), sharey=True, squeeze=False,
+                                   gridspec_kw={"width_ratios": sizes})  # fmt: skip
+        for ax, axis in zip(panels[0], axes, strict=True):
+            mine = [g for g in items if g["sweep"] == axis]
+            _bars(ax, mine, lambda g, m: rate(g, m) / g["ideal"]["samples_per_s"], [_tick(g, label) for g in mine])
+            ax.set_title(axis, fontsize=9)
+        panels[0][0].set_ylabel("share of the ideal throughput")
+        panels[0][0].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        fig.legend(*panels[0][0].get_legend_handles_labels(), fontsize=7, ncols=5, loc="upper right")
+        fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def write_all(prefix: Path, report: dict[str, Any], table: list[list[str]], notes: list[str], title: str,
+              label: str) -> None:  # fmt: skip
+    write_report(prefix.with_suffix(".json"), report)
+    md = f"### {title}\n\n{md_table(table)}\n\n" + "".join(f"- {n}\n" for n in notes) + f"\n{ASSUMPTIONS}\n"
+    prefix.with_suffix(".md").write_text(md)
+    plot(report.get("groups") or report["points"], prefix.with_suffix(".png"), title, label)
+    print(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.png')}")
+
+
+# -- the sensitivity sweep ------------------------------------------------------------------
+
+
+def _fit(make: Callable[[float], LengthDist], mean: float, lo: float, hi: float) -> float:
+    """The parameter in [lo, hi] at which ``make(x).mean()`` (increasing in x) equals ``mean``."""
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if make(mid).mean() < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def tail_points(cap: int = 8192) -> list[tuple[str, list[str]]]:
+    """Length distributions from uniform to a heavy tail, all at the mean length of sim128.yaml's lognormal."""
+    mean = LengthDist.lognormal(1200, 0.9, cap).mean()
+    out = [("uniform", ["sim.lengths.kind=uniform", "sim.lengths.lo=1", f"sim.lengths.hi={round(2 * mean - 1)}"])]
+    for sigma in (0.5, 0.9, 1.3):
+        median = 1200 if sigma == 0.9 else _fit(lambda m, s=sigma: LengthDist.lognormal(m, s, cap), mean, 1, cap)
+        out.append((f"lognormal s={sigma}", [f"sim.lengths.median={median:.1f}", f"sim.lengths.sigma={sigma}"]))
+    minimum = _fit(lambda m: LengthDist.pareto(m, 1.3, cap), mean, 1, cap)
+    pareto = ["sim.lengths.kind=pareto", f"sim.lengths.minimum={minimum:.1f}", "sim.lengths.alpha=1.3"]
+    out.append(("pareto a=1.3", pareto))
+    return out
+
+
+def sweep(args: argparse.Namespace, save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Every sweep point benched like a group; ``save`` gets the points so far after each one."""
+    base = GROUPS["dense-7b"]
+    points: list[tuple[str, str, Group, int]] = []
+    for label, extra in tail_points():
+        slug = "tail-" + label.replace(" ", "-").replace("=", "")
+        points.append(("length tail", label, Group(slug, base.policy, base.genrm, base.what, tuple(extra)), args.gpus))
+    for judge in ("Qwen2.5-1.5B", "Qwen2.5-14B", "Qwen2.5-32B"):
+        group = Group(f"judge-{_short(judge)}", base.policy, judge, "judge size")
+        points.append(("judge size", _short(judge), group, args.gpus))
+    for gpus in args.sweep_gpus:
+        if gpus != args.gpus:
+            points.append(("cluster", f"{gpus} GPUs", Group(f"gpus-{gpus}", base.policy, base.genrm, base.what), gpus))
+    results: list[dict[str, Any]] = []
+    for axis, label, group, gpus in points:
+        g = bench(group, gpus, args)
+        g.update(sweep=axis, point=label)
+        results.append(g)
+        save(results)
+        print(f"  {axis} {label}: {speedups(g)}", flush=True)
+    return results
+
+
+def sweep_rows(points: list[dict[str, Any]]) -> list[list[str]]:
+    return [r for g in points for r in rows(g, f"{g['sweep']}: {g['point']}")]
+
+
+def code() -> str:
+    """The commit the runs used, ``-dirty`` when the working tree differs from it."""
+    cmd = ["git", "describe", "--always", "--dirty"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    p.add_argument("--gpus", type=int, default=128)
+    p.add_argument("--tp", type=int, choices=TPS, help="GPUs per instance for every group (default: best ideal)")
+    p.add_argument("--steps", type=int, default=8, help="steps per measured run (the first is left out)")
+    p.add_argument("--search-steps", type=int, default=4, help="steps per run of the split search")
+    p.add_argument("--search-levels", type=int, default=3, help="halvings of the compass search's spacing")
+    p.add_argument("--search-budget", type=int, default=24, help="most runs of the split search per group")
+    p.add_argument("--timeout", type=float, default=1800.0, help="wall seconds one run may take")
+    p.add_argument("--quick", action="store_true", help="smoke run: 32 GPUs, 3 steps, a short search")
+    p.add_argument("--sweep", action="store_true", help="the sensitivity sweep of dense-7b instead of the groups")
+    p.add_argument("--sweep-gpus", type=int, nargs="+", default=[32, 128, 512, 1024])
+    p.add_argument("--runs", type=Path, help="keep the measured runs' directories under this folder")
+    p.add_argument("--out", type=Path, help="path prefix of the reports (default benchmarks/results/paper[_sweep])")
+    args = p.parse_args()
+    if args.quick:
+        args.gpus, args.steps, args.search_steps, args.search_budget = 32, 3, 3, 7
+        args.sweep_gpus = [64]
+    name = "paper_sweep" if args.sweep else "paper"
+    prefix = args.out or (Path(tempfile.gettempdir()) / "pivotrl-paper-quick" if args.quick else RESULTS) / name
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    keys = ("gpus", "tp", "steps", "search_steps", "search_levels", "search_budget", "sweep_gpus")
+    report: dict[str, Any] = {"machine": machine(list(os.getloadavg())), "config": str(EXAMPLE), "code": code(),
+                              "settings": {k: getattr(args, k) for k in keys}}  # fmt: skip
+    t0 = time.perf_counter()
+    if args.sweep:
+
+        def save(points: list[dict[str, Any]]) -> None:  # after each point: a long sweep keeps what it did
+            write_report(prefix.with_suffix(".json"), {**report, "points": points, "partial": True})
+
+        items = report["points"] = sweep(args, save)
+        table = sweep_rows(items)
+        notes = [f"{g['sweep']} {g['point']}: {speedups(g)}" for g in items]
+        title, label = f"dense-7b sensitivity (base {args.gpus} GPUs): tail, judge size, cluster size", "point"
+    else:
+        items = report["groups"] = [bench(GROUPS[name], args.gpus, args) for name in args.groups]
+        table = [r for g in items for r in rows(g)]
+        notes = [f"{g['name']} ({g['policy']} + {g['genrm']} judge): {speedups(g)}" for g in items]
+        title, label = f"{args.gpus} x H100: steady samples/s by mode and the ideal", "name"
+    report["wall_s"] = wall = time.perf_counter() - t0
+    report["machine"]["load_average_at_end"] = list(os.getloadavg())
+    notes.append(f"wall time {wall / 60:.1f} min")
+    print(text_table(table))
+    print("\n".join(notes))
+    write_all(prefix, report, table, notes, title, label)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The paper benchmark's helpers: the split search on a fake evaluator, the steady window of a run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # scripts import their neighbours
+
+import paper  # noqa: E402
+
+from pivotrl.config import load_config  # noqa: E402
+
+
+def pipeline(work: tuple[float, float, float]):
+    """A static split's step time if the slowest role sets it: work / devices, the max over roles."""
+
+    def evaluate(split):
+        return max(w / n for w, n in zip(work, split, strict=True))
+
+    return evaluate
+
+
+def every_split(devices):
+    return [(r, g, devices - r - g) for r, g in itertools.product(range(1, devices), repeat=2) if devices - r - g >= 1]
+
+
+@pytest.mark.parametrize(
+    ("devices", "work", "seed"),
+    [
+        (128, (5.0, 2.0, 3.0), (64, 32, 32)),  # near the optimum
+        (128, (5.0, 2.0, 3.0), (8, 100, 20)),  # far from it: the coarse grid walks
+        (64, (1.0, 1.0, 8.0), (30, 30, 4)),
+        (32, (8.0, 1.0, 1.0), (10, 11, 11)),
+    ],
+)
+def test_search_lands_near_the_best_split(devices, work, seed):
+    calls = []
+    evaluate = pipeline(work)
+
+    def counted(split):
+        calls.append(split)
+        return evaluate(split)
+
+    best, tried = paper.search_split(counted, devices, seed, levels=4, budget=60)
+    optimum = min(evaluate(s) for s in every_split(devices))
+    assert evaluate(best) <= optimum * 1.06
+    assert len(calls) == len(set(calls)) == len(tried)  # no split run twice
+    assert all(min(s) >= 1 and sum(s) == devices for s in calls)
+    assert tried[0][0] == seed and best == min(tried, key=lambda t: t[1])[0]
+
+
+def test_search_stops_at_its_budget_and_skips_failed_runs():
+    evaluate = pipeline((5.0, 2.0, 3.0))
+    best, tried = paper.search_split(lambda s: math.inf if s[1] > 30 else evaluate(s), 128, (40, 40, 48), budget=7)
+    assert len(tried) == 7
+    assert best[1] <= 30
+
+
+def test_search_refuses_a_bad_seed():
+    with pytest.raises(ValueError, match="not a split"):
+        paper.search_split(lambda s: 1.0, 8, (8, 0, 0))
+
+
+def write_run(path: Path) -> None:
+    """Two devices, three steps ending at 10, 20 and 30 s; the measured window is 10..30."""
+    path.mkdir()
+    (path / "summary.json").write_text(json.dumps({"samples": 30, "steps": 3, "devices": 2}))
+    steps = [(12.0, 4, 6.0, 0), (10.0, 2, 2.0, 1), (10.0, 4, 3.0, 3)]  # step s, shifts, shift s, migrations
+    (path / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step_seconds": s, "shifts": n, "shift_seconds": x, "migrations": m}) + "\n"
+            for s, n, x, m in steps
+        )  # fmt: skip
+    )
+    spans = [
+        (0, "rollout", "rollout 5 done", 0.0, 15.0),  # 5 s in the window
+        (1, "train", "step v0->v1", 9.0, 10.0),
+        (0, "train", "step v1->v2", 19.0, 20.0),
+        (1, "train", "step v1->v2", 19.0, 20.0),
+        (1, "shift", "train->genrm", 20.0, 22.0),  # a move
+        (0, "shift", "rollout->rollout", 20.0, 21.0),  # a weight reload, no move
+        (1, "genrm", "genrm 3 done", 22.0, 29.0),
+        (0, "train", "step v2->v3", 29.0, 30.0),
+        (1, "train", "step v2->v3", 29.0, 30.0),
+        (0, "rollout", "eval", 30.0, 50.0),  # after the last step: outside
+    ]
+    (path / "events.jsonl").write_text(
+        "".join(
+            json.dumps({"device": d, "role": r, "name": n, "start": a, "end": b, "args": {}}) + "\n"
+            for d, r, n, a, b in spans
+        )  # fmt: skip
+    )
+
+
+def test_steady_window_leaves_out_the_first_step(tmp_path):
+    write_run(tmp_path / "run")
+    s = paper.steady(tmp_path / "run")
+    assert s["step_seconds"] == 10.0 and s["samples_per_s"] == 1.0
+    assert s["busy_fraction"] == pytest.approx({"rollout": 5 / 40, "genrm": 7 / 40, "train": 4 / 40, "shift": 3 / 40})
+    assert s["idle_fraction"] == pytest.approx(21 / 40)
+    assert (s["shifts_per_step"], s["moves_per_step"], s["shift_seconds_per_step"]) == (3.0, 0.5, 2.5)
+    assert s["migrations_per_step"] == 2.0
+
+
+def test_tail_points_keep_the_mean_length():
+    means = {}
+    for label, extra in paper.tail_points():
+        cfg = load_config(paper.EXAMPLE, extra)
+        means[label] = cfg.sim.lengths.dist(cfg.rollout.max_new_tokens).mean()
+    assert list(means)[0] == "uniform" and list(means)[-1].startswith("pareto")
+    base = means["lognormal s=0.9"]
+    assert all(m == pytest.approx(base, rel=0.01) for m in means.values()), means

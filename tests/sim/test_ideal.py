@@ -1,0 +1,124 @@
+"""The ideal step: each piece of work priced as the formula says, and no simulated mode above it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pivotrl.config import load_config
+from pivotrl.control.messages import Role
+from pivotrl.sim.driver import SimSpec
+from pivotrl.sim.ideal import IdealStep, ideal_for_job, ideal_step, length_moments
+from pivotrl.sim.models import MODELS
+from pivotrl.sim.run import run_simulation
+from pivotrl.sim.workload import LengthDist
+from tests.sim.test_run import EXAMPLE, SMALL
+
+
+class LinearCosts:
+    """Round numbers: a decode step 0.1 s + 1 ms per sequence, 1 ms per prefill token, 0.1 ms per trained
+    token, an optimizer step of 2 GPU-seconds, 10 sequences per instance."""
+
+    def __init__(self) -> None:
+        self.contexts: list[float] = []
+
+    def decode_step(self, model, tp, batch, mean_context):
+        self.contexts.append(mean_context)
+        return 0.1 + 0.001 * batch
+
+    def decode_span(self, model, tp, batch, context, steps):
+        return steps * (0.1 + 0.001 * batch)
+
+    def prefill(self, model, tp, tokens, seq_len=None):
+        return 0.001 * tokens
+
+    def max_batch(self, model, tp, context_len):
+        return 10
+
+    def train_tokens(self, model, tokens, n_gpus, seq_len=0):
+        return 1e-4 * tokens / n_gpus
+
+    def optimizer_step(self, model, n_gpus):
+        return 2.0 / n_gpus
+
+
+def spec(costs: LinearCosts, lengths: LengthDist) -> SimSpec:
+    qwen = MODELS["Qwen2.5-7B"]
+    return SimSpec(devices=4, tp=2, costs=costs, policy=qwen, genrm=qwen, lengths=lengths, seed=0, prompt_len=5,
+                   max_batch=8, rollout_context=100, judge_context=200, judge_template_len=3, judge_output_len=4,
+                   yes_probability=0.5, verdicts=("no", "yes"))  # fmt: skip
+
+
+def test_a_hand_computed_step():
+    costs = LinearCosts()
+    # 16 responses of 11 tokens on 4 instances of 2 GPUs, batches of 8 (rollout.max_batch < the 10 memory allows)
+    step = ideal_step(spec(costs, LengthDist.fixed(11)), samples=16, rollout_tokens=100, judge_tokens=100)
+    decode = 2 * (0.1 + 0.001 * 8) / 8  # GPU-seconds of one token decoded in a batch of 8 on 2 GPUs
+    expected = {
+        "rollout_prefill": 2 * 16 * 0.001 * 5,  # 5-token prompts
+        "rollout_decode": 16 * 10 * decode,  # the first of 11 tokens comes from the prefill
+        "genrm_prefill": 2 * 16 * 0.001 * (5 + 11 + 3),  # prompt + response + template
+        "genrm_decode": 16 * 3 * decode,  # 4-token judgments
+        "train": 1e-4 * 16 * (5 + 11),
+        "optimizer": 2.0,
+    }
+    assert step.gpu_seconds == pytest.approx(expected)
+    assert step.gpus == 8 and step.rollout_batch == step.genrm_batch == 8
+    assert step.samples_per_s == pytest.approx(16 / (sum(expected.values()) / 8))
+    # contexts: a response decodes at 6..15 (mean 10.5), a judgment at 20..22 (mean 21)
+    assert costs.contexts == pytest.approx([10.5, 21.0])
+    assert step.by_role["rollout"] == pytest.approx(expected["rollout_prefill"] + expected["rollout_decode"])
+    # the longest response alone: its prefill, 10 decode steps at batch 1, its judge prefill, 3 judge steps
+    assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 3 * 0.101)
+
+
+def test_judgments_and_responses_are_capped():
+    costs = LinearCosts()
+    step = ideal_step(spec(costs, LengthDist.fixed(11)), samples=16, rollout_tokens=6, judge_tokens=2)
+    decode = 2 * (0.1 + 0.001 * 8) / 8
+    assert step.mean_response == 6
+    assert step.gpu_seconds["rollout_decode"] == pytest.approx(16 * 5 * decode)
+    assert step.gpu_seconds["genrm_decode"] == pytest.approx(16 * 1 * decode)
+
+
+def test_length_moments_over_the_quantile_grid():
+    # uniform 1..4 on a 4-point grid: each length once
+    assert length_moments(LengthDist.uniform(1, 4), cap=100, grid=4) == (2.5, (0 + 1 + 3 + 6) / 4)
+    assert length_moments(LengthDist.uniform(1, 4), cap=2, grid=4) == (1.75, (0 + 1 + 1 + 1) / 4)
+    mean, _ = length_moments(LengthDist.lognormal(1200, 0.9, 8192), cap=8192)
+    assert mean == pytest.approx(LengthDist.lognormal(1200, 0.9, 8192).mean(), rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("work", "devices", "split"),
+    [
+        ({"rollout": 2.0, "genrm": 1.0, "train": 1.0}, 8, {"rollout": 4, "genrm": 2, "train": 2}),
+        ({"rollout": 98.0, "genrm": 1.0, "train": 1.0}, 8, {"rollout": 6, "genrm": 1, "train": 1}),  # one each
+        ({"rollout": 1.0, "genrm": 1.0, "train": 1.0}, 10, {"rollout": 4, "genrm": 3, "train": 3}),
+    ],
+)
+def test_split_in_proportion_to_work(work, devices, split):
+    gpu_seconds = {"rollout_prefill": 0.0, "rollout_decode": work["rollout"], "genrm_prefill": 0.0,
+                   "genrm_decode": work["genrm"], "train": work["train"], "optimizer": 0.0}  # fmt: skip
+    assert IdealStep(16, 8, 8, 8, 11.0, gpu_seconds).split(devices) == split
+
+
+def test_an_instance_without_room_is_refused():
+    costs = LinearCosts()
+    costs.max_batch = lambda model, tp, context_len: 0
+    with pytest.raises(ValueError, match="holds no sequence"):
+        ideal_step(spec(costs, LengthDist.fixed(11)), 16, 100, 100)
+    assert spec(LinearCosts(), LengthDist.fixed(11)).capacity(Role.GENRM) == 8
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "shiftable"])
+def test_no_simulated_mode_beats_the_ideal(tmp_path, mode):
+    cfg = load_config(EXAMPLE, [*SMALL, f"mode={mode}", "steps=3"])
+    summary = run_simulation(cfg, tmp_path)
+    assert 0 < summary["steady_samples_per_s"] < ideal_for_job(cfg).samples_per_s
+
+
+def test_imports_neither_torch_nor_ray_nor_numpy():
+    from tests.control.test_purity import probe
+
+    proc = probe("pivotrl.sim.ideal")
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
