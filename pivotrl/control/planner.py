@@ -454,14 +454,14 @@ class Planner:
             {src: sorted((d for d, r in current.items() if r is src and d not in pinned),
                          key=lambda d: (busy.get(d, 0), d)) for src in ROLES},
             {d: self._barred(d, now) for d in current},
-            {Role.ROLLOUT: w.gen_context, Role.GENRM: w.judge_context, Role.TRAIN: 0.0},
-            profiles.costs,
+            {Role.ROLLOUT: w.gen_context / profiles.rollout.prefill_rate,
+             Role.GENRM: w.judge_context / profiles.judge.prefill_rate, Role.TRAIN: 0.0},
         )  # fmt: skip
         best, stay = _search(cands, scene)
         if best.total == INF and any(scene.barred.values()):
             # the cooldown must never stall a step: when no allowed allocation can finish it,
             # devices may go back to roles they just left
-            scene = _Scene(scene.unassigned, busy, scene.orders, {}, scene.context, scene.costs)
+            scene = _Scene(scene.unassigned, busy, scene.orders, {}, scene.reprefill)
             best, stay = _search(cands, scene)
         alt = best if best is not stay else None
         if alt is None:  # the best alternative, to say in the log what keeping saved
@@ -536,8 +536,7 @@ class _Scene:
     busy: dict[int, int]  # requests in flight per device
     orders: dict[Role, list[int]]  # movable devices of each role, least loaded first
     barred: dict[int, Role | None]  # the role each device may not go back to yet
-    context: dict[Role, float]  # tokens re-prefilled per request migrating from each role
-    costs: ShiftCosts
+    reprefill: dict[Role, float]  # seconds re-prefilling one request migrating from each role
     unbarred: dict[Role, int] = field(init=False)  # how many of each order come before the first barred
     prefix_busy: dict[Role, list[int]] = field(init=False)  # requests in flight on the first k of each order
 
@@ -595,7 +594,7 @@ def _pick(c: _Candidate, scene: _Scene) -> bool:
             requests = sum(scene.busy.get(d, 0) for d, _ in chosen)
         # the devices staying in the role re-prefill the migrated requests side by side
         stay = max(1, c.alloc[ROLES.index(src)])
-        migrate += scene.costs.migration_cost(requests * scene.context[src]) / stay
+        migrate += requests * scene.reprefill[src] / stay
     c.takes, c.picked = takes, True
     c.overhead = migrate
     c.total = c.est.total + c.overhead

@@ -4,8 +4,7 @@
   go (their expected rest, and the expected end of the last of them);
 * ``RoleProfile``: how fast a device generates against its batch; ``TrainProfile``:
   how fast it trains;
-* ``ShiftCosts``: the measured seconds of each kind of shift, and the
-  re-prefill rate that prices a migration;
+* ``ShiftCosts``: the measured seconds of each kind of shift;
 * ``Workload``: the step's remaining work, as the controller sees it.
 
 All pure Python, learned online from the events of a run (or given by the
@@ -267,16 +266,14 @@ class TrainProfile:
 
 @dataclass(slots=True)
 class ShiftCosts:
-    """Measured seconds of a shift per (from role, to role), and the cost of re-prefilling
-    migrated sequences. ``from`` None is a device's first load."""
+    """Measured seconds of a shift per (from role, to role); ``from`` None is a device's
+    first load. (A migration's re-prefill is priced by its role's ``RoleProfile.prefill_rate``.)"""
 
     prior: float = 0.05  # seconds of a shift never measured
-    prefill_rate: float = 5000.0  # tokens/s a device re-prefills when a sequence migrates to it (learned)
     _seen: dict[tuple[Role | None, Role], tuple[float, int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _positive("prior", self.prior, strict=False)
-        _positive("prefill_rate", self.prefill_rate)
 
     def observe(self, src: Role | None, dst: Role, seconds: float) -> None:
         _positive("seconds", seconds, strict=False)
@@ -288,14 +285,6 @@ class ShiftCosts:
             return 0.0
         total, n = self._seen.get((src, dst), (0.0, 0))
         return total / n if n else self.prior
-
-    def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.3) -> None:
-        """A measured prefill (tokens in seconds) moves ``prefill_rate`` towards it (EWMA)."""
-        if tokens > 0 and seconds > 0:
-            self.prefill_rate += alpha * (tokens / seconds - self.prefill_rate)
-
-    def migration_cost(self, tokens: float) -> float:
-        return tokens / self.prefill_rate
 
 
 @dataclass(slots=True)

@@ -82,16 +82,15 @@ class Shiftable:
 
     def observe(self, event: Event, previous_role: Role | None) -> None:
         p = self.profiles
-        if isinstance(event, Progress) and event.tokens and event.seconds > event.prefill_seconds:
-            # the mean batch of the slice's decode steps; the batch it started with counts sequences
-            # that finished early in it, and overstates what each step carried
+        if isinstance(event, Progress):
             profile = p.rollout if event.role is Role.ROLLOUT else p.judge
-            if event.steps:  # decode steps alone (a slice of prefills only says nothing of them)
-                profile.observe(event.tokens, event.seconds - event.prefill_seconds, event.tokens / event.steps)
-            elif not event.prefill_seconds:  # a runtime that does not count its steps
-                profile.observe(event.tokens, event.seconds, max(1, event.running))
-            profile.observe_prefill(event.prefill_tokens, event.prefill_seconds)
-            p.costs.observe_prefill(event.prefill_tokens, event.prefill_seconds)
+            profile.observe_prefill(event.prefill_tokens, event.prefill_seconds)  # prices reading prompts, migrations
+            decode = event.seconds - event.prefill_seconds
+            if event.tokens and decode > 0:
+                if event.steps:  # the mean batch of its decode steps (the batch it started with overstates it)
+                    profile.observe(event.tokens, decode, event.tokens / event.steps)
+                elif not event.prefill_seconds:  # a runtime that does not count its steps
+                    profile.observe(event.tokens, event.seconds, max(1, event.running))
         elif isinstance(event, Generated):
             for r in event.results:
                 p.lengths.observe(len(r.output_ids))

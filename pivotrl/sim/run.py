@@ -164,8 +164,7 @@ def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
     profiles.judge = line(spec.genrm, judge_prompt + spec.judge_output_len // 2)
     tokens = 16 * (spec.prompt_len + response)
     profiles.train = TrainProfile(device_rate=tokens / c.train_tokens(spec.policy, tokens, tp))
-    profiles.costs.prefill_rate = 4096 / c.prefill(spec.policy, tp, 4096, spec.prompt_len + response)
-    profiles.rollout.prefill_rate = profiles.costs.prefill_rate
+    profiles.rollout.prefill_rate = 4096 / c.prefill(spec.policy, tp, 4096, spec.prompt_len + response)
     profiles.judge.prefill_rate = judge_prompt / c.prefill(spec.genrm, tp, judge_prompt)
 
 

@@ -180,8 +180,10 @@ def test_planner_moves_the_cheapest_devices(busy, pinned, moved):
 def test_migrations_count_in_the_overhead():
     # the rollout context is prompt + mean tokens so far (650); 5000 tok/s re-prefill, shared by the
     # rollout devices that stay
-    idle = Planner(4).plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
-    busy = Planner(4).plan(0.0, roles("rrrr"), {0: 4, 1: 4, 2: 4, 3: 4}, set(), TAIL, profiles(), MAX_BATCH)
+    p = profiles()
+    p.rollout = generation(prefill_rate=5000)
+    idle = Planner(4).plan(0.0, roles("rrrr"), {}, set(), TAIL, p, MAX_BATCH)
+    busy = Planner(4).plan(0.0, roles("rrrr"), {0: 4, 1: 4, 2: 4, 3: 4}, set(), TAIL, p, MAX_BATCH)
     assert idle.moves and idle.overhead == 0.0
     moved = len(busy.moves)
     assert busy.overhead == pytest.approx(moved * 4 * 650 / 5000 / (4 - moved))

@@ -182,7 +182,7 @@ def test_train_profile_is_an_ewma_of_tokens_per_second():
 
 
 def test_shift_costs_are_measured_means_with_a_prior():
-    c = ShiftCosts(prior=0.05, prefill_rate=1000)
+    c = ShiftCosts(prior=0.05)
     c.observe(R, G, 0.2)
     c.observe(R, G, 0.4)
     c.observe(None, T, 1.0)
@@ -190,11 +190,14 @@ def test_shift_costs_are_measured_means_with_a_prior():
     assert c.cost(G, R) == 0.05  # never measured: the prior
     assert c.cost(None, T) == 1.0
     assert c.cost(T, T) == 0.0
-    assert c.migration_cost(2500) == pytest.approx(2.5)
-    c.observe_prefill(30_000, 1.0, alpha=0.5)  # measured prefill speed pulls the rate (EWMA) ...
-    assert c.prefill_rate == pytest.approx(15_500) and c.migration_cost(2500) == pytest.approx(2500 / 15_500)
-    c.observe_prefill(0, 0.0)  # ... and an empty slice says nothing
-    assert c.prefill_rate == pytest.approx(15_500)
+
+
+def test_role_profile_learns_its_prefill_rate():
+    p = RoleProfile(step_base=0.04, step_per_seq=0.01, prefill_rate=1000)
+    p.observe_prefill(30_000, 1.0, alpha=0.5)  # a timed prefill pulls the rate (EWMA) ...
+    assert p.prefill_rate == pytest.approx(15_500)
+    p.observe_prefill(0, 0.0)  # ... and a slice without one says nothing
+    assert p.prefill_rate == pytest.approx(15_500)
 
 
 def test_expected_longest_is_the_expected_maximum_not_the_largest_expectation():

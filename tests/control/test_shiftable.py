@@ -1,7 +1,7 @@
 """Shiftable mode's policy: it plans from the controller's view, and re-plans only when
 something a plan reacts to changed or its estimate is due for a refresh."""
 
-from pivotrl.control.messages import Role
+from pivotrl.control.messages import Progress, Role
 from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Workload
 from pivotrl.control.shiftable import REPLAN_SHARE, PlanView, Shiftable
@@ -39,3 +39,15 @@ def test_replans_only_on_change_or_when_due():
 def test_a_view_built_from_a_workload_needs_no_callable():
     w = Workload(judge_queued=3)
     assert PlanView(0.0, (R,), frozenset(), w).workload is w
+
+
+def test_slices_teach_each_role_its_own_speeds():
+    policy = Shiftable(4, max_batch=64, rollout_tokens=96, judge_tokens=48)
+    p = policy.profiles
+    judge_prefill = p.judge.prefill_rate
+    # a slice that only prefilled (a migrated batch resuming) still says how fast prompts are read
+    policy.observe(Progress(0, Role.ROLLOUT, 0.5, 8, 8, prefill_tokens=4000, prefill_seconds=0.5, steps=0), None)
+    assert p.rollout.prefill_rate > 5000.0 and p.rollout.samples == 0
+    # decode time is the slice less its prefill, per decode step; the judge's profile is left alone
+    policy.observe(Progress(1, Role.ROLLOUT, 1.0, 100, 10, prefill_tokens=0, prefill_seconds=0.0, steps=10), None)
+    assert p.rollout.samples == 1 and p.judge.samples == 0 and p.judge.prefill_rate == judge_prefill
