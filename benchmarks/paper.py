@@ -76,7 +76,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -85,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from common import machine, write_report
+from common import simulate as run_simulate
 
 from pivotrl.config import load_config
 from pivotrl.errors import UserError
@@ -251,14 +251,8 @@ def steady(run_dir: Path) -> dict[str, Any]:
 def simulate(overrides: list[str], timeout: float, keep: Path | None = None) -> dict[str, Any]:
     """One ``pivotrl simulate`` in its own process; its steady numbers, or the error that stopped it."""
     out = Path(tempfile.mkdtemp(prefix="pivotrl-paper-"))
-    cmd = [sys.executable, "-m", "pivotrl.cli", "simulate", str(EXAMPLE), *overrides, "--out", str(out), "--quiet"]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        error = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
-    except subprocess.TimeoutExpired:
-        error = f"stopped after {timeout:.0f} s"
-    row: dict[str, Any] = {"wall_s": time.perf_counter() - t0}
+    wall, error = run_simulate(EXAMPLE, overrides, out, timeout)
+    row: dict[str, Any] = {"wall_s": wall}
     if error:
         row["error"] = error
     else:

@@ -27,14 +27,12 @@ import json
 import os
 import pstats
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from common import machine, write_report
+from common import machine, simulate, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples/sim128.yaml"
@@ -52,18 +50,9 @@ def overrides(mode: str, gpus: int, steps: int, tp: int = 1) -> list[str]:
 
 def run_one(mode: str, gpus: int, steps: int, timeout: float) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix=f"sim-{mode}-{gpus}-"))
-    cmd = [sys.executable, "-m", "pivotrl.cli", "simulate", str(EXAMPLE), *overrides(mode, gpus, steps), "--out",
-           str(out), "--quiet"]  # fmt: skip
-    t0 = time.perf_counter()
-    error = None
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        finished = proc.returncode == 0
-        if not finished:  # a control-plane error (e.g. a livelock the driver stopped): its last line
-            error = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    except subprocess.TimeoutExpired:
-        finished = False
-    wall = time.perf_counter() - t0
+    # an error is a control-plane one (e.g. a livelock the driver stopped) or the timeout
+    wall, error = simulate(EXAMPLE, overrides(mode, gpus, steps), out, timeout)
+    finished = error is None
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if out.exists() else []
     row: dict[str, Any] = {"mode": mode, "gpus": gpus, "steps": steps, "steps_done": len(metrics), "wall_s": wall}
     row["finished"] = finished
