@@ -214,8 +214,7 @@ def steady(run_dir: Path) -> dict[str, Any]:
     """Throughput, step time, busy fractions and shifts over the steps after the first."""
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    later = metrics[1:] or metrics
-    per_step = summary["samples"] / summary["steps"]
+    later = metrics[1:] or metrics  # the window of summary.json's steady_samples_per_s
     step_s = sum(m["step_seconds"] for m in later) / len(later)
     spans = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     ends: dict[int, float] = {}  # step -> end of its optimizer step
@@ -236,7 +235,7 @@ def steady(run_dir: Path) -> dict[str, Any]:
     capacity = summary["devices"] * (w1 - w0)
     fractions = {r: b / capacity for r, b in busy.items()} if capacity > 0 else busy
     return {
-        "samples_per_s": per_step / step_s,
+        "samples_per_s": summary["steady_samples_per_s"],
         "step_seconds": step_s,
         "step_seconds_each": [m["step_seconds"] for m in metrics],
         "busy_fraction": fractions,

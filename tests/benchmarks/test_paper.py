@@ -70,7 +70,8 @@ def test_search_refuses_a_bad_seed():
 def write_run(path: Path) -> None:
     """Two devices, three steps ending at 10, 20 and 30 s; the measured window is 10..30."""
     path.mkdir()
-    (path / "summary.json").write_text(json.dumps({"samples": 30, "steps": 3, "devices": 2}))
+    summary = {"samples": 30, "steps": 3, "devices": 2, "steady_samples_per_s": 1.0}
+    (path / "summary.json").write_text(json.dumps(summary))
     steps = [(12.0, 4, 6.0, 0), (10.0, 2, 2.0, 1), (10.0, 4, 3.0, 3)]  # step s, shifts, shift s, migrations
     (path / "metrics.jsonl").write_text(
         "".join(
@@ -101,7 +102,7 @@ def write_run(path: Path) -> None:
 def test_steady_window_leaves_out_the_first_step(tmp_path):
     write_run(tmp_path / "run")
     s = paper.steady(tmp_path / "run")
-    assert s["step_seconds"] == 10.0 and s["samples_per_s"] == 1.0
+    assert s["step_seconds"] == 10.0  # (samples/s is the run's own steady_samples_per_s)
     assert s["busy_fraction"] == pytest.approx({"rollout": 5 / 40, "genrm": 7 / 40, "train": 4 / 40, "shift": 3 / 40})
     assert s["idle_fraction"] == pytest.approx(21 / 40)
     assert (s["shifts_per_step"], s["moves_per_step"], s["shift_seconds_per_step"]) == (3.0, 0.5, 2.5)
