@@ -269,6 +269,7 @@ class Controller:
         per_group = train_tokens / (len(left) // g) if len(left) >= g else expected * g
         return Workload(
             rollout_remaining=[self.tokens_so_far.get(uid, 0) for uid in gen_uids],
+            rollout_groups=[by_uid[u].prompt_index if u < EVAL_UID and u in by_uid else -1 for u in gen_uids],
             rollout_queued=len(s.gen_queue),
             rollout_holders=sum(1 for d in self.devices if d.role is Role.ROLLOUT and s.load(d.id)),
             judge_queued=len(s.judge_queue) + len(judging),

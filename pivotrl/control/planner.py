@@ -81,18 +81,57 @@ class _Work:
     step_seconds: float
     gen_context: float  # tokens re-prefilled per migrated rollout sequence
     judge_context: float  # tokens re-read per restarted judgment
+    # the rest of the rollout on a grid of decode steps (``grid``, the last one ``longest``), when the
+    # workload says which group each sequence is of (all empty otherwise): sequences still running
+    # halfway through each interval, training sequences ended and groups generated whole by each point
+    grid: tuple[float, ...] = ()
+    alive: tuple[float, ...] = ()
+    ended: tuple[float, ...] = ()
+    whole: tuple[float, ...] = ()
+    memo: dict = field(default_factory=dict, compare=False)  # what every allocation of a plan asks alike
+
+
+GRID = 8  # points of the rollout's remaining decode steps at which groups are expected to complete
+BUCKET = 16  # tokens: sequences this close in progress share their completion chances
+
+
+def _rollout_grid(w: Workload, lm: LengthModel, longest: float) -> dict[str, tuple[float, ...]]:
+    """When the running sequences and their groups are expected to end, on ``GRID`` points of
+    the decode steps left: a group is generated whole once every member has ended, each
+    member ending independently at its own ``P(L <= t + x | L > t)``."""
+    if not w.rollout_groups or longest <= 0:
+        return {}
+    xs = [longest * (k + 1) / GRID for k in range(GRID)]
+    mids = [longest * (k + 0.5) / GRID for k in range(GRID)]
+    buckets = Counter(t - t % BUCKET for t in w.rollout_remaining)
+    done = {b: lm.done_by(b, xs + mids) for b in buckets}
+    alive = tuple(sum(n * (1.0 - done[b][GRID + k]) for b, n in buckets.items()) for k in range(GRID))
+    members: dict[int, list[int]] = {}
+    for t, g in zip(w.rollout_remaining, w.rollout_groups, strict=True):
+        if g >= 0:
+            members.setdefault(g, []).append(t - t % BUCKET)
+    ended, whole = [0.0] * GRID, [0.0] * GRID
+    for sig, n in Counter(tuple(sorted(m)) for m in members.values()).items():
+        for k in range(GRID):
+            p_all = 1.0
+            for b in sig:
+                p_all *= done[b][k]
+                ended[k] += n * done[b][k]
+            whole[k] += n * p_all
+    return {"grid": tuple(xs), "alive": alive, "ended": tuple(ended), "whole": tuple(whole)}
 
 
 def _summarize(w: Workload, p: Profiles) -> _Work:
     lm, by_t = p.lengths, Counter(w.rollout_remaining)  # queued sequences share t=0: one lookup each
     exp = {t: lm.expected_remaining(t) for t in by_t}
     running = [t for t in w.rollout_remaining if t > 0]
+    longest = lm.expected_longest(by_t)
     return _Work(
         seqs=len(w.rollout_remaining),
         queued=w.rollout_queued,
         holders=w.rollout_holders,
         tokens=sum(exp[t] * n for t, n in by_t.items()),
-        longest=lm.expected_longest(by_t),
+        longest=longest,
         worst=max((lm.max_remaining(t) for t in by_t), default=0.0),
         judge_items=w.judge_queued + w.judge_future,
         judge_queued=w.judge_queued,
@@ -115,6 +154,7 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         step_seconds=w.step_seconds,
         gen_context=w.prompt_tokens_mean + (sum(running) / len(running) if running else 0.0),
         judge_context=w.prompt_tokens_mean + lm.mean + w.judge_tokens_mean / 2,
+        **_rollout_grid(w, lm, longest),
     )
 
 
@@ -162,25 +202,38 @@ def _drain(work: float, per_device: Callable[[int], float], arrivals: list[tuple
 def _fluid(work: list[tuple[float, float]], arrivals: list[tuple[float, int]], rate: float) -> float:
     """When work released at ``work`` (time, amount) is done by devices joining at ``arrivals``
     (time, count), each doing ``rate`` per second: the fluid model of ``_drain`` with work that
-    is not all there from the start."""
-    total = sum(x for _, x in work)
-    if total <= 0:
-        return 0.0
-    times = sorted({at for at, _ in work} | {at for at, k in arrivals if k > 0 and at < INF})
-    done = 0.0
-    for i, t in enumerate(times):
-        nxt = times[i + 1] if i + 1 < len(times) else INF
-        released = sum(x for at, x in work if at <= t)
-        n = sum(k for at, k in arrivals if at <= t and k > 0)
-        if n and released > done:
-            finish = t + (released - done) / (n * rate)
-            if finish <= nxt:  # caught up: idle until more work comes, or done
-                done = released
-                if released >= total:
-                    return finish
-            else:
-                done += n * rate * (nxt - t)
-    return INF
+    is not all there from the start. (Devices are alike, so the work's order does not matter:
+    first in first out is as fast as any.)"""
+    pieces = sorted((at, x) for at, x in work if x > 0)
+    return _fifo(pieces, arrivals, lambda n: rate)[-1] if pieces else 0.0
+
+
+def _fifo(
+    work: list[tuple[float, float]], arrivals: list[tuple[float, int]], per_device: Callable[[int], float]
+) -> list[float]:
+    """When each piece of work (release time, amount; in release order) is done, first in first
+    out, by devices joining at ``arrivals``, each of ``n`` doing ``per_device(n)`` per second:
+    ``_drain``'s fluid model with work released over time, each piece's end kept."""
+    out = [INF] * len(work)
+    joins = sorted((at, k) for at, k in arrivals if k > 0 and at < INF)
+    now, n, j = 0.0, 0, 0
+    for i, (at, left) in enumerate(work):
+        now = max(now, at)  # the pieces before are done: devices idle until this one comes
+        while True:
+            while j < len(joins) and joins[j][0] <= now:
+                n += joins[j][1]
+                j += 1
+            nxt = joins[j][0] if j < len(joins) else INF
+            rate = n * per_device(n) if n else 0.0
+            if left <= 0 or (rate > 0 and now + left / rate <= nxt):
+                now += left / rate if left > 0 else 0.0
+                break
+            if nxt == INF:
+                return out
+            left -= rate * (nxt - now)
+            now = nxt
+        out[i] = now
+    return out
 
 
 def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: Batch) -> Estimate:
@@ -216,6 +269,15 @@ def _gen_rate(profile: RoleProfile, items: float, n: int, max_batch: int) -> flo
     return profile.rate(min(max_batch, per)) if per >= 1 else per * profile.rate(1)
 
 
+def _memo_rate(w: _Work, profile: RoleProfile, items: float, n: int, max_batch: int) -> float:
+    """``_gen_rate``, remembered for the plan: every allocation asks for the same few."""
+    key = (id(profile), n)
+    rate = w.memo.get(key)
+    if rate is None:
+        rate = w.memo[key] = _gen_rate(profile, items, n, max_batch)
+    return rate
+
+
 Late = tuple[tuple[int, float], ...]  # per role (ROLES order): devices of the allocation still to arrive, and when
 ON_TIME: Late = ((0, 0.0), (0, 0.0), (0, 0.0))
 
@@ -233,7 +295,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
     max_batch, judge_batch = max_batch if isinstance(max_batch, tuple) else (max_batch, max_batch)
     hop = p.costs.cost  # a device handed to the next phase pays its shift
     # rollout
-    tail = False
+    tail, taus = False, []
     if w.seqs == 0:
         t_r = worst = 0.0
     elif n_r == 0:
@@ -243,14 +305,17 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         # with queued sequences (a device taken from the role hands its sequences to the others)
         useful = n_r if w.queued or not w.holders else min(n_r, w.holders)
         k_late = min(late[0][0], useful)
-        bulk = _drain(
-            w.tokens, lambda n: _gen_rate(p.rollout, w.seqs, n, max_batch), _now_and_later(useful, (k_late, late[0][1]))
-        )
+        rate = lambda n: _memo_rate(w, p.rollout, w.seqs, n, max_batch)  # noqa: E731
+        bulk = _drain(w.tokens, rate, _now_and_later(useful, (k_late, late[0][1])))
         # the longest sequence takes one step per token, and each step also carries its batch-mates:
-        # its device's share of the other sequences' tokens
+        # its device's share of the others, alive on average for the share of its steps their
+        # expected rest covers
         mates = 0.0 if w.seqs < 2 else min(-(-w.seqs // useful), max_batch) - 1
-        mates_s = p.rollout.step_per_seq * max(0.0, w.tokens - w.longest) * mates / max(1, w.seqs - 1)
         alone = p.rollout.step_seconds(1)
+        mates_s = 0.0
+        if mates and w.longest > 0:
+            alive = mates * min(1.0, max(0.0, w.tokens - w.longest) / (w.seqs - 1) / w.longest)
+            mates_s = w.longest * (p.rollout.step_seconds(1 + alive) - alone)
         start = late[0][1] if late[0][0] == n_r else 0.0  # every rollout device is on its way
         slots = useful * max_batch
         if w.seqs > slots:  # the last sequences wait for a slot: about until the bulk before them is done
@@ -258,19 +323,48 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         last = start + w.longest * alone + mates_s
         t_r, tail = max(bulk, last), last >= bulk
         worst = max(bulk, start + w.worst * alone + mates_s)
+        if w.grid and t_r < INF:  # when the rollout passes each grid point: the steps of the batches
+            # left on its devices, stretched to end with it
+            steps = w.memo.get(useful)
+            if steps is None:
+                acc, prev, steps = 0.0, 0.0, []
+                for x, alive in zip(w.grid, w.alive, strict=True):
+                    acc += (x - prev) * p.rollout.step_seconds(min(max_batch, max(1.0, alive / useful)))
+                    prev = x
+                    steps.append(acc)
+                w.memo[useful] = steps
+            end = start + steps[-1]
+            taus = [(start + t) * t_r / end for t in steps] if end > 0 else []
     handoff_r = 0.0 < t_r < INF  # rollout devices free up later in the step
     # judging
     t_g, t_q, r_judged = 0.0, 0.0, False
     if w.judge_items:
         arrivals = _now_and_later(n_g, late[1]) + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
-        judge_rate = lambda n: _gen_rate(p.judge, w.judge_items, n, judge_batch)  # noqa: E731
+        judge_rate = lambda n: _memo_rate(w, p.judge, w.judge_items, n, judge_batch)  # noqa: E731
         # reading the judged responses counts as decode work at the rate of a full judge device
-        per_read = _gen_rate(p.judge, w.judge_items, max(1, n_g + n_r), judge_batch) / p.judge.prefill_rate
-        bulk = _drain(w.judge_items * w.judge_tokens + w.judge_read * per_read, judge_rate, arrivals)
-        # when the judgments waiting now are done: the groups generated whole can train from then
-        t_q = _drain(w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read, judge_rate, arrivals)
+        per_read = judge_rate(max(1, n_g + n_r)) / p.judge.prefill_rate
+        queued = w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read
         latency = w.judge_tokens / p.judge.rate(1)
-        t_g = max(bulk, latency, t_r + latency if w.judge_future else 0.0)
+        if taus:  # the responses still generating come to be judged as they end, first in first out
+            per_future = w.judge_tokens + (w.judge_read - w.judge_read_queued) / max(1, w.judge_future) * per_read
+            pieces, prev = [(0.0, queued)], 0.0
+            for at, ended in zip(taus, w.ended, strict=True):
+                pieces.append((at, (ended - prev) * per_future))
+                prev = ended
+            pieces.append((t_r, max(0.0, w.judge_future - prev) * per_future))
+            judged = _fifo(pieces, arrivals, judge_rate)
+            bulk, t_q = judged[-1], judged[0]  # t_q: the judgments waiting now are done
+            # the judgments still waiting when the rollout ends run as one batch on every device then
+            items = [w.judge_queued, *(b - a for a, b in zip((0.0, *w.ended[:-1]), w.ended, strict=True))]
+            items.append(w.judge_future - prev)
+            left = sum(n for n, end in zip(items, judged, strict=True) if end > t_r)
+            batch = min(judge_batch, max(1.0, left / max(1, n_g + n_r)))
+            last = w.judge_tokens * p.judge.step_seconds(batch)
+        else:
+            bulk = _drain(w.judge_items * w.judge_tokens + w.judge_read * per_read, judge_rate, arrivals)
+            t_q = _drain(queued, judge_rate, arrivals)
+            last = latency
+        t_g = max(bulk, latency, t_r + last if w.judge_future else 0.0)
         r_judged = handoff_r and t_r < t_g
     # backward
     t_b = 0.0
@@ -286,7 +380,14 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             # generated whole once the judgments waiting now are done, the rest (a response of theirs
             # still generating, mostly the longest) when judging ends
             rest = w.groups - w.ready - w.judging
-            chunks = [(0.0, w.ready), (min(t_q, t_g), w.judging), (t_g, rest)]
+            chunks = [(0.0, w.ready), (min(t_q, t_g), w.judging)]
+            if taus:  # groups generated whole at a grid point train once their judgments are done
+                prev = 0.0
+                for k, whole in enumerate(w.whole):
+                    chunks.append((min(t_g, max(judged[k + 1], taus[k] + latency)), whole - prev))
+                    prev = whole
+                rest -= prev
+            chunks.append((t_g, max(0.0, rest)))
             bulk = _fluid([(at, k * w.group_tokens) for at, k in chunks if k], arrivals, rate)
         else:
             bulk = _drain(w.groups * w.group_tokens, lambda n: rate, arrivals)

@@ -119,6 +119,21 @@ class LengthModel:
             total += (1.0 - f) * step
         return max(total, self.floor)
 
+    def done_by(self, tokens_so_far: float, xs: list[float]) -> list[float]:
+        """``P(L <= t + x | L > t)`` at each ``x`` of ``xs``: the chance a sequence that has
+        generated ``t`` tokens has ended within ``x`` more (memoryless before ``min_samples``;
+        past every observed length it ends at once)."""
+        t = tokens_so_far
+        if self.samples < self.min_samples:
+            left = max(self.prior_max - t, self.floor)
+            return [1.0 if x >= left else 1.0 - math.exp(-x / self.prior_mean) for x in xs]
+        s, n = self._sorted, self.samples
+        below = bisect_right(s, t)
+        above = n - below
+        if above == 0:
+            return [1.0] * len(xs)
+        return [(bisect_right(s, t + x) - below) / above for x in xs]
+
     def max_remaining(self, tokens_so_far: float) -> float:
         """The most a sequence may still generate: up to the longest observed
         response (``prior_max`` before ``min_samples``), at least ``floor``."""
@@ -139,33 +154,47 @@ class LengthModel:
 class RoleProfile:
     """How fast one device generates in a role, against its batch, learned online.
 
-    A decode step of ``b`` sequences takes ``step_base + step_per_seq * b`` seconds:
-    what every step pays whatever its batch (reading the weights, launching
+    A decode step of ``b`` sequences takes about ``step_base + step_per_seq * b``
+    seconds: what every step pays whatever its batch (reading the weights, launching
     kernels, the host loop) plus each sequence's own share (reading its KV cache,
-    its FLOPs). So a device makes ``rate(b) = b / (step_base + step_per_seq * b)``
-    tokens/s: a sequence alone goes at ``rate(1)``, and a device gains throughput
-    with every sequence it batches, ever more slowly, towards ``1 / step_per_seq``.
-    (A min(b * per-sequence rate, device rate) roofline says a device saturates;
-    on a GPU whose step is dominated by reading KV caches it never does, and a
-    planner that believes it does crams the rollout onto too few devices.)
+    its FLOPs). So a device makes ``rate(b) = b / step_seconds(b)`` tokens/s: a
+    sequence alone goes at ``rate(1)``, and a device gains throughput with every
+    sequence it batches, ever more slowly. (A min(b * per-sequence rate, device
+    rate) roofline says a device saturates; on a GPU whose step is dominated by
+    reading KV caches it never does, and a planner that believes it does crams the
+    rollout onto too few devices.)
 
     Each measured slice (tokens in seconds at batch b) is a point ``(b, seconds * b
-    / tokens)`` of that line. The line is a least-squares fit in which every slice
-    weighs ``decay`` times the one after it, and the prior line counts as two
-    points of weight ``prior_weight``, at batch 1 and ``ref_batch``: it decides
-    alone before the first slice, and where the slices say nothing (slices that
-    all ran at one batch fix the line's height there, not its tilt).
+    / tokens)``. The line is a least-squares fit in which every slice weighs
+    ``decay`` times the one after it, and the prior line counts as two points of
+    weight ``prior_weight``, at batch 1 and ``ref_batch``: it decides alone before
+    the first slice, and where the slices say nothing (slices that all ran at one
+    batch fix the line's height there, not its tilt).
+
+    Real steps are not a line. A mixture-of-experts model reads more experts as its
+    batch grows, ever fewer new ones, so its step rises steeply over the first
+    sequences and then flattens; and the few sequences of a rollout's tail carry
+    long contexts. A line fitted to a whole step's slices, most of them at large
+    batches, then says a sequence alone steps twice as slowly as it does, and that
+    packing the tail onto fewer devices costs it nothing. So the slices are also
+    kept per batch bin (powers of two, each bin's mean decaying as its own slices
+    come): ``step_seconds`` is the line times the measured-to-line ratio of the
+    bins, interpolated in log batch between them and held beyond the outer ones.
+    A bin keeps its mean while other batches are measured: the tail's small
+    batches are remembered from one step's tail to the next.
     """
 
-    step_base: float  # seconds of a decode step whatever its batch
-    step_per_seq: float  # seconds each sequence adds to a step
+    step_base: float  # seconds of a decode step whatever its batch (the fitted line's)
+    step_per_seq: float  # seconds each sequence adds to a step (the fitted line's)
     prefill_rate: float = 5000.0  # tokens/s a device reads prompts at (EWMA of timed prefills)
-    decay: float = 0.99  # weight an older slice keeps at each new one
+    decay: float = 0.99  # weight an older slice keeps at each new one (in the line; in its bin)
     prior_weight: float = 0.1
     ref_batch: float = 32.0
     samples: int = 0
     _data: list[float] = field(default_factory=lambda: [0.0] * 5, init=False, repr=False)  # sum of w, wb, wy, wbb, wby
     _prior: tuple[float, ...] = field(default=(), init=False, repr=False)
+    _bins: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)  # log2 bin -> [w, wb, wy]
+    _curve: tuple[list[float], list[float]] = field(default=([], []), init=False, repr=False)  # log2 b, ratio
 
     def __post_init__(self) -> None:
         _positive("step_base", self.step_base)
@@ -202,7 +231,10 @@ class RoleProfile:
         for i in range(5):
             d[i] *= self.decay
         y = seconds * batch / tokens  # a step's seconds: seconds / (tokens / batch)
-        _add(d, float(batch), y, 1.0, max(y, self.step_seconds(batch)))
+        _add(d, float(batch), y, 1.0, max(y, self.line(batch)))
+        sums = self._bins.setdefault(int(math.log2(batch)), [0.0, 0.0, 0.0])
+        for i, v in enumerate((1.0, batch, y)):
+            sums[i] = sums[i] * self.decay + v
         self.samples += 1
         self._fit()
 
@@ -219,13 +251,34 @@ class RoleProfile:
         if base <= 0:  # the data say a step costs nothing of its own: all of it is per sequence
             base, slope = 1e-9, max(sby / sbb, 1e-9)
         self.step_base, self.step_per_seq = base, slope
+        xs, ratios = [], []
+        for _, (w, wb, wy) in sorted(self._bins.items()):
+            xs.append(math.log2(wb / w))
+            ratios.append(wy / w / self.line(wb / w))
+        self._curve = (xs, ratios)
+
+    def line(self, batch: float) -> float:
+        """The fitted line's step seconds at ``batch`` (``step_seconds`` without the bins' shape)."""
+        return self.step_base + self.step_per_seq * batch
 
     def step_seconds(self, batch: float) -> float:
-        return self.step_base + self.step_per_seq * batch
+        xs, ratios = self._curve
+        if not xs:
+            return self.line(batch)
+        x = math.log2(max(batch, 1.0))
+        i = bisect_right(xs, x)
+        if i == 0:
+            ratio = ratios[0]
+        elif i == len(xs):
+            ratio = ratios[-1]
+        else:
+            f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            ratio = ratios[i - 1] + f * (ratios[i] - ratios[i - 1])
+        return self.line(batch) * ratio
 
     def rate(self, batch: float) -> float:
         """Tokens/s of one device running ``batch`` sequences (fractional in the fluid model)."""
-        return batch / (self.step_base + self.step_per_seq * batch) if batch > 0 else 0.0
+        return batch / self.step_seconds(batch) if batch > 0 else 0.0
 
 
 def _add(sums: list[float], b: float, y: float, w: float, scale: float | None = None) -> None:
@@ -301,6 +354,7 @@ class Workload:
     """What is left of the step, as the controller sees it now."""
 
     rollout_remaining: list[int] = field(default_factory=list)  # tokens so far per unfinished sequence (queued: 0)
+    rollout_groups: list[int] = field(default_factory=list)  # the group of each (parallel; -1: none, empty: unknown)
     rollout_queued: int = 0  # of which waiting for a device
     rollout_holders: int = 0  # devices running the others (0: unknown, any rollout device may)
     judge_queued: int = 0  # judgments waiting or running
@@ -322,5 +376,10 @@ class Workload:
                   "judge_read_tokens")  # fmt: skip
         for name in counts:
             _positive(name, getattr(self, name), strict=False)
+        if self.rollout_groups and len(self.rollout_groups) != len(self.rollout_remaining):
+            raise ValueError(
+                f"rollout_groups: {len(self.rollout_groups)} entries for {len(self.rollout_remaining)} sequences"
+                " (one group per unfinished sequence, or none)"
+            )
         _positive("judge_tokens_mean", self.judge_tokens_mean)
         _positive("train_tokens_per_group", self.train_tokens_per_group)

@@ -148,20 +148,23 @@ def build(cfg: JobConfig) -> Simulation:
 
 def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
     """The planner's priors from the devices it runs on, as an engine measures itself when it
-    starts (a decode step alone and at a larger batch, a prefill, a training pass): its first
-    plans are made for these devices, not for the runtime's CPU defaults. Measurements of the
-    run replace them as they come."""
+    starts (decode steps at batches 1, 2, 4, ... up to its capacity, a prefill, a training pass):
+    its first plans are made for these devices, not for the runtime's CPU defaults. Measurements
+    of the run replace them as they come."""
     c, tp, ref = spec.costs, spec.tp, 32
     response = spec.lengths.quantile(0.5)
 
-    def line(model: ModelSpec, context: int) -> RoleProfile:
+    def profile(model: ModelSpec, context: int, capacity: int) -> RoleProfile:
         one, many = c.decode_step(model, tp, 1, context), c.decode_step(model, tp, ref, context)
         per_seq = (many - one) / (ref - 1)
-        return RoleProfile(step_base=max(one - per_seq, 1e-6), step_per_seq=per_seq, ref_batch=ref)
+        out = RoleProfile(step_base=max(one - per_seq, 1e-6), step_per_seq=per_seq, ref_batch=ref)
+        for b in (2**i for i in range(capacity.bit_length())):  # 64 warm-up steps at each batch
+            out.observe(64 * b, 64 * c.decode_step(model, tp, b, context), b)
+        return out
 
     judge_prompt = spec.prompt_len + response + spec.judge_template_len
-    profiles.rollout = line(spec.policy, spec.prompt_len + response)
-    profiles.judge = line(spec.genrm, judge_prompt + spec.judge_output_len // 2)
+    profiles.rollout = profile(spec.policy, spec.prompt_len + response, spec.capacity(Role.ROLLOUT))
+    profiles.judge = profile(spec.genrm, judge_prompt + spec.judge_output_len // 2, spec.capacity(Role.GENRM))
     tokens = 16 * (spec.prompt_len + response)
     profiles.train = TrainProfile(device_rate=tokens / c.train_tokens(spec.policy, tokens, tp))
     profiles.rollout.prefill_rate = 4096 / c.prefill(spec.policy, tp, 4096, spec.prompt_len + response)

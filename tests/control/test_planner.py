@@ -17,6 +17,8 @@ from pivotrl.control.planner import (
     ShiftCosts,
     TrainProfile,
     Workload,
+    _fifo,
+    _rollout_grid,
     estimate,
     fmt_alloc,
     initial_split,
@@ -376,3 +378,56 @@ def test_groups_train_once_judged():
     none = estimate(Workload(**base), profiles(), alloc(0, 2, 2), MAX_BATCH)
     half = estimate(Workload(**base, train_groups_ready=8), profiles(), alloc(0, 2, 2), MAX_BATCH)
     assert half.judge_end == none.judge_end and half.backward_end < none.backward_end
+
+
+def test_fifo_pieces_end_in_order_as_devices_join():
+    # 2 devices at 1/s from 0, 2 more at 10: 10 units now end at 5; 20 released at 6: 8 by 10, the
+    # other 12 by 4 devices in 3 s;
+    # a piece released after everything is done starts at its release; no devices: never
+    out = _fifo([(0.0, 10.0), (6.0, 20.0), (30.0, 4.0)], [(0.0, 2), (10.0, 2)], lambda n: 1.0)
+    assert out == pytest.approx([5.0, 13.0, 31.0])
+    assert _fifo([(0.0, 1.0)], [], lambda n: 1.0) == [math.inf]
+    assert _fifo([(0.0, 0.0), (2.0, 0.0)], [(0.0, 1)], lambda n: 1.0) == [0.0, 2.0]
+
+
+def test_rollout_grid_expects_groups_whole_as_their_members_end():
+    # lengths 100..1000 seen; group 0 has one member at 950 tokens (it ends within 50 more), group 1
+    # one just started (any length): group 0 is whole early, group 1 only by the end of the grid
+    lm = LengthModel(min_samples=4)
+    for n in range(100, 1001, 100):
+        lm.observe(n)
+    w = Workload(rollout_remaining=[950, 0], rollout_groups=[0, 1], judge_future=2)
+    grid = _rollout_grid(w, lm, longest=1000.0)
+    assert len(grid["grid"]) == 8 and grid["grid"][-1] == 1000.0
+    assert grid["whole"][0] == pytest.approx(1.1)  # group 0 surely, group 1 if it is 100 tokens long (1 in 10)
+    assert grid["whole"][-1] == pytest.approx(2.0)
+    assert list(grid["ended"]) == sorted(grid["ended"]) and grid["alive"][0] > grid["alive"][-1]
+    assert _rollout_grid(Workload(rollout_remaining=[950, 0]), lm, 1000.0) == {}  # groups unknown
+
+
+def test_groups_generated_whole_during_the_rollout_train_before_it_ends():
+    # 16 groups, 15 of them with one short member left and one with a long one: knowing the groups,
+    # the estimate trains the 15 on the train device while the long member runs (from about 11 s to
+    # the rollout's end at 80 s: 69 s of the 320 s backward), and all 4 devices share the rest: a
+    # quarter of those 69 s saved
+    lm = LengthModel(min_samples=4)
+    for n in [50] * 60 + [2000] * 4:
+        lm.observe(n)
+    p = profiles()
+    p.lengths = lm
+    base = dict(
+        rollout_remaining=[40] * 15 + [1000],
+        judge_future=16,
+        judge_tokens_mean=20,
+        train_groups_left=16,
+        train_tokens_per_group=20_000,
+    )
+    blind = estimate(Workload(**base), p, alloc(2, 1, 1), MAX_BATCH)
+    known = estimate(Workload(**base, rollout_groups=list(range(16))), p, alloc(2, 1, 1), MAX_BATCH)
+    assert known.rollout_end == pytest.approx(blind.rollout_end)
+    assert blind.backward_end - known.backward_end == pytest.approx(69 / 4, rel=0.1)
+
+
+def test_workload_groups_must_match_the_sequences():
+    with pytest.raises(ValueError, match="rollout_groups"):
+        Workload(rollout_remaining=[1, 2, 3], rollout_groups=[0, 1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pivotrl.control.messages import Role
@@ -210,3 +212,37 @@ def test_expected_longest_is_the_expected_maximum_not_the_largest_expectation():
     assert lm.expected_longest({50: 30}) > lm.expected_longest({50: 3}) > lm.expected_longest({90: 3})
     assert lm.expected_longest({}) == 0.0 and lm.expected_longest({100: 2}) == lm.floor  # outlived every length
     assert lengths().expected_longest({0: 5}) == lengths().expected_remaining(0)  # before data: the prior's rest
+
+
+def test_length_model_says_when_a_running_sequence_has_ended():
+    lm = lengths(10, 20, 30, 40)
+    assert lm.done_by(15, [0, 5, 10, 25, 100]) == pytest.approx([0.0, 1 / 3, 1 / 3, 1.0, 1.0])  # of 20, 30, 40
+    assert lm.done_by(40, [1.0]) == [1.0]  # past every length seen: it ends at once
+    prior = lengths(prior_mean=100, prior_max=300)  # nothing seen: memoryless, and the limit ends it
+    assert prior.done_by(0, [100, 300]) == pytest.approx([1 - math.exp(-1), 1.0])
+
+
+def test_role_profile_follows_a_curve_a_line_cannot():
+    # a mixture-of-experts step: steep over the first sequences (more experts read), flat beyond
+    def step(b: int) -> float:
+        return 0.005 + 0.0005 * math.sqrt(b)
+
+    p = RoleProfile(step_base=0.01, step_per_seq=1e-4)
+    batches = (1, 4, 16, 64, 256)
+    for i in range(500):
+        b = batches[i % len(batches)]
+        p.observe(100 * b, 100 * step(b), b)
+    for b in batches:  # measured batches: the curve through them, where the line misses by up to 40%
+        assert p.step_seconds(b) == pytest.approx(step(b), rel=0.01)
+    assert max(abs(p.line(b) / step(b) - 1) for b in batches) > 0.1
+    assert p.step_seconds(8) == pytest.approx(step(8), rel=0.05)  # between bins: interpolated
+    assert p.rate(256) > p.rate(64) > p.rate(1)
+
+
+def test_role_profile_remembers_small_batches_while_large_ones_are_measured():
+    p = RoleProfile(step_base=0.01, step_per_seq=1e-4)
+    for _ in range(20):
+        p.observe(100, 100 * 0.004, 1)  # a tail: alone, 4 ms a step
+    for _ in range(2000):
+        p.observe(100 * 128, 100 * 0.02, 128)  # the next step's bulk
+    assert p.step_seconds(1) == pytest.approx(0.004, rel=0.02)
