@@ -143,6 +143,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     max_batch: int = 64  # engine slots (concurrent sequences) per device
+    rebalance: bool = True  # once no sequence is queued, even out those in flight over the rollout devices
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "prompts_per_step", "max_new_tokens", "max_batch")

@@ -31,6 +31,7 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
         eval_every=e.every,
         scale_by_std=cfg.train.scale_by_std,
         per_device=r.max_batch,
+        rebalance=r.rebalance,
     )
 
 

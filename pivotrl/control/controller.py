@@ -78,6 +78,7 @@ class LoopSpec:
     scale_by_std: bool
     per_device: int  # requests in flight per device
     judge_per_device: int = 0  # judgments in flight per device (0: per_device)
+    rebalance: bool = True  # even out the sequences in flight over the rollout devices once none is queued
 
 
 @dataclass(slots=True)
@@ -222,7 +223,27 @@ class Controller:
                 cmds += self.scheduler.dispatch_gen(ready, self.version, joining)
             else:
                 cmds += self.scheduler.dispatch_judge(ready, joining)
+        if self.spec.rebalance:
+            cmds += self._rebalance()
         cmds += self._dispatch_train()
+        return cmds
+
+    def _rebalance(self) -> list[Command]:
+        """Once the rollout queue is empty, sequences in flight on the most loaded rollout devices
+        migrate to the least loaded (``Scheduler.rebalance``), those with the fewest tokens to
+        re-prefill first: a device left with a big batch decodes every step of its longest
+        sequence slower for it, while a device that emptied idles. (Judgments are not moved:
+        with at most a few hundred tokens left to write, their re-prefill costs about what
+        a smaller batch saves.)"""
+        s = self.scheduler
+        if s.gen_queue:
+            return []
+        ready = [d for d in self._ready(Role.ROLLOUT) if not self.devices[d].aborting]
+        cmds: list[Command] = []
+        so_far = self.tokens_so_far
+        for d, uids in s.rebalance(ready, lambda u: so_far.get(u, 0)).items():
+            cmds.append(Abort(d, tuple(uids)))
+            self.devices[d].aborting = True
         return cmds
 
     def demand(self) -> Demand:
@@ -271,7 +292,10 @@ class Controller:
             rollout_remaining=[self.tokens_so_far.get(uid, 0) for uid in gen_uids],
             rollout_groups=[by_uid[u].prompt_index if u < EVAL_UID and u in by_uid else -1 for u in gen_uids],
             rollout_queued=len(s.gen_queue),
-            rollout_holders=sum(1 for d in self.devices if d.role is Role.ROLLOUT and s.load(d.id)),
+            # rebalanced, the running sequences spread over every rollout device (0: any may hold them)
+            rollout_holders=0
+            if self.spec.rebalance
+            else sum(1 for d in self.devices if d.role is Role.ROLLOUT and s.load(d.id)),
             judge_queued=len(s.judge_queue) + len(judging),
             judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
             judge_tokens_mean=self.measured["judge_tokens"],

@@ -136,9 +136,12 @@ class Step:
 
 @dataclass(slots=True, frozen=True)
 class Abort:
-    """Stop every request in flight on ``device`` and hand its state back (migration)."""
+    """Stop requests in flight on ``device`` and hand their state back (migration): those of
+    ``uids`` (the ones still in flight; a request that finished meanwhile is reported as
+    finished), or every one when ``uids`` is empty."""
 
     device: int
+    uids: tuple[int, ...] = ()
 
 
 Command = Shift | Generate | Judge | Accumulate | Step | Abort

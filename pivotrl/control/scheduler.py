@@ -4,12 +4,19 @@ The scheduler owns the rollout and judge queues. A device is given at most
 ``per_device`` requests in flight; the rest stay queued here, so a device
 that becomes free (or newly takes a role) is fed from the queue, and
 work is always handed to the least-loaded device first.
+
+Once a queue is empty, requests run where they were sent while devices
+finish theirs unevenly: one holds a big batch (each of its decode steps the
+slower for it) while another empties. ``rebalance`` names the requests to
+take back from the most loaded devices, so that, handed out again, every
+device holds about an even share.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 
 from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
 
@@ -55,6 +62,17 @@ class Scheduler:
     def dispatch_judge(self, devices: list[int], joining: int = 0) -> list[Judge]:
         batches = self._spread(self.judge_queue, devices, self.judge_per_device, joining)
         return [Judge(d, tuple(reqs)) for d, reqs in batches.items()]
+
+    def rebalance(self, devices: list[int], cost: Callable[[int], float]) -> dict[int, list[int]]:
+        """Requests to take back (device -> uids) when the most loaded of ``devices`` holds more
+        than twice the least loaded plus one: each device above an even share gives its excess,
+        the requests cheapest to move first (lowest ``cost``, e.g. tokens to re-prefill).
+        For a role whose queue is empty: queued requests go to the least loaded first anyway."""
+        loads = [(self.load(d), d) for d in devices]
+        if len(loads) < 2 or min(loads)[0] * 2 + 1 >= max(loads)[0]:
+            return {}
+        share = -(-sum(n for n, _ in loads) // len(loads))
+        return {d: sorted(self.inflight[d], key=lambda u: (cost(u), u))[: n - share] for n, d in loads if n > share}
 
     def _spread(self, queue: deque, devices: list[int], cap: int, joining: int = 0) -> dict[int, list]:
         """Hand queued requests one at a time to the least-loaded device with room.

@@ -41,7 +41,7 @@ class LocalDriver:
             assert event is not None
             self.events.append(event)
         elif isinstance(cmd, Abort):
-            self.events.append(self.workers[cmd.device].abort())
+            self.events.append(self.workers[cmd.device].abort(cmd.uids))
         else:
             raise TypeError(f"unknown command {cmd!r}")
 

@@ -47,8 +47,8 @@ class DeviceActor:
         events = self.worker.run(seconds)
         return events, self.worker.has_work
 
-    def abort(self) -> Event:
-        return self.worker.abort()
+    def abort(self, uids: tuple[int, ...] = ()) -> Event:
+        return self.worker.abort(uids)
 
     def accumulate(self, cmd: Accumulate) -> Event:
         return self.worker.accumulate(cmd)
@@ -142,7 +142,7 @@ class RayDriver:
             for rank, d in enumerate(cmd.devices):
                 self.pending[self.actors[d].step.remote(cmd, rank, port)] = ("event", d)
         elif isinstance(cmd, Abort):
-            self.pending[self.actors[cmd.device].abort.remote()] = ("event", cmd.device)
+            self.pending[self.actors[cmd.device].abort.remote(cmd.uids)] = ("event", cmd.device)
         else:
             raise TypeError(f"unknown command {cmd!r}")
 

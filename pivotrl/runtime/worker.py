@@ -139,13 +139,16 @@ class Worker:
             ctx.engine.add(SeqState(r.uid, ids, r.seed, _sampling(r.params, stop), list(r.output_ids)))
             self.pending[r.uid] = _Pending(0, r, ids)
 
-    def abort(self) -> Aborted:
-        """Stop everything in flight; requests come back with their tokens so far."""
+    def abort(self, uids: tuple[int, ...] = ()) -> Aborted:
+        """Stop the requests of ``uids`` still in flight (everything, when empty); they come back
+        with their tokens so far."""
         t0 = self.now()
         gen: list[GenRequest] = []
         judge: list[JudgeRequest] = []
         if isinstance(self.ctx, GenerationContext):
-            for state in self.ctx.engine.abort_all():
+            engine = self.ctx.engine
+            states = [engine.abort(u) for u in uids if u in self.pending] if uids else engine.abort_all()
+            for state in states:
                 p = self.pending.pop(state.uid)
                 if isinstance(p.request, GenRequest):
                     r = p.request
@@ -154,7 +157,7 @@ class Worker:
                     )
                 else:  # a judgment resumes too (same seed, same tokens)
                     judge.append(replace(p.request, prompt_ids=tuple(p.prompt_ids), output_ids=tuple(state.output_ids)))
-        assert not self.pending, "requests in flight outside the engine"
+        assert uids or not self.pending, "requests in flight outside the engine"
         t1 = self.now()
         if gen or judge:
             role = self.role.value if self.role else "idle"

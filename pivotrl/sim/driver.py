@@ -179,7 +179,7 @@ class SimDriver:
         elif isinstance(cmd, Judge):
             self._add(self._generation_device(cmd.device, Role.GENRM), [self._judge_seq(r) for r in cmd.requests])
         elif isinstance(cmd, Abort):
-            self._abort(self.devices[cmd.device])
+            self._abort(self.devices[cmd.device], set(cmd.uids))
         elif isinstance(cmd, Accumulate):
             self._accumulate(cmd)
         elif isinstance(cmd, Step):
@@ -416,8 +416,9 @@ class SimDriver:
         return JudgeResult(r.uid, "" if truncated else self.spec.verdicts[right], truncated, q.target)
 
     # -- abort ----------------------------------------------------------------------
-    def _abort(self, dev: _Device) -> None:
-        """Everything in flight comes back with its tokens so far (``Worker.abort``'s shape)."""
+    def _abort(self, dev: _Device, uids: set[int]) -> None:
+        """Everything in flight (or the requests of ``uids`` still in flight) comes back with its
+        tokens so far (``Worker.abort``'s shape). A device keeping work goes on with its slice."""
         events: list[Event] = []
         if dev.slice is not None:  # the slice ends here: what finished before now is reported first
             self._catch_up(dev)
@@ -425,9 +426,13 @@ class SimDriver:
                 events += self._report(dev, dev.slice, self.now, dev.slice.done)
             dev.slice = None
         self._to_start.discard(dev.id)
+        engine = dev.engine
+        taken = [] if engine is None else engine.take(uids) if uids else engine.take_all()
+        if engine is not None and engine.has_work:  # what it keeps runs on in a new slice
+            self._to_start.add(dev.id)
         gen: list[GenRequest] = []
         judge: list[JudgeRequest] = []
-        for q, n in dev.engine.take_all() if dev.engine is not None else []:
+        for q, n in taken:
             r = q.request
             if isinstance(r, GenRequest):
                 gen.append(replace(r, prompt_ids=self._placeholder_prompt(q.prompt), output_ids=[0] * n,

@@ -84,6 +84,24 @@ class ModeledEngine:
         self.running, self.waiting, self._finish, self._ctx = {}, deque(), [], 0
         return out
 
+    def take(self, uids: set[int]) -> list[tuple[SimSeq, int]]:
+        """The sequences of ``uids`` still here, with their tokens so far, taken out (``take_all``'s shape)."""
+        out = [(s, self.generated(s)) for u, s in self.running.items() if u in uids]
+        for s, _ in out:
+            del self.running[s.uid]
+            self._ctx -= s.prompt + s.base + 1 - s.k0
+        if out:
+            self._finish = [f for f in self._finish if f[1] in self.running]
+            heapq.heapify(self._finish)
+        kept = deque()
+        for s in self.waiting:
+            if s.uid in uids:
+                out.append((s, s.base))
+            else:
+                kept.append(s)
+        self.waiting = kept
+        return out
+
     def snapshot(self) -> tuple:
         return (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.peak, self._ctx,
                 dict(self.running), deque(self.waiting), list(self._finish))  # fmt: skip

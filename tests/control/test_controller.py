@@ -154,9 +154,10 @@ class FakeCluster:
             self.accumulates = []
             self.training |= set(cmd.devices)
             self.ready.append(Trained(cmd.devices, cmd.version + 1, {"loss": 0.0}, 1.0))
-        elif isinstance(cmd, Abort):  # hand back what has not finished; it starts over elsewhere
-            d, back = cmd.device, [self.requests.pop(r.uid) for r in self.work[cmd.device]]
-            self.work[d].clear()
+        elif isinstance(cmd, Abort):  # hand back what has not finished (all, or cmd.uids); it starts over elsewhere
+            d, take = cmd.device, set(cmd.uids)
+            back = [self.requests.pop(r.uid) for r in self.work[d] if not take or r.uid in take]
+            self.work[d] = deque(r for r in self.work[d] if take and r.uid not in take)
             self.aborts += 1
             gen = tuple(r for r in back if isinstance(r, GenRequest))
             self.ready.append(Aborted(d, gen, tuple(r for r in back if isinstance(r, JudgeRequest)), 0.01))
@@ -408,3 +409,36 @@ def test_a_judged_backlog_goes_out_in_shares():
     for _, _, accumulates in cluster.trains:
         assert [len(a.shard.response_ids) // GROUP for a in accumulates] == [1] * PROMPTS  # ceil(4 / 4)
         assert {a.device for a in accumulates} == {3}
+
+
+@pytest.mark.parametrize("rebalance", [True, False])
+def test_requests_in_flight_are_rebalanced_once_the_queue_is_empty(rebalance):
+    """A rollout device that empties while another still holds its whole share takes half of
+    that share over (the sequences with the fewest tokens to re-prefill); off, nothing moves."""
+    ctl = controller(Disaggregated(4, {R: 2, G: 1, T: 1}), per_device=SAMPLES, rebalance=rebalance)
+    cluster = FakeCluster(ctl)
+    commands = ctl.start()
+    while not any(isinstance(c, Generate) for c in commands):
+        for c in commands:
+            cluster.submit(c)
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    for c in commands:
+        cluster.submit(c)
+    held = {d: [r.uid for r in cluster.work[d]] for d in (0, 1)}
+    n = len(held[0])  # the step's samples and the held-out evaluation, half each
+    assert n > 2 and len(held[1]) == n and not ctl.scheduler.gen_queue
+    ctl.tokens_so_far.update({u: 100 - u for u in held[0]})  # the last sent have made the most progress
+    done = Generated(1, tuple(cluster.work[1]))
+    cluster.work[1].clear()
+    aborts = [c for c in ctl.handle(done) if isinstance(c, Abort)]
+    if not rebalance:
+        assert aborts == []
+        return
+    assert aborts == [Abort(0, tuple(sorted(held[0], reverse=True)[: n // 2]))]
+    cluster.submit(aborts[0])
+    [back] = cluster.next_events()
+    again = ctl.handle(back)
+    assert [(c.device, sorted(r.uid for r in c.requests)) for c in again if isinstance(c, Generate)] == [
+        (1, sorted(aborts[0].uids))
+    ]
+    assert not any(isinstance(c, Abort) for c in again)

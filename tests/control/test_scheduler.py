@@ -115,3 +115,40 @@ def test_judgments_have_their_own_cap():
     assert s.loads(4) == (8, 8, 2, 2)
     with pytest.raises(ValueError, match="judge_per_device must be >= 1"):
         Scheduler(4, judge_per_device=-1)
+
+
+REBALANCE = [
+    # in flight {device: uids}, devices offered, cost per uid, expected uids taken back per device
+    pytest.param({0: [1, 2, 3], 1: [4]}, [0, 1], {}, {}, id="within-twice-plus-one"),
+    pytest.param({0: [1, 2, 3, 4], 1: [5]}, [0, 1], {}, {0: [1]}, id="down-to-an-even-share"),
+    pytest.param({0: [1, 2], 1: []}, [0, 1], {}, {0: [1]}, id="an-idle-device-takes-one-of-two"),
+    pytest.param({0: [1, 2, 3, 4], 1: []}, [0, 1], {1: 9, 2: 0, 3: 5, 4: 0}, {0: [2, 4]}, id="cheapest-first"),
+    pytest.param(
+        {0: [1, 2, 3, 4, 5, 6], 1: [7, 8, 9, 10, 11], 2: [], 3: [12]},
+        [0, 1, 2, 3],
+        {},
+        {0: [1, 2, 3], 1: [7, 8]},
+        id="every-device-above-the-share",
+    ),
+    pytest.param({0: [1, 2, 3, 4], 1: []}, [0], {}, {}, id="one-device"),
+    pytest.param({0: [1, 2, 3, 4], 1: []}, [0, 5], {}, {0: [1, 2]}, id="only-offered-devices"),
+    pytest.param({}, [0, 1], {}, {}, id="nothing-in-flight"),
+]
+
+
+@pytest.mark.parametrize(("inflight", "devices", "cost", "expected"), REBALANCE)
+def test_rebalance_takes_back_the_excess_of_the_most_loaded(inflight, devices, cost, expected):
+    s = scheduler_with(8, {d: uids for d, uids in inflight.items() if uids})
+    assert s.rebalance(devices, lambda u: cost.get(u, 0)) == expected
+    assert s.load(0) == len(inflight.get(0, []))  # it only names requests: the abort takes them back
+
+
+def test_rebalanced_requests_go_back_to_the_least_loaded():
+    s = scheduler_with(8, {0: [1, 2, 3, 4, 5, 6], 1: [7]})
+    taken = s.rebalance([0, 1], lambda u: 0)
+    assert taken == {0: [1, 2]}
+    for u in taken[0]:
+        s.finished(0, u)  # what the abort's answer does, then the requests go to the front of the queue
+    s.submit_gen(gen(*taken[0]), front=True)
+    assert placed(s.dispatch_gen([0, 1], 0)) == {1: [1, 2]}
+    assert (s.load(0), s.load(1)) == (4, 3) and s.rebalance([0, 1], lambda u: 0) == {}

@@ -1,8 +1,8 @@
 """Contract: the simulator answers the control plane's commands as the real runtime does.
 
 One script of commands (shift to rollout, generate and run slices to the end,
-shift to the judge, judge, abort a generation mid-way, train: accumulate and
-step) goes to a real ``Worker`` behind the ``LocalDriver`` (tiny checkpoints)
+shift to the judge, judge, abort one sequence of a generation mid-way and then
+the rest, train: accumulate and step) goes to a real ``Worker`` behind the ``LocalDriver`` (tiny checkpoints)
 and to a ``SimDriver``. Both must answer with the same event kinds in the same
 order; only how many slices a generation takes may differ, and the messages
 must have the same shapes.
@@ -116,6 +116,8 @@ def script(driver) -> tuple[list[str], dict[str, object]]:
     driver.submit(Generate(0, long, 0))
     first = driver.next_events()  # one slice, then the abort mid-generation
     assert kinds(first)[0] == "Progress"
+    [part] = one(Abort(0, (10,)))  # rebalancing: one sequence moves, the other runs on
+    seen["partial"] = part
     [aborted] = one(Abort(0))
     seen["aborted"] = aborted
     one(Shift(0, Role.TRAIN, 0))
@@ -140,7 +142,7 @@ def answers(tiny_checkpoints):
 def test_same_event_kinds_in_the_same_order(answers):
     (real, _), (sim, _) = answers
     want = ["ShiftDone", "slices(True)->Generated", "ShiftDone", "slices(True)->Judged", "ShiftDone", "Aborted",
-            "ShiftDone", "Accumulated", "Trained"]  # fmt: skip
+            "Aborted", "ShiftDone", "Accumulated", "Trained"]  # fmt: skip
     assert real == want and sim == want
 
 
@@ -157,10 +159,11 @@ def test_messages_have_the_same_shapes(answers):
         for j in seen["judged"]:
             assert isinstance(j, JudgeResult) and 1 <= j.tokens <= JUDGE.max_new_tokens
             assert not j.truncated or j.tokens == JUDGE.max_new_tokens
-        aborted = seen["aborted"]
+        part, aborted = seen["partial"], seen["aborted"]
+        assert isinstance(part, Aborted) and part.device == 0 and not part.judge
         assert isinstance(aborted, Aborted) and aborted.device == 0 and not aborted.judge
-        assert sorted(r.uid for r in aborted.gen) == [10, 11]
-        for r in aborted.gen:  # resumable: the prompt as encoded, the tokens and log-probs so far
+        assert [r.uid for r in part.gen] == [10] and [r.uid for r in aborted.gen] == [11]
+        for r in (*part.gen, *aborted.gen):  # resumable: the prompt as encoded, the tokens and log-probs so far
             assert r.prompt_ids and 1 <= len(r.output_ids) < LONG.max_new_tokens
             assert len(r.logprobs) == len(r.output_ids) and r.params == LONG and r.seed in (20, 21)
         acc = seen["accumulated"]

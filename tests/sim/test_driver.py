@@ -89,6 +89,47 @@ def test_lengths_are_fixed_by_seed_and_uid_and_survive_migration():
     assert {uid: len(v) for uid, v in got.items()} == {uid: len(v) for uid, v in want.items() if uid not in done_early}
 
 
+def test_a_partial_abort_takes_only_the_named_sequences():
+    """Rebalancing: the named sequences come back with their tokens so far, the device runs on
+    with the others, and every sequence ends at its own length wherever it finishes."""
+    plain = driver()
+    shifted(plain, Role.ROLLOUT, 0, 1)
+    plain.submit(Generate(0, requests(8), 0))
+    want = drain(plain)
+
+    d = driver()
+    shifted(d, Role.ROLLOUT, 0, 1)
+    d.submit(Generate(0, requests(8), 0))
+    first = d.next_events()
+    done_early = {r.uid for e in first if isinstance(e, Generated) for r in e.results}
+    asked = tuple(sorted(set(range(8)) - done_early))[:3]
+    d.submit(Abort(0, asked))
+    events = d.next_events()
+    [aborted] = [e for e in events if isinstance(e, Aborted)]
+    finished = {r.uid for e in events if isinstance(e, Generated) for r in e.results}
+    assert {r.uid for r in aborted.gen} | (finished & set(asked)) == set(asked)
+    assert all(len(r.output_ids) > 0 for r in aborted.gen)
+    d.submit(Generate(1, aborted.gen, 0))
+    got = drain(d)
+    assert set(got) | done_early | finished == set(range(8))
+    lengths = {r.uid: len(r.output_ids) for e in (*first, *events) if isinstance(e, Generated) for r in e.results}
+    assert lengths | {uid: len(v) for uid, v in got.items()} == {uid: len(v) for uid, v in want.items()}
+    assert d.devices[0].engine is not None and not d.devices[0].engine.has_work
+
+
+def test_modeled_engine_take_leaves_the_rest_running():
+    e = ModeledEngine(H100, QWEN7, 1, capacity=8)
+    for uid, target in enumerate((50, 80, 120)):
+        e.add(SimSeq(uid, 100, 0, target, None), 0.0)
+    e.add(SimSeq(9, 100, 0, 60, None), 0.0)  # waits: admitted with the others, it runs too
+    e.advance(0.2)
+    k = e.k
+    [(seq, so_far)] = e.take({1, 7})
+    assert seq.uid == 1 and so_far == e.generated(seq) == k + 1 and e.load == 3
+    done = e.advance(100.0)
+    assert sorted(s.uid for s in done) == [0, 2, 9] and e.k == 119 and not e.has_work
+
+
 def test_lengths_differ_by_job_seed_and_follow_the_distribution():
     a, b = driver(), driver("seed=1")
     lengths = []
