@@ -145,6 +145,7 @@ class Controller:
         self.finished_steps: list[StepRecord] = []  # finished steps' records, for the run's samples.jsonl; drained
         self.shift_log: list[ShiftDone] = []
         self.tokens_so_far: dict[int, int] = {}  # uid -> response tokens generated, for running sequences
+        self._rebalance_due = False  # the rollout devices' loads changed since they were last compared
         self.measured = {  # running means (priors until measured)
             "judge_tokens": float(spec.judge.max_new_tokens) / 2,
             "response_tokens": float(spec.rollout.max_new_tokens) / 2,
@@ -198,12 +199,13 @@ class Controller:
         if self.done:
             return []
         cmds: list[Command] = []
-        targets = self.policy.targets(self.demand())
+        demand = self.demand()
+        targets, loads = self.policy.targets(demand), demand.loads
         for d in self.devices:
             if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
                 continue
             want = targets[d.id] if d.leaving is None else d.leaving
-            if self.scheduler.load(d.id):
+            if loads[d.id]:
                 if d.role is not want and self.policy.preempt:  # leave now: its requests migrate
                     cmds.append(Abort(d.id))
                     d.aborting, d.leaving = True, want  # a decision acted on is kept: no work comes back to it
@@ -220,7 +222,9 @@ class Controller:
             ready = self._ready(role)  # each has the role as its target: it would be shifting otherwise
             joining = max(0, wanted[role] - len(ready))
             if role is Role.ROLLOUT:
-                cmds += self.scheduler.dispatch_gen(ready, self.version, joining)
+                sent = self.scheduler.dispatch_gen(ready, self.version, joining)
+                self._rebalance_due |= bool(sent)
+                cmds += sent
             else:
                 cmds += self.scheduler.dispatch_judge(ready, joining)
         if self.spec.rebalance:
@@ -236,8 +240,9 @@ class Controller:
         with at most a few hundred tokens left to write, their re-prefill costs about what
         a smaller batch saves.)"""
         s = self.scheduler
-        if s.gen_queue:
+        if s.gen_queue or not self._rebalance_due:
             return []
+        self._rebalance_due = False  # until sequences end, come back or a device joins the role
         ready = [d for d in self._ready(Role.ROLLOUT) if not self.devices[d].aborting]
         cmds: list[Command] = []
         so_far = self.tokens_so_far
@@ -260,13 +265,17 @@ class Controller:
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
 
     def _plan_view(self) -> PlanView:
+        return PlanView(self.clock(), self._layout, workload=self.workload)
+
+    def _layout(self) -> tuple[tuple[Role | None, ...], frozenset[int]]:
+        """The role of every device as the planner sees it, and the devices it may not move."""
         pinned = frozenset(
             d.id for d in self.devices if d.shifting or d.training or d.accumulating or d.grads or d.aborting
         )
         # a device on its way to a role counts as holding it: planned back to the role it is
         # leaving, it would shift straight back on arrival
         roles = tuple(d.heading if d.shifting else d.leaving or d.role for d in self.devices)
-        return PlanView(self.clock(), roles, pinned, self.workload)
+        return roles, pinned
 
     def workload(self) -> Workload:
         """What is left in the step, in the planner's terms."""
@@ -370,6 +379,7 @@ class Controller:
     def _on_shift(self, e: ShiftDone) -> None:
         d = self.devices[e.device]
         d.role, d.version, d.shifting = e.role, e.version, False
+        self._rebalance_due |= e.role is Role.ROLLOUT
         self.shift_log.append(e)
         if self.step is not None:
             self.step.shifts += 1
@@ -383,6 +393,7 @@ class Controller:
     def _on_aborted(self, e: Aborted) -> None:
         """Requests of a device that left its role go back to the front of their queue."""
         self.devices[e.device].aborting = False
+        self._rebalance_due = True
         for r in (*e.gen, *e.judge):
             self.scheduler.finished(e.device, r.uid)
         moved = [r for r in (*e.gen, *e.judge) if r.uid < EVAL_UID]  # every sequence moved, either role
@@ -394,6 +405,7 @@ class Controller:
         self.scheduler.submit_judge(list(e.judge), front=True)
 
     def _on_generated(self, e: Generated) -> None:
+        self._rebalance_due = True
         judge_reqs = []
         for r in e.results:
             self.scheduler.finished(e.device, r.uid)

@@ -16,6 +16,10 @@ class Role(enum.Enum):
     GENRM = "genrm"
     TRAIN = "train"
 
+    # members are singletons, equal only to themselves: identity hashing, in C, instead of Enum's
+    # Python-level hash of the name (the planner hashes roles millions of times per simulated step)
+    __hash__ = object.__hash__
+
 
 ROLES = tuple(Role)
 

@@ -403,16 +403,18 @@ def _allocations(devices: int, floor: Alloc) -> Iterator[Alloc]:
 
 
 EXHAUSTIVE_UP_TO = 32  # devices; beyond, allocations are searched coarse to fine
+COARSE = 12  # grid points per axis of a cluster's allocations
+FINE = 3  # devices around the grid's best searched one by one
 
 
 def _candidate_allocations(devices: int, floor: Alloc, counts: Alloc, total: Callable[[Alloc], float]) -> list[Alloc]:
     """Every allocation for a few devices. For many (a cluster's instances), a grid of
-    about 16 x 16 allocations, then every allocation within half a grid cell (at most
-    4 devices) of the grid's best and within one device of the current one: about two
-    hundred estimates instead of ``devices^2 / 2`` on every plan."""
+    about ``COARSE`` x ``COARSE`` allocations, then every allocation within half a grid cell
+    (at most ``FINE`` devices) of the grid's best and within one device of the current one:
+    about 150 estimates instead of ``devices^2 / 2`` on every plan."""
     if devices <= EXHAUSTIVE_UP_TO:
         return list(_allocations(devices, floor))
-    k = -(-devices // 16)
+    k = -(-devices // COARSE)
 
     def axis(lo: int, hi: int) -> list[int]:
         return sorted({*range(lo, hi + 1, k), hi}) if hi >= lo else []
@@ -424,7 +426,7 @@ def _candidate_allocations(devices: int, floor: Alloc, counts: Alloc, total: Cal
     ]
     best = min(grid, key=total)
     out = set(grid)
-    for (cr, cg, _), radius in ((best, min(max(1, k // 2), 4)), (counts, 1)):
+    for (cr, cg, _), radius in ((best, min(max(1, k // 2), FINE)), (counts, 1)):
         for r in range(max(floor[0], cr - radius), cr + radius + 1):
             for g in range(max(floor[1], cg - radius), cg + radius + 1):
                 if devices - r - g >= floor[2]:

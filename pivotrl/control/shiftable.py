@@ -17,34 +17,53 @@ from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Planner
 from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload
 
+Layout = tuple[tuple[Role | None, ...], frozenset[int]]  # the role of every device, the devices pinned to theirs
+
 
 class PlanView:
-    """What the planner needs beyond the demand counts. The workload is built on first
-    use (it walks every running sequence), so a policy that does not re-plan on an
-    event does not pay for it."""
+    """What the planner needs beyond the demand counts. The workload (it walks every
+    running sequence) and the layout (every device) may be given as functions, called on
+    first use, so a policy that does not re-plan on an event does not pay for them."""
 
-    __slots__ = ("now", "roles", "pinned", "_workload", "_make")
+    __slots__ = ("now", "_layout", "_make_layout", "_workload", "_make")
 
     def __init__(
         self,
         now: float,
-        roles: tuple[Role | None, ...],
-        pinned: frozenset[int],
-        workload: Workload | Callable[[], Workload],
+        roles: tuple[Role | None, ...] | Callable[[], Layout],
+        pinned: frozenset[int] = frozenset(),
+        workload: Workload | Callable[[], Workload] | None = None,
     ) -> None:
-        self.now, self.roles, self.pinned = now, roles, pinned
+        self.now = now
+        self._layout, self._make_layout = (None, roles) if callable(roles) else ((roles, pinned), None)
         self._workload, self._make = (workload, None) if isinstance(workload, Workload) else (None, workload)
+
+    @property
+    def roles(self) -> tuple[Role | None, ...]:
+        return self._get_layout()[0]
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        return self._get_layout()[1]
+
+    def _get_layout(self) -> Layout:
+        if self._layout is None:
+            assert self._make_layout is not None
+            self._layout = self._make_layout()
+        return self._layout
 
     @property
     def workload(self) -> Workload:
         if self._workload is None:
+            if self._make is None:
+                raise ValueError("PlanView: no workload given")
             assert self._make is not None
             self._workload = self._make()
         return self._workload
 
 
 REPLAN_SHARE = 0.01  # re-plan at the latest after this share of the step's estimated rest
-REPLAN_SHARE_CLUSTER = 0.03  # the same beyond EXACT_UP_TO devices, where a plan weighs hundreds of allocations
+REPLAN_SHARE_CLUSTER = 0.1  # the same beyond EXACT_UP_TO devices, where a plan weighs hundreds of allocations
 EXACT_UP_TO = 32  # devices; beyond, only a phase change or the timer triggers a plan (some device always moves)
 
 

@@ -41,6 +41,18 @@ def test_a_view_built_from_a_workload_needs_no_callable():
     assert PlanView(0.0, (R,), frozenset(), w).workload is w
 
 
+def test_a_view_builds_its_layout_on_first_use_only():
+    calls = []
+
+    def layout():
+        calls.append(1)
+        return (R, G), frozenset({1})
+
+    view = PlanView(0.0, layout, workload=Workload())
+    assert calls == []  # a policy answering from its last plan never asks
+    assert view.roles == (R, G) and view.pinned == frozenset({1}) and len(calls) == 1
+
+
 def test_slices_teach_each_role_its_own_speeds():
     policy = Shiftable(4, max_batch=64, rollout_tokens=96, judge_tokens=48)
     p = policy.profiles
