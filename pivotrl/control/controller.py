@@ -243,7 +243,12 @@ class Controller:
         if s.gen_queue or not self._rebalance_due:
             return []
         self._rebalance_due = False  # until sequences end, come back or a device joins the role
-        ready = [d for d in self._ready(Role.ROLLOUT) if not self.devices[d].aborting]
+        v, rollout = self.version, Role.ROLLOUT
+        ready = [
+            d.id
+            for d in self.devices
+            if d.role is rollout and d.version == v and not (d.shifting or d.aborting) and d.leaving is None
+        ]  # ``_ready``'s, less the devices with an abort in flight
         cmds: list[Command] = []
         so_far = self.tokens_so_far
         for d, uids in s.rebalance(ready, lambda u: so_far.get(u, 0)).items():

@@ -195,6 +195,7 @@ class RoleProfile:
     _prior: tuple[float, ...] = field(default=(), init=False, repr=False)
     _bins: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)  # log2 bin -> [w, wb, wy]
     _curve: tuple[list[float], list[float]] = field(default=([], []), init=False, repr=False)  # log2 b, ratio
+    _stale: bool = field(default=False, init=False, repr=False)  # the bins changed since ``_curve`` was drawn
 
     def __post_init__(self) -> None:
         _positive("step_base", self.step_base)
@@ -251,18 +252,23 @@ class RoleProfile:
         if base <= 0:  # the data say a step costs nothing of its own: all of it is per sequence
             base, slope = 1e-9, max(sby / sbb, 1e-9)
         self.step_base, self.step_per_seq = base, slope
-        xs, ratios = [], []
-        for _, (w, wb, wy) in sorted(self._bins.items()):
-            xs.append(math.log2(wb / w))
-            ratios.append(wy / w / self.line(wb / w))
-        self._curve = (xs, ratios)
+        self._stale = True  # the curve is drawn when next asked for: slices come far more often than plans
+
+    def _draw(self) -> tuple[list[float], list[float]]:
+        if self._stale:
+            xs, ratios = [], []
+            for _, (w, wb, wy) in sorted(self._bins.items()):
+                xs.append(math.log2(wb / w))
+                ratios.append(wy / w / self.line(wb / w))
+            self._curve, self._stale = (xs, ratios), False
+        return self._curve
 
     def line(self, batch: float) -> float:
         """The fitted line's step seconds at ``batch`` (``step_seconds`` without the bins' shape)."""
         return self.step_base + self.step_per_seq * batch
 
     def step_seconds(self, batch: float) -> float:
-        xs, ratios = self._curve
+        xs, ratios = self._draw()
         if not xs:
             return self.line(batch)
         x = math.log2(max(batch, 1.0))

@@ -74,7 +74,8 @@ class Scheduler:
         than twice the least loaded plus one: each device above an even share gives its excess,
         the requests cheapest to move first (lowest ``cost``, e.g. tokens to re-prefill).
         For a role whose queue is empty: queued requests go to the least loaded first anyway."""
-        loads = [self.load(d) for d in devices]
+        known = self._loads
+        loads = [known[d] if d < len(known) else 0 for d in devices]
         if len(loads) < 2 or min(loads) * 2 + 1 >= max(loads):
             return {}
         share = -(-sum(loads) // len(loads))

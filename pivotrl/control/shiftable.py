@@ -122,7 +122,8 @@ class Shiftable:
         view = demand.view
         assert isinstance(view, PlanView), "shiftable mode needs the controller's plan view"
         situation: tuple = (demand.gen_pending > 0, demand.train_ready, demand.training)
-        if len(view.roles) <= EXACT_UP_TO:  # a few devices: any device that shifts or runs dry is news
+        few = self.devices <= EXACT_UP_TO
+        if few:  # a few devices: any device that shifts or runs dry is news
             situation += (demand.judge_pending > 0, view.roles, view.pinned, tuple(n == 0 for n in demand.loads))
         if self._last is not None:
             last, _, due, targets = self._last
@@ -141,7 +142,7 @@ class Shiftable:
         # the next plan is due after a small share of the step's estimated rest: often on a
         # CPU (tens of ms), every second or so on a cluster where steps take minutes
         rest = decision.after.total if decision.after is not None else 0.0
-        share = REPLAN_SHARE if len(view.roles) <= EXACT_UP_TO else REPLAN_SHARE_CLUSTER
+        share = REPLAN_SHARE if few else REPLAN_SHARE_CLUSTER
         # a share of the whole step, not of what is left of it: plans would come ever faster at its end
         self._horizon = max(self._horizon * 0.98, rest) if rest < float("inf") else self._horizon
         due = view.now + (share * self._horizon if rest < float("inf") else 0.0)
