@@ -396,7 +396,8 @@ class Controller:
             self.tokens_so_far[uid] = n
 
     def _on_aborted(self, e: Aborted) -> None:
-        """Requests of a device that left its role go back to the front of their queue."""
+        """Requests taken from a device (it leaves its role, or hands its excess over when the
+        rollout is rebalanced) go back to the front of their queue."""
         self.devices[e.device].aborting = False
         self._rebalance_due = True
         for r in (*e.gen, *e.judge):
