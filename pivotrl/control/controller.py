@@ -243,15 +243,9 @@ class Controller:
         if s.gen_queue or not self._rebalance_due:
             return []
         self._rebalance_due = False  # until sequences end, come back or a device joins the role
-        v, rollout = self.version, Role.ROLLOUT
-        ready = [
-            d.id
-            for d in self.devices
-            if d.role is rollout and d.version == v and not (d.shifting or d.aborting) and d.leaving is None
-        ]  # ``_ready``'s, less the devices with an abort in flight
         cmds: list[Command] = []
         so_far = self.tokens_so_far
-        for d, uids in s.rebalance(ready, lambda u: so_far.get(u, 0)).items():
+        for d, uids in s.rebalance(self._ready(Role.ROLLOUT), lambda u: so_far.get(u, 0)).items():
             cmds.append(Abort(d, tuple(uids)))
             self.devices[d].aborting = True
         return cmds
@@ -270,7 +264,7 @@ class Controller:
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
 
     def _plan_view(self) -> PlanView:
-        return PlanView(self.clock(), self._layout, workload=self.workload)
+        return PlanView(self.clock(), self._layout, self.workload)
 
     def _layout(self) -> tuple[tuple[Role | None, ...], frozenset[int]]:
         """The role of every device as the planner sees it, and the devices it may not move."""
@@ -339,11 +333,13 @@ class Controller:
             m["step_seconds"] += a * (event.seconds - m["step_seconds"])
 
     def _ready(self, role: Role) -> list[int]:
+        """Devices holding ``role`` that may take work of it now: not shifting, not leaving it,
+        no abort in flight (a device handing its excess over is not handed more)."""
         return [
             d.id
             for d in self.devices
             if d.role is role
-            and not d.shifting
+            and not (d.shifting or d.aborting)
             and d.leaving is None
             and (role is Role.GENRM or d.version == self.version)
         ]

@@ -31,17 +31,14 @@ class Scheduler:
         self.gen_queue: deque[GenRequest] = deque()
         self.judge_queue: deque[JudgeRequest] = deque()
         self.inflight: dict[int, set[int]] = {}  # device -> uids it is working on
-        self._loads: list[int] = []  # device -> len(inflight[device]), kept as they change: read every event
 
     def load(self, device: int) -> int:
-        return self._loads[device] if device < len(self._loads) else 0
+        return len(self.inflight.get(device, ()))
 
     def loads(self, devices: int) -> tuple[int, ...]:
         """``load`` of devices 0 .. devices - 1."""
-        n = self._loads
-        if len(n) < devices:
-            n.extend([0] * (devices - len(n)))
-        return tuple(n[:devices])
+        inflight = self.inflight
+        return tuple(len(inflight[d]) if d in inflight else 0 for d in range(devices))
 
     def submit_gen(self, reqs: list[GenRequest], front: bool = False) -> None:
         if front:
@@ -56,10 +53,7 @@ class Scheduler:
             self.judge_queue.extend(reqs)
 
     def finished(self, device: int, uid: int) -> None:
-        uids = self.inflight[device]
-        if uid in uids:
-            uids.remove(uid)
-            self._loads[device] -= 1
+        self.inflight[device].discard(uid)
 
     def dispatch_gen(self, devices: list[int], version: int, joining: int = 0) -> list[Generate]:
         batches = self._spread(self.gen_queue, devices, self.per_device, joining)
@@ -74,8 +68,7 @@ class Scheduler:
         than twice the least loaded plus one: each device above an even share gives its excess,
         the requests cheapest to move first (lowest ``cost``, e.g. tokens to re-prefill).
         For a role whose queue is empty: queued requests go to the least loaded first anyway."""
-        known = self._loads
-        loads = [known[d] if d < len(known) else 0 for d in devices]
+        loads = [self.load(d) for d in devices]
         if len(loads) < 2 or min(loads) * 2 + 1 >= max(loads):
             return {}
         share = -(-sum(loads) // len(loads))
@@ -105,8 +98,5 @@ class Scheduler:
             req = queue.popleft()
             batches.setdefault(d, []).append(req)
             self.inflight.setdefault(d, set()).add(req.uid)
-            if d >= len(self._loads):
-                self._loads.extend([0] * (d + 1 - len(self._loads)))
-            self._loads[d] += 1
             heapq.heapreplace(heap, (n + 1, d))
         return batches

@@ -21,22 +21,16 @@ Layout = tuple[tuple[Role | None, ...], frozenset[int]]  # the role of every dev
 
 
 class PlanView:
-    """What the planner needs beyond the demand counts. The workload (it walks every
-    running sequence) and the layout (every device) may be given as functions, called on
+    """What the planner needs beyond the demand counts. The layout (it walks every device)
+    and the workload (every running sequence) may each be given as a function, called on
     first use, so a policy that does not re-plan on an event does not pay for them."""
 
-    __slots__ = ("now", "_layout", "_make_layout", "_workload", "_make")
+    __slots__ = ("now", "_layout", "_workload")
 
     def __init__(
-        self,
-        now: float,
-        roles: tuple[Role | None, ...] | Callable[[], Layout],
-        pinned: frozenset[int] = frozenset(),
-        workload: Workload | Callable[[], Workload] | None = None,
+        self, now: float, layout: Layout | Callable[[], Layout], workload: Workload | Callable[[], Workload]
     ) -> None:
-        self.now = now
-        self._layout, self._make_layout = (None, roles) if callable(roles) else ((roles, pinned), None)
-        self._workload, self._make = (workload, None) if isinstance(workload, Workload) else (None, workload)
+        self.now, self._layout, self._workload = now, layout, workload
 
     @property
     def roles(self) -> tuple[Role | None, ...]:
@@ -47,18 +41,14 @@ class PlanView:
         return self._get_layout()[1]
 
     def _get_layout(self) -> Layout:
-        if self._layout is None:
-            assert self._make_layout is not None
-            self._layout = self._make_layout()
+        if callable(self._layout):
+            self._layout = self._layout()
         return self._layout
 
     @property
     def workload(self) -> Workload:
-        if self._workload is None:
-            if self._make is None:
-                raise ValueError("PlanView: no workload given")
-            assert self._make is not None
-            self._workload = self._make()
+        if callable(self._workload):
+            self._workload = self._workload()
         return self._workload
 
 

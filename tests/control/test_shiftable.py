@@ -19,7 +19,7 @@ class Counting:
 
 
 def demand(now: float, make: Counting, loads=(4, 4, 0, 0), roles=(R, R, G, T), gen: int = 8) -> Demand:
-    return Demand(gen, 8, False, False, loads, PlanView(now, roles, frozenset(), make))
+    return Demand(gen, 8, False, False, loads, PlanView(now, (roles, frozenset()), make))
 
 
 def test_replans_only_on_change_or_when_due():
@@ -38,7 +38,7 @@ def test_replans_only_on_change_or_when_due():
 
 def test_a_view_built_from_a_workload_needs_no_callable():
     w = Workload(judge_queued=3)
-    assert PlanView(0.0, (R,), frozenset(), w).workload is w
+    assert PlanView(0.0, ((R,), frozenset()), w).workload is w
 
 
 def test_a_view_builds_its_layout_on_first_use_only():
@@ -48,7 +48,7 @@ def test_a_view_builds_its_layout_on_first_use_only():
         calls.append(1)
         return (R, G), frozenset({1})
 
-    view = PlanView(0.0, layout, workload=Workload())
+    view = PlanView(0.0, layout, Workload())
     assert calls == []  # a policy answering from its last plan never asks
     assert view.roles == (R, G) and view.pinned == frozenset({1}) and len(calls) == 1
 
