@@ -170,6 +170,7 @@ class Estimate:
     seqs: int
     tail: bool  # the rollout end is bound by its longest sequence, not by throughput
     worst_rollout_end: float  # if the longest sequence runs to the longest length seen
+    train_from: float = 0.0  # the first backward can start (inf: no group left to train)
 
     def count(self, role: Role) -> int:
         return self.alloc[ROLES.index(role)]
@@ -367,8 +368,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         t_g = max(bulk, latency, t_r + last if w.judge_future else 0.0)
         r_judged = handoff_r and t_r < t_g
     # backward
-    t_b = 0.0
+    t_b, t_first = 0.0, INF
     if w.groups:
+        t_first = 0.0
         arrivals = _now_and_later(n_t, late[2])
         if 0.0 < t_g < INF:
             arrivals.append((t_g + hop(Role.GENRM, Role.TRAIN), n_g + (n_r if r_judged else 0)))
@@ -388,12 +390,18 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
                     prev = whole
                 rest -= prev
             chunks.append((t_g, max(0.0, rest)))
+            t_first, acc = t_g, 0.0  # when a whole group is expected to be trainable
+            for at, k in sorted(chunks):
+                acc += k
+                if acc >= 1.0:
+                    t_first = min(at, t_g)
+                    break
             bulk = _fluid([(at, k * w.group_tokens) for at, k in chunks if k], arrivals, rate)
         else:
             bulk = _drain(w.groups * w.group_tokens, lambda n: rate, arrivals)
         t_b = max(bulk, group, t_g + group if w.judge_items else 0.0)
     total = max(t_r, t_g, t_b) + w.step_seconds
-    return Estimate(alloc, t_r, t_g, t_b, total, w.seqs, tail, worst)
+    return Estimate(alloc, t_r, t_g, t_b, total, w.seqs, tail, worst, t_first)
 
 
 def _allocations(devices: int, floor: Alloc) -> Iterator[Alloc]:
@@ -458,6 +466,7 @@ class Decision:
     before: Estimate | None = None  # the allocation kept as the baseline
     after: Estimate | None = None  # the allocation chosen
     overhead: float = 0.0  # seconds charged for the moves
+    wake: float = INF  # when to plan again at the latest: devices lent to the rollout are due in their role
 
 
 @dataclass(slots=True)
@@ -573,11 +582,13 @@ class Planner:
                     alt = c
                     break
         chosen, reason = self._choose(alt, stay, w)
-        moves = _moves(chosen, scene)
+        moves, wait = _lend(_moves(chosen, scene), current, pinned, chosen.est, w, profiles.costs)
+        if wait < INF:
+            reason += f"; train devices lent to the rollout for {_s(wait)}, until groups can train"
         targets = {d: r for d, r in current.items() if r is not None}
         for d, _, dst in moves:
             targets[d] = dst
-        decision = Decision(now, targets, moves, reason, stay.est, chosen.est, chosen.overhead)
+        decision = Decision(now, targets, moves, reason, stay.est, chosen.est, chosen.overhead, now + wait)
         if moves:
             for d, src, _ in moves:
                 self._left[d] = (now, src)
@@ -752,6 +763,34 @@ def _take(
         left[dst] -= 1
         out.append((d, dst))
     return out
+
+
+LEND_AFTER = 2.0  # round trips of shifts a train device must be able to generate for, to be lent
+
+
+def _lend(
+    moves: list[Move], current: dict[int, Role | None], pinned: set[int], est: Estimate, w: _Work, costs: ShiftCosts
+) -> tuple[list[Move], float]:
+    """The plan's moves, with the train devices lent to the rollout at the start of a step: until the
+    first group can train they would idle, while the rollout, with every sequence still to generate,
+    ends sooner with them. (The estimate holds a role's devices from now until its phase
+    ends, so it cannot see this.) They are lent only if they can generate for ``LEND_AFTER`` round
+    trips of shifts. Also the seconds until they must leave for train (inf: none lent)."""
+    fresh_step = w.queued and not (w.judge_queued or w.ready or w.judging)  # nothing generated yet
+    if not fresh_step or not est.count(Role.TRAIN) or est.train_from == INF:
+        return moves, INF
+    to_train, back = costs.cost(Role.ROLLOUT, Role.TRAIN), costs.cost(Role.TRAIN, Role.ROLLOUT)
+    wait = est.train_from - to_train  # a device in train now would idle this long
+    if wait <= LEND_AFTER * (to_train + back):
+        return moves, INF
+    moving = {d for d, _, _ in moves}
+    fresh = [(d, None, Role.ROLLOUT) for d, src, dst in moves if src is None and dst is Role.TRAIN]
+    idle = [(d, Role.TRAIN, Role.ROLLOUT) for d, r in current.items()
+            if r is Role.TRAIN and d not in pinned and d not in moving]  # fmt: skip
+    if not fresh and not idle:
+        return moves, INF
+    kept = [m for m in moves if not (m[1] is None and m[2] is Role.TRAIN)]
+    return sorted(kept + fresh + idle, key=lambda m: m[0]), wait
 
 
 def _situation(est: Estimate, w: _Work) -> str:

@@ -135,7 +135,7 @@ class Shiftable:
         share = REPLAN_SHARE if few else REPLAN_SHARE_CLUSTER
         # a share of the whole step, not of what is left of it: plans would come ever faster at its end
         self._horizon = max(self._horizon * 0.98, rest) if rest < float("inf") else self._horizon
-        due = view.now + (share * self._horizon if rest < float("inf") else 0.0)
+        due = min(view.now + (share * self._horizon if rest < float("inf") else 0.0), decision.wake)
         self._last = (situation, view.now, due, decision.targets)
         return decision.targets
 

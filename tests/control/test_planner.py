@@ -18,7 +18,9 @@ from pivotrl.control.planner import (
     TrainProfile,
     Workload,
     _fifo,
+    _lend,
     _rollout_grid,
+    _summarize,
     estimate,
     fmt_alloc,
     initial_split,
@@ -431,3 +433,39 @@ def test_groups_generated_whole_during_the_rollout_train_before_it_ends():
 def test_workload_groups_must_match_the_sequences():
     with pytest.raises(ValueError, match="rollout_groups"):
         Workload(rollout_remaining=[1, 2, 3], rollout_groups=[0, 1])
+
+
+def _fresh_step(**kw) -> Workload:
+    """The start of a step: 8 sequences queued, in 2 groups, nothing generated or judged yet."""
+    base = dict(rollout_remaining=[0] * 8, rollout_groups=[0] * 4 + [1] * 4, rollout_queued=8, judge_future=8,
+                train_groups_left=2, train_tokens_per_group=1000)  # fmt: skip
+    return Workload(**{**base, **kw})
+
+
+def _est(train_from: float, alloc: tuple[int, int, int] = (2, 0, 2)) -> Estimate:
+    return Estimate(alloc, 20.0, 25.0, 30.0, 31.0, 8, False, 40.0, train_from)
+
+
+LEND = [
+    # workload, first group trainable in (s), pinned, moves kept as planned
+    pytest.param(_fresh_step(), 10.0, set(), False, id="step-start:idle-and-new-train-devices-roll-out"),
+    pytest.param(_fresh_step(), 10.0, {1}, False, id="step-start:pinned-train-device-stays"),
+    pytest.param(_fresh_step(), 0.2, set(), True, id="groups-trainable-soon:no-loan"),
+    pytest.param(_fresh_step(judge_queued=2), 10.0, set(), True, id="mid-step:no-loan"),
+    pytest.param(_fresh_step(rollout_queued=0), 10.0, set(), True, id="nothing-queued:no-loan"),
+]
+
+
+@pytest.mark.parametrize(("workload", "train_from", "pinned", "unchanged"), LEND)
+def test_train_devices_are_lent_to_the_rollout_at_the_start_of_a_step(workload, train_from, pinned, unchanged):
+    # device 0 leaves train as planned, 1 stays there idle, 3 gets its first role (train)
+    p = profiles(shift=0.05)
+    current = {0: T, 1: T, 2: R, 3: None}
+    planned = [(0, T, R), (3, None, T)]
+    moves, wait = _lend(planned, current, pinned, _est(train_from), _summarize(workload, p), p.costs)
+    if unchanged:
+        assert (moves, wait) == (planned, math.inf)
+        return
+    assert wait == pytest.approx(train_from - 0.05)  # then a device must leave for train to be in time
+    lent = [] if 1 in pinned else [(1, T, R)]
+    assert moves == sorted([(0, T, R), (3, None, R), *lent])

@@ -63,3 +63,20 @@ def test_slices_teach_each_role_its_own_speeds():
     # decode time is the slice less its prefill, per decode step; the judge's profile is left alone
     policy.observe(Progress(1, Role.ROLLOUT, 1.0, 100, 10, prefill_tokens=0, prefill_seconds=0.0, steps=10), None)
     assert p.rollout.samples == 1 and p.judge.samples == 0 and p.judge.prefill_rate == judge_prefill
+
+
+def test_a_plan_that_lends_devices_is_planned_again_when_they_are_due():
+    policy = Shiftable(4, max_batch=64, rollout_tokens=96, judge_tokens=48)
+    make = Counting(Workload(rollout_remaining=[3] * 8, judge_future=8, judge_queued=8, judge_tokens_mean=40))
+    plan = policy.planner.plan
+
+    def lending(*args, **kwargs):
+        decision = plan(*args, **kwargs)
+        decision.wake = decision.now + 1e-3  # train devices lent to the rollout, due back this soon
+        return decision
+
+    policy.planner.plan = lending
+    policy.targets(demand(0.0, make))
+    assert policy._last[2] == 1e-3
+    policy.targets(demand(1e-3 + 1e-6, make))  # nothing else changed
+    assert make.calls == 2
