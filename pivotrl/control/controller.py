@@ -111,8 +111,9 @@ class StepRecord:
     generated: int = 0
     group_judged: dict[int, int] = field(default_factory=dict)  # prompt index -> judged members
     group_generated: dict[int, int] = field(default_factory=dict)  # prompt index -> generated members
-    accumulated: int = 0  # groups whose backward is done
-    backward: set[int] = field(default_factory=set)  # groups handed to a backward (prompt indexes)
+    accumulated: int = 0  # samples whose backward is done
+    backward: set[int] = field(default_factory=set)  # samples handed to a backward (indexes into samples)
+    advantages: dict[int, float] = field(default_factory=dict)  # sample index -> advantage, once its group is judged
     rollout_end: float | None = None
     first_judged: float | None = None
     judge_end: float | None = None
@@ -137,7 +138,8 @@ class Controller:
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}
         self.train_ready = self.training = False  # every reward in / optimizer step running
-        self.train_queue: deque[int] = deque()  # judged groups waiting for their backward
+        self.train_queue: deque[int] = deque()  # samples of judged groups waiting for their backward
+        self._queued_tokens = 0  # their tokens (prompt and response)
         self.eval_hits: dict[int, dict[int, bool]] = {}  # step evaluated after -> held-out index -> correct
         self.accuracy: dict[int, float] = {}  # step -> held-out accuracy after it
         self.pending_metrics: dict[int, dict[str, Any]] = {}  # finished steps waiting for their evaluation
@@ -283,7 +285,7 @@ class Controller:
         gen_uids = [r.uid for r in s.gen_queue] + running
         judging = [uid for d in self.devices if d.role is Role.GENRM for uid in s.inflight.get(d.id, ())]
         step, g = self.step, self.spec.group_size
-        groups_left = 0 if step is None else len(step.samples) // g - step.accumulated
+        groups_left = 0 if step is None else -(-(len(step.samples) - step.accumulated) // g)
         by_uid, m = self.by_uid, self.measured
         read = sum(
             len(by_uid[u].prompt_ids) + len(by_uid[u].response_ids)
@@ -293,9 +295,9 @@ class Controller:
         # the groups left are the ones with the longest responses (those end last): their tokens as known
         # so far, the mean length for responses still generating
         expected = m["prompt_tokens"] + m["response_tokens"]
-        left = [x for x in step.samples if x.prompt_index not in step.backward] if step is not None else []
+        left = [x for i, x in enumerate(step.samples) if i not in step.backward] if step is not None else []
         train_tokens = sum(len(x.prompt_ids) + len(x.response_ids) if x.response_ids else expected for x in left)
-        per_group = train_tokens / (len(left) // g) if len(left) >= g else expected * g
+        per_group = train_tokens / len(left) * g if left else expected * g
         return Workload(
             rollout_remaining=[self.tokens_so_far.get(uid, 0) for uid in gen_uids],
             rollout_groups=[by_uid[u].prompt_index if u < EVAL_UID and u in by_uid else -1 for u in gen_uids],
@@ -308,7 +310,7 @@ class Controller:
             judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
             judge_tokens_mean=self.measured["judge_tokens"],
             train_groups_left=groups_left,
-            train_groups_ready=len(self.train_queue),
+            train_groups_ready=-(-len(self.train_queue) // g),
             train_groups_judging=0
             if step is None
             else sum(1 for p, n in step.group_generated.items() if n == g and step.group_judged.get(p, 0) < g),
@@ -453,36 +455,58 @@ class Controller:
             done = self.step.group_judged.get(s.prompt_index, 0) + 1
             self.step.group_judged[s.prompt_index] = done
             if done == self.spec.group_size:  # the whole group is judged: its advantages are known
-                self.train_queue.append(s.prompt_index)
+                self._queue_group(s.prompt_index)
         if self.step.judged == len(self.step.samples):
             self.train_ready = True
             self.step.judge_end = self.clock()
 
+    def _queue_group(self, p: int) -> None:
+        """A judged group's samples, with their advantages, join the train queue."""
+        assert self.step is not None
+        g, samples = self.spec.group_size, self.step.samples
+        idx = range(p * g, (p + 1) * g)
+        adv = group_advantages([samples[i].reward for i in idx], g, self.spec.scale_by_std)
+        self.step.advantages.update(zip(idx, adv, strict=True))
+        self.train_queue.extend(idx)
+        self._queued_tokens += sum(self._train_tokens(i) for i in idx)
+
+    def _train_tokens(self, i: int) -> int:
+        assert self.step is not None
+        s = self.step.samples[i]
+        return len(s.prompt_ids) + len(s.response_ids)
+
     def _dispatch_train(self) -> list[Command]:
-        """Backward of judged groups on the train devices as they come in; the optimizer
-        step once every group of the step is in."""
+        """Backward of judged samples on the train devices as they come in; the optimizer
+        step once every sample of the step is in."""
         if self.step is None or self.training:
             return []
         train_devs = self.policy.train_devices()
         if not train_devs:
             return []
-        groups = len(self.step.samples) // self.spec.group_size
-        # an even share of the groups queued now, counting train devices still shifting in, and
-        # never more than every device's share of the step: a backlog handed whole to the few
-        # devices training when it arrives would run on them alone while the devices the plan
-        # sends next find an empty queue; small shares rebalance as devices free up
-        share = min(-(-len(self.train_queue) // len(train_devs)), -(-groups // len(self.devices)))
+        n = len(self.step.samples)
         cmds: list[Command] = []
-        # devices already holding gradients first: they stay in the role until the optimizer step
-        # anyway, while a device given its first group is pinned there too, out of the planner's reach
-        for i in sorted(train_devs, key=lambda i: not self.devices[i].grads):
-            d = self.devices[i]
-            if not self.train_queue:
-                break
-            if d.role is not Role.TRAIN or d.version != self.version or d.shifting or d.accumulating:
-                continue
-            take = [self.train_queue.popleft() for _ in range(min(share, len(self.train_queue)))]
-            if take:
+        if self.train_queue:
+            # an even share of the tokens queued now, counting train devices still shifting in, and
+            # never more than every device's share of the step: a backlog handed whole to the few
+            # devices training when it arrives would run on them alone while the devices the plan
+            # sends next find an empty queue; small shares rebalance as devices free up. Shares are
+            # counted in tokens, not groups: the groups judged last hold the longest responses
+            mean = self._queued_tokens / len(self.train_queue)
+            share = min(self._queued_tokens / len(train_devs), mean * -(-n // len(self.devices)))
+            # devices already holding gradients first: they stay in the role until the optimizer step
+            # anyway, while a device given its first samples is pinned there too, out of the planner's reach
+            for i in sorted(train_devs, key=lambda i: not self.devices[i].grads):
+                d = self.devices[i]
+                if not self.train_queue:
+                    break
+                if d.role is not Role.TRAIN or d.version != self.version or d.shifting or d.accumulating:
+                    continue
+                take = [self.train_queue.popleft()]
+                tokens = self._train_tokens(take[0])
+                while self.train_queue and tokens + self._train_tokens(self.train_queue[0]) / 2 <= share:
+                    take.append(self.train_queue.popleft())  # to the nearest sample
+                    tokens += self._train_tokens(take[-1])
+                self._queued_tokens -= tokens
                 self.step.backward.update(take)
                 cmds.append(Accumulate(i, self.version, self._shard(take)))
                 d.accumulating, d.grads = True, True
@@ -493,7 +517,7 @@ class Controller:
             and not (self.devices[i].shifting or self.devices[i].accumulating)
             for i in train_devs
         )  # fmt: skip
-        if self.step.accumulated == groups and ready:
+        if self.step.accumulated == n and ready:
             assert all(not d.grads or d.id in train_devs for d in self.devices), "gradients on a non-train device"
             self.training, self.train_ready = True, False
             for i in train_devs:
@@ -501,23 +525,20 @@ class Controller:
             cmds.append(Step(train_devs, self.version, sum(len(s.response_ids) for s in self.step.samples)))
         return cmds
 
-    def _shard(self, groups: list[int]) -> TrainShard:
+    def _shard(self, idx: list[int]) -> TrainShard:
         assert self.step is not None
-        g, samples = self.spec.group_size, self.step.samples
-        idx = [p * g + m for p in groups for m in range(g)]
-        adv = [a for p in groups for a in group_advantages([samples[p * g + m].reward for m in range(g)], g,
-                                                          self.spec.scale_by_std)]  # fmt: skip
+        samples, adv = self.step.samples, self.step.advantages
         return TrainShard(
             tuple(tuple(samples[i].prompt_ids) for i in idx),
             tuple(tuple(samples[i].response_ids) for i in idx),
             tuple(tuple(samples[i].logprobs) for i in idx),
-            tuple(adv),
+            tuple(adv[i] for i in idx),
         )
 
     def _on_accumulated(self, e: Accumulated) -> None:
         assert self.step is not None
         self.devices[e.device].accumulating = False
-        self.step.accumulated += e.samples // self.spec.group_size
+        self.step.accumulated += e.samples
 
     def _on_trained(self, e: Trained) -> None:
         assert self.step is not None
