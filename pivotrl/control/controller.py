@@ -139,7 +139,6 @@ class Controller:
         self.by_uid: dict[int, Sample] = {}
         self.train_ready = self.training = False  # every reward in / optimizer step running
         self.train_queue: deque[int] = deque()  # samples of judged groups waiting for their backward
-        self._queued_tokens = 0  # their tokens (prompt and response)
         self.eval_hits: dict[int, dict[int, bool]] = {}  # step evaluated after -> held-out index -> correct
         self.accuracy: dict[int, float] = {}  # step -> held-out accuracy after it
         self.pending_metrics: dict[int, dict[str, Any]] = {}  # finished steps waiting for their evaluation
@@ -468,7 +467,6 @@ class Controller:
         adv = group_advantages([samples[i].reward for i in idx], g, self.spec.scale_by_std)
         self.step.advantages.update(zip(idx, adv, strict=True))
         self.train_queue.extend(idx)
-        self._queued_tokens += sum(self._train_tokens(i) for i in idx)
 
     def _train_tokens(self, i: int) -> int:
         assert self.step is not None
@@ -485,39 +483,37 @@ class Controller:
             return []
         n = len(self.step.samples)
         cmds: list[Command] = []
-        if self.train_queue:
+        # devices already holding gradients first: they stay in the role until the optimizer step
+        # anyway, while a device given its first samples is pinned there too, out of the planner's reach
+        free = [
+            i for i in sorted(train_devs, key=lambda i: not self.devices[i].grads)
+            if (d := self.devices[i]).role is Role.TRAIN and d.version == self.version
+            and not (d.shifting or d.accumulating)
+        ]  # fmt: skip
+        share = 0.0
+        if self.train_queue and free:
             # an even share of the tokens queued now, counting train devices still shifting in, and
             # never more than every device's share of the step: a backlog handed whole to the few
             # devices training when it arrives would run on them alone while the devices the plan
             # sends next find an empty queue; small shares rebalance as devices free up. Shares are
             # counted in tokens, not groups: the groups judged last hold the longest responses
-            mean = self._queued_tokens / len(self.train_queue)
-            share = min(self._queued_tokens / len(train_devs), mean * -(-n // len(self.devices)))
-            # devices already holding gradients first: they stay in the role until the optimizer step
-            # anyway, while a device given its first samples is pinned there too, out of the planner's reach
-            for i in sorted(train_devs, key=lambda i: not self.devices[i].grads):
-                d = self.devices[i]
-                if not self.train_queue:
-                    break
-                if d.role is not Role.TRAIN or d.version != self.version or d.shifting or d.accumulating:
-                    continue
-                take = [self.train_queue.popleft()]
-                tokens = self._train_tokens(take[0])
-                while self.train_queue and tokens + self._train_tokens(self.train_queue[0]) / 2 <= share:
-                    take.append(self.train_queue.popleft())  # to the nearest sample
-                    tokens += self._train_tokens(take[-1])
-                self._queued_tokens -= tokens
-                self.step.backward.update(take)
-                cmds.append(Accumulate(i, self.version, self._shard(take)))
-                d.accumulating, d.grads = True, True
-                if self.step.train_start is None:
-                    self.step.train_start = self.clock()
-        ready = all(
-            self.devices[i].role is Role.TRAIN and self.devices[i].version == self.version
-            and not (self.devices[i].shifting or self.devices[i].accumulating)
-            for i in train_devs
-        )  # fmt: skip
-        if self.step.accumulated == n and ready:
+            queued = sum(map(self._train_tokens, self.train_queue))
+            share = min(queued / len(train_devs), queued / len(self.train_queue) * -(-n // len(self.devices)))
+        for i in free:
+            if not self.train_queue:
+                break
+            take = [self.train_queue.popleft()]
+            tokens = self._train_tokens(take[0])
+            while self.train_queue and tokens + self._train_tokens(self.train_queue[0]) / 2 <= share:
+                take.append(self.train_queue.popleft())  # to the nearest sample
+                tokens += self._train_tokens(take[-1])
+            self.step.backward.update(take)
+            cmds.append(Accumulate(i, self.version, self._shard(take)))
+            self.devices[i].accumulating = self.devices[i].grads = True
+            if self.step.train_start is None:
+                self.step.train_start = self.clock()
+        # every backward done (so nothing was handed out above) and every train device free
+        if self.step.accumulated == n and len(free) == len(train_devs):
             assert all(not d.grads or d.id in train_devs for d in self.devices), "gradients on a non-train device"
             self.training, self.train_ready = True, False
             for i in train_devs:

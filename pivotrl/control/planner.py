@@ -170,7 +170,7 @@ class Estimate:
     seqs: int
     tail: bool  # the rollout end is bound by its longest sequence, not by throughput
     worst_rollout_end: float  # if the longest sequence runs to the longest length seen
-    train_from: float = 0.0  # the first backward can start (inf: no group left to train)
+    train_from: float  # the first backward can start (inf: no group left to train)
 
     def count(self, role: Role) -> int:
         return self.alloc[ROLES.index(role)]
