@@ -124,20 +124,29 @@ def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
                 "cat": s.role,
                 "ts": round(s.start * 1e6, 3),
                 "dur": round(max(0.0, s.end - s.start) * 1e6, 3),
-                "args": {"role": s.role, **_clean(s.args)},
+                "args": {"role": s.role, **s.args},
             }
         )
-    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    try:
+        text = json.dumps(trace, allow_nan=False)
+    except ValueError:  # an infinite or NaN argument somewhere: null, as JSON has no such numbers
+        for e in events:
+            if "args" in e:
+                e["args"] = _clean(e["args"])
+        text = json.dumps(trace)
+    Path(path).write_text(text)
 
 
 def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") -> None:
-    """Devices x time, one bar per slice, coloured by role. One collection of bars per role, and
-    rows that thin out past a few dozen devices, so a thousand devices draw in about a second."""
+    """Devices x time, coloured by role. Up to ``BAR_ROWS`` devices, one bar per slice (one
+    collection of bars per role); past that, a row of pixels per device, painted slice by slice
+    (shifts and migrations last, so that they show), which a thousand devices and 10^5 slices
+    draw in about a second."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     slices = list(slices)
@@ -146,8 +155,40 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     begin = min((s.start for s in slices), default=0.0) if slices and min(s.start for s in slices) > 0.2 * end else 0.0
     row = 0.55 if len(devices) <= 32 else max(0.02, 17.6 / len(devices))  # at most ~20 inches of rows
     fig, ax = plt.subplots(figsize=(12, 1.6 + row * len(devices)))
+    if len(devices) <= BAR_ROWS:
+        roles = _bars(ax, slices, begin, end)
+    else:
+        roles = _raster(ax, slices, devices, begin, end)
+    every = max(1, math.ceil(len(devices) / 32))  # label at most ~32 rows
+    ax.set_yticks(devices[::every], [f"device {d}" for d in devices[::every]])
+    ax.set_ylim(min(devices) - 0.6, max(devices) + 0.6)
+    ax.invert_yaxis()
+    ax.set_xlim(begin, end)
+    ax.set_xlabel("seconds since start")
+    shown = [r for r in ROLE_COLORS if r in roles]
+    handles = [Patch(color=ROLE_COLORS[r], label=r) for r in shown]
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(shown) or 1, frameon=False)
+    if title:
+        ax.set_title(title, loc="left")
+    if len(devices) <= BAR_ROWS:
+        fig.tight_layout()
+    else:  # fixed margins: tight_layout would draw the big figure once more to measure it
+        width, height = fig.get_size_inches()
+        fig.subplots_adjust(left=1.0 / width, right=1 - 0.2 / width, bottom=0.6 / height, top=1 - 0.6 / height)
+    fig.savefig(path, dpi=110, pil_kwargs={"compress_level": 1})  # a fast deflate: the file is a few 100 kB more
+    plt.close(fig)
+
+
+BAR_ROWS = 64  # more devices than this are drawn as pixel rows (a bar would be under 3 pixels high)
+RASTER_COLUMNS = 2000  # time bins of the pixel rows: more than the figure has pixels across
+
+
+def _bars(ax: Any, slices: list[Slice], begin: float, end: float) -> set[str]:
+    """A bar per slice; bars of one role closer than a pixel are drawn as one."""
+    from matplotlib.collections import PolyCollection
+
     bars: dict[str, list] = {}
-    merge = (end - begin) / 4000  # bars of one role closer than this (well under a pixel) are drawn as one
+    merge = (end - begin) / 4000
     last: dict[int, list] = {}  # device -> its latest bar [role, x0, x1]
     for s in sorted(slices, key=lambda s: (s.device, s.start)):
         x0, x1 = s.start, s.start + max(s.end - s.start, end * 1e-4)
@@ -164,17 +205,36 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
         verts = [[(x0, d - 0.4), (x1, d - 0.4), (x1, d + 0.4), (x0, d + 0.4)] for d, x0, x1 in rows]
         color = ROLE_COLORS.get(role, "#999999")
         ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors="none"), autolim=False)
-    every = max(1, math.ceil(len(devices) / 32))  # label at most ~32 rows
-    ax.set_yticks(devices[::every], [f"device {d}" for d in devices[::every]])
-    ax.set_ylim(min(devices) - 0.6, max(devices) + 0.6)
-    ax.invert_yaxis()
-    ax.set_xlim(begin, end)
-    ax.set_xlabel("seconds since start")
-    roles = [r for r in ROLE_COLORS if r in bars]
-    handles = [Patch(color=ROLE_COLORS[r], label=r) for r in roles]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(roles) or 1, frameon=False)
-    if title:
-        ax.set_title(title, loc="left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return set(bars)
+
+
+def _raster(ax: Any, slices: list[Slice], devices: list[int], begin: float, end: float) -> set[str]:
+    """One row of pixels per device from ``devices[0]`` to ``devices[-1]``, ``RASTER_COLUMNS`` time bins;
+    a bin shows the role of the last slice painted over it (idle: white)."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    names = list(ROLE_COLORS) + sorted({s.role for s in slices} - set(ROLE_COLORS))
+    index = {r: i + 1 for i, r in enumerate(names)}
+    first, width = devices[0], max(end - begin, 1e-9) / RASTER_COLUMNS
+    image = np.zeros((devices[-1] - first + 1, RASTER_COLUMNS), dtype=np.uint8)
+    on_top = ("shift", "migrate")  # short and telling: painted over the work around them
+    row = np.array([s.device - first for s in slices], dtype=np.int64)
+    start = np.array([s.start for s in slices])
+    stop = np.array([s.end for s in slices])
+    value = np.array([index[s.role] for s in slices], dtype=np.uint8)
+    order = np.lexsort((start, [s.role in on_top for s in slices]))  # painting order: by start, on-top ones last
+    row, start, stop, value = row[order], start[order], stop[order], value[order]
+    b0 = np.clip(((start - begin) / width).astype(np.int64), 0, RASTER_COLUMNS - 1)
+    b1 = np.maximum(b0 + 1, np.minimum(RASTER_COLUMNS, np.ceil((stop - begin) / width).astype(np.int64)))
+    span = b1 - b0  # every bin of every slice, in painting order
+    owner = np.repeat(np.arange(len(span)), span)
+    bins = b0[owner] + np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+    cells = (row[owner] * RASTER_COLUMNS + bins)[::-1]
+    cells, last = np.unique(cells, return_index=True)  # the first seen backwards: the last painted
+    image.flat[cells] = value[owner[::-1][last]]
+    colors = ["#ffffff"] + [ROLE_COLORS.get(r, "#999999") for r in names]
+    extent = (begin, end, devices[-1] + 0.5, first - 0.5)
+    ax.imshow(image, cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1, aspect="auto",
+              interpolation="nearest", extent=extent, origin="upper")  # fmt: skip
+    return {s.role for s in slices}

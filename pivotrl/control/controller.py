@@ -133,7 +133,7 @@ class Controller:
         self.spec, self.policy, self.genrm, self.clock = spec, policy, genrm, clock
         self.train_set, self.heldout = train_set, heldout
         self.devices = [DeviceView(i) for i in range(policy.devices)]
-        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None)
+        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None, len(self.devices))
         self.version = 0
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}
@@ -202,6 +202,9 @@ class Controller:
         cmds: list[Command] = []
         demand = self.demand()
         targets, loads = self.policy.targets(demand), demand.loads
+        # one pass over the devices: each shifts (or aborts its work) towards its target, or, holding
+        # the rollout or judge role and staying, is ready for more of its work (below)
+        ready: dict[Role | None, list[int]] = {Role.ROLLOUT: [], Role.GENRM: [], Role.TRAIN: [], None: []}
         for d in self.devices:
             if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
                 continue
@@ -210,43 +213,44 @@ class Controller:
                 if d.role is not want and self.policy.preempt:  # leave now: its requests migrate
                     cmds.append(Abort(d.id))
                     d.aborting, d.leaving = True, want  # a decision acted on is kept: no work comes back to it
+                elif d.leaving is None and (d.role is not Role.ROLLOUT or d.version == self.version):
+                    ready[d.role].append(d.id)  # (a stale rollout device finishes its work, takes no more)
                 continue
             d.leaving = None
-            stale = want is not Role.GENRM and d.version != self.version
-            if d.role is not want or stale:
+            if d.role is not want or (want is not Role.GENRM and d.version != self.version):  # or stale
                 cmds.append(Shift(d.id, want, self.version))
                 d.shifting, d.heading = True, want
-        wanted = Counter(targets.values())
-        for role, queue in ((Role.ROLLOUT, self.scheduler.gen_queue), (Role.GENRM, self.scheduler.judge_queue)):
-            if not queue:
-                continue
-            ready = self._ready(role)  # each has the role as its target: it would be shifting otherwise
-            joining = max(0, wanted[role] - len(ready))
-            if role is Role.ROLLOUT:
-                sent = self.scheduler.dispatch_gen(ready, self.version, joining)
-                self._rebalance_due |= bool(sent)
-                cmds += sent
             else:
-                cmds += self.scheduler.dispatch_judge(ready, joining)
-        if self.spec.rebalance:
-            cmds += self._rebalance()
+                ready[d.role].append(d.id)  # a rollout device's version is current: it would be shifting
+        s = self.scheduler
+        if s.gen_queue or s.judge_queue:
+            wanted = Counter(targets.values())
+            for role, queue in ((Role.ROLLOUT, s.gen_queue), (Role.GENRM, s.judge_queue)):
+                if not queue:
+                    continue
+                joining = max(0, wanted[role] - len(ready[role]))
+                if role is Role.ROLLOUT:
+                    sent = s.dispatch_gen(ready[role], self.version, joining)
+                    self._rebalance_due |= bool(sent)
+                    cmds += sent
+                else:
+                    cmds += s.dispatch_judge(ready[role], joining)
+        if self.spec.rebalance and self._rebalance_due and not s.gen_queue:
+            cmds += self._rebalance(ready[Role.ROLLOUT])
         cmds += self._dispatch_train()
         return cmds
 
-    def _rebalance(self) -> list[Command]:
+    def _rebalance(self, ready: list[int]) -> list[Command]:
         """Once the rollout queue is empty, sequences in flight on the most loaded rollout devices
         migrate to the least loaded (``Scheduler.rebalance``), those with the fewest tokens to
         re-prefill first: a device left with a big batch decodes every step of its longest
         sequence slower for it, while a device that emptied idles. (Judgments are not moved:
         with at most a few hundred tokens left to write, their re-prefill costs about what
         a smaller batch saves.)"""
-        s = self.scheduler
-        if s.gen_queue or not self._rebalance_due:
-            return []
         self._rebalance_due = False  # until sequences end, come back or a device joins the role
         cmds: list[Command] = []
         so_far = self.tokens_so_far
-        for d, uids in s.rebalance(self._ready(Role.ROLLOUT), lambda u: so_far.get(u, 0)).items():
+        for d, uids in self.scheduler.rebalance(ready, lambda u: so_far.get(u, 0)).items():
             cmds.append(Abort(d, tuple(uids)))
             self.devices[d].aborting = True
         return cmds
@@ -280,9 +284,9 @@ class Controller:
     def workload(self) -> Workload:
         """What is left in the step, in the planner's terms."""
         s = self.scheduler
-        running = [uid for d in self.devices if d.role is Role.ROLLOUT for uid in s.inflight.get(d.id, ())]
+        running = [uid for d in self.devices if d.role is Role.ROLLOUT for uid in s.running(d.id)]
         gen_uids = [r.uid for r in s.gen_queue] + running
-        judging = [uid for d in self.devices if d.role is Role.GENRM for uid in s.inflight.get(d.id, ())]
+        judging = [uid for d in self.devices if d.role is Role.GENRM for uid in s.running(d.id)]
         step, g = self.step, self.spec.group_size
         groups_left = 0 if step is None else -(-(len(step.samples) - step.accumulated) // g)
         by_uid, m = self.by_uid, self.measured
@@ -332,18 +336,6 @@ class Controller:
             m["prompt_tokens"] += a * (prompt - m["prompt_tokens"])
         elif isinstance(event, Trained):
             m["step_seconds"] += a * (event.seconds - m["step_seconds"])
-
-    def _ready(self, role: Role) -> list[int]:
-        """Devices holding ``role`` that may take work of it now: not shifting, not leaving it,
-        no abort in flight (a device handing its excess over is not handed more)."""
-        return [
-            d.id
-            for d in self.devices
-            if d.role is role
-            and not (d.shifting or d.aborting)
-            and d.leaving is None
-            and (role is Role.GENRM or d.version == self.version)
-        ]
 
     # -- steps ----------------------------------------------------------------------
     def _begin_step(self, step: int) -> None:
@@ -478,10 +470,12 @@ class Controller:
         step once every sample of the step is in."""
         if self.step is None or self.training:
             return []
+        n = len(self.step.samples)
+        if not self.train_queue and self.step.accumulated < n:  # nothing to hand out, the step not due
+            return []
         train_devs = self.policy.train_devices()
         if not train_devs:
             return []
-        n = len(self.step.samples)
         cmds: list[Command] = []
         # devices already holding gradients first: they stay in the role until the optimizer step
         # anyway, while a device given its first samples is pinned there too, out of the planner's reach
@@ -525,9 +519,9 @@ class Controller:
         assert self.step is not None
         samples, adv = self.step.samples, self.step.advantages
         return TrainShard(
-            tuple(tuple(samples[i].prompt_ids) for i in idx),
-            tuple(tuple(samples[i].response_ids) for i in idx),
-            tuple(tuple(samples[i].logprobs) for i in idx),
+            tuple(samples[i].prompt_ids for i in idx),  # the samples' own lists, not copies: read-only
+            tuple(samples[i].response_ids for i in idx),
+            tuple(samples[i].logprobs for i in idx),
             tuple(adv[i] for i in idx),
         )
 

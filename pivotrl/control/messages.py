@@ -8,6 +8,7 @@ tokenizer, so the control plane stays free of torch and of any one model.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -107,11 +108,12 @@ class Judge:
 
 @dataclass(slots=True, frozen=True)
 class TrainShard:
-    """One device's part of a data-parallel update: whole GRPO groups."""
+    """One device's part of a data-parallel update: judged samples, each with its group's advantage.
+    The token lists are the samples' own (read-only), not copies: a step's are 10^7 tokens."""
 
-    prompt_ids: tuple[tuple[int, ...], ...]
-    response_ids: tuple[tuple[int, ...], ...]
-    logprobs: tuple[tuple[float, ...], ...]
+    prompt_ids: tuple[Sequence[int], ...]
+    response_ids: tuple[Sequence[int], ...]
+    logprobs: tuple[Sequence[float], ...]
     advantages: tuple[float, ...]
 
 

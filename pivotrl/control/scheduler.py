@@ -22,7 +22,7 @@ from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
 
 
 class Scheduler:
-    def __init__(self, per_device: int, judge_per_device: int | None = None) -> None:
+    def __init__(self, per_device: int, judge_per_device: int | None = None, devices: int = 0) -> None:
         for name, n in (("per_device", per_device), ("judge_per_device", judge_per_device or per_device)):
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
@@ -30,15 +30,26 @@ class Scheduler:
         self.judge_per_device = judge_per_device or per_device
         self.gen_queue: deque[GenRequest] = deque()
         self.judge_queue: deque[JudgeRequest] = deque()
-        self.inflight: dict[int, set[int]] = {}  # device -> uids it is working on
+        # device -> uids it is working on; a list, not a dict: the loads of a thousand devices are
+        # read at every pump, and a list of sets gives them at C speed (grown as devices get work)
+        self.inflight: list[set[int]] = [set() for _ in range(devices)]
 
     def load(self, device: int) -> int:
-        return len(self.inflight.get(device, ()))
+        return len(self.inflight[device]) if device < len(self.inflight) else 0
+
+    def running(self, device: int) -> set[int]:
+        """The uids ``device`` is working on (do not modify)."""
+        return self.inflight[device] if device < len(self.inflight) else set()
 
     def loads(self, devices: int) -> tuple[int, ...]:
         """``load`` of devices 0 .. devices - 1."""
-        inflight = self.inflight
-        return tuple(len(inflight[d]) if d in inflight else 0 for d in range(devices))
+        out = list(map(len, self.inflight[:devices]))
+        return tuple(out + [0] * (devices - len(out)))
+
+    def _holding(self, device: int) -> set[int]:
+        while len(self.inflight) <= device:
+            self.inflight.append(set())
+        return self.inflight[device]
 
     def submit_gen(self, reqs: list[GenRequest], front: bool = False) -> None:
         if front:
@@ -68,11 +79,12 @@ class Scheduler:
         than twice the least loaded plus one: each device above an even share gives its excess,
         the requests cheapest to move first (lowest ``cost``, e.g. tokens to re-prefill).
         For a role whose queue is empty: queued requests go to the least loaded first anyway."""
-        loads = [self.load(d) for d in devices]
+        inflight = self.inflight
+        held = len(inflight)
+        loads = [len(inflight[d]) if d < held else 0 for d in devices]
         if len(loads) < 2 or min(loads) * 2 + 1 >= max(loads):
             return {}
         share = -(-sum(loads) // len(loads))
-        inflight = self.inflight
         return {
             d: sorted(inflight[d], key=lambda u: (cost(u), u))[: n - share]
             for n, d in zip(loads, devices, strict=True)
@@ -97,6 +109,6 @@ class Scheduler:
             n, d = heap[0]
             req = queue.popleft()
             batches.setdefault(d, []).append(req)
-            self.inflight.setdefault(d, set()).add(req.uid)
+            self._holding(d).add(req.uid)
             heapq.heapreplace(heap, (n + 1, d))
         return batches

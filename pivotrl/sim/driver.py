@@ -151,7 +151,7 @@ class SimDriver:
         self._rounds = 0  # rounds of commands since virtual time last moved
         self._recent: deque[str] = deque(maxlen=6)  # the latest commands, for the livelock message
         self._last: dict[int, Slice] = {}  # each device's latest slice, extended while its role work runs on
-        self._prompt_ids: dict[int, list[int]] = {}  # placeholder prompt ids, shared per length
+        self._placeholders: dict[tuple[int, type], list] = {}  # placeholder ids and logprobs, shared per length
 
     # -- the driver interface -------------------------------------------------------
     def clock(self) -> float:
@@ -383,22 +383,26 @@ class SimDriver:
             events.append(Generated(dev.id, tuple(self._gen_result(q, dev.version) for q in done)))
         elif done:
             events.append(Judged(dev.id, tuple(self._judge_result(q) for q in done)))
-        last = self._last.get(dev.id)
-        if last is not None and last.role == role.value and last.end == s.start:  # one bar while the work runs on
+        last, kind = self._last.get(dev.id), role.value  # (an enum's value is a descriptor call: read it once)
+        if last is not None and last.role == kind and last.end == s.start:  # one bar while the work runs on
             last.end = end
-            last.args["finished"] += len(done)
-            last.args["tokens"] += tokens
-            last.args["batch"] = max(last.args["batch"], engine.peak)
-            last.name = f"{role.value} {last.args['finished']} done"
+            args = last.args
+            args["finished"] += len(done)
+            args["tokens"] += tokens
+            args["batch"] = max(args["batch"], engine.peak)
+            last.name = f"{kind} {args['finished']} done"
         else:
-            name = f"{role.value} {len(done)} done"
-            self._record(dev.id, role.value, name, s.start, end, finished=len(done), tokens=tokens, batch=engine.peak)
+            name = f"{kind} {len(done)} done"
+            self._record(dev.id, kind, name, s.start, end, finished=len(done), tokens=tokens, batch=engine.peak)
         return events
 
-    def _placeholder_prompt(self, n: int) -> list[int]:
-        ids = self._prompt_ids.get(n)
+    def _placeholder(self, n: int, value: float = 0) -> list:
+        """``n`` placeholder token ids (or logprobs, ``value=0.0``), read-only: every result of this
+        length shares the list (a step's responses would otherwise allocate 10^7 of them)."""
+        key = (n, type(value))
+        ids = self._placeholders.get(key)
         if ids is None:
-            ids = self._prompt_ids[n] = [0] * n  # read-only: every result of this length shares it
+            ids = self._placeholders[key] = [value] * n
         return ids
 
     def _gen_result(self, q: SimSeq, version: int) -> GenResult:
@@ -406,8 +410,8 @@ class SimDriver:
         right = synthetic.unit(self.spec.seed, r.seed, r.uid, synthetic.VERDICT) < self.spec.yes_probability
         reason = "length" if q.target >= r.params.max_new_tokens else "stop"
         text = synthetic.response_text(q.target, right)
-        return GenResult(r.uid, self._placeholder_prompt(q.prompt), [0] * q.target, [0.0] * q.target, text, reason,
-                         version)  # fmt: skip
+        ids, logprobs = self._placeholder(q.target), self._placeholder(q.target, 0.0)
+        return GenResult(r.uid, self._placeholder(q.prompt), ids, logprobs, text, reason, version)
 
     def _judge_result(self, q: SimSeq) -> JudgeResult:
         r: JudgeRequest = q.request
@@ -435,8 +439,8 @@ class SimDriver:
         for q, n in taken:
             r = q.request
             if isinstance(r, GenRequest):
-                gen.append(replace(r, prompt_ids=self._placeholder_prompt(q.prompt), output_ids=[0] * n,
-                                   logprobs=[0.0] * n))  # fmt: skip
+                gen.append(replace(r, prompt_ids=self._placeholder(q.prompt), output_ids=self._placeholder(n),
+                                   logprobs=self._placeholder(n, 0.0)))  # fmt: skip
             else:
                 judge.append(replace(r, prompt_ids=(0,) * q.prompt, output_ids=(0,) * n))
         if gen or judge:
