@@ -318,6 +318,7 @@ class Controller:
             if step is None
             else sum(1 for p, n in step.group_generated.items() if n == g and step.group_judged.get(p, 0) < g),
             train_tokens_per_group=per_group,
+            train_group_size=g,
             step_seconds=self.measured["step_seconds"],
             prompt_tokens_mean=self.measured["prompt_tokens"],
             judge_read_tokens=read,

@@ -78,6 +78,7 @@ class _Work:
     ready: int  # groups whose backward can start now
     judging: int  # groups generated whole, whose backward starts once the judge queue drains
     group_tokens: float
+    group_size: int  # samples per group: its backward splits over up to this many devices
     step_seconds: float
     gen_context: float  # tokens re-prefilled per migrated rollout sequence
     judge_context: float  # tokens re-read per restarted judgment
@@ -151,6 +152,7 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         ready=min(w.train_groups_ready, w.train_groups_left),
         judging=min(w.train_groups_judging, max(0, w.train_groups_left - w.train_groups_ready)),
         group_tokens=w.train_tokens_per_group,
+        group_size=w.train_group_size,
         step_seconds=w.step_seconds,
         gen_context=w.prompt_tokens_mean + (sum(running) / len(running) if running else 0.0),
         judge_context=w.prompt_tokens_mean + lm.mean + w.judge_tokens_mean / 2,
@@ -250,8 +252,10 @@ def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max
     - judging runs on its devices from now, and cannot end before the rollout
       does plus one judgment;
     - the backward runs on the train devices from now (an optimistic bound:
-      it waits for judged groups), and cannot end before judging does plus one
-      group; the optimizer step follows.
+      it waits for judged groups), and cannot end before judging does plus the
+      last group's backward, its samples shared out over the train devices
+      (up to one sample each); the optimizer step follows, and waits for the
+      train devices still shifting in.
 
     Devices of a phase that ends later in the step join the next phase with work
     when it ends, after the shift that takes them there (its measured cost):
@@ -376,7 +380,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             arrivals.append((t_g + hop(Role.GENRM, Role.TRAIN), n_g + (n_r if r_judged else 0)))
         if handoff_r and not r_judged:
             arrivals.append((t_r + hop(Role.ROLLOUT, Role.TRAIN), n_r))
-        group, rate = w.group_tokens / p.train.device_rate, p.train.device_rate
+        # the last group's backward: its samples shared out over the train devices there will be
+        spread = min(w.group_size, max(1, sum(k for _, k in arrivals)))
+        group, rate = w.group_tokens / spread / p.train.device_rate, p.train.device_rate
         if w.judge_items and 0.0 < t_g < INF:
             # a group trains once its last response is judged: the groups judged now from now, those
             # generated whole once the judgments waiting now are done, the rest (a response of theirs
@@ -400,6 +406,8 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         else:
             bulk = _drain(w.groups * w.group_tokens, lambda n: rate, arrivals)
         t_b = max(bulk, group, t_g + group if w.judge_items else 0.0)
+        if late[2][0]:  # the optimizer step waits for every train device, those still shifting in too
+            t_b = max(t_b, late[2][1])
     total = max(t_r, t_g, t_b) + w.step_seconds
     return Estimate(alloc, t_r, t_g, t_b, total, w.seqs, tail, worst, t_first)
 

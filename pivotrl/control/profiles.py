@@ -370,6 +370,7 @@ class Workload:
     train_groups_ready: int = 0  # of which judged, so their backward can start now
     train_groups_judging: int = 0  # of which generated whole, waiting for judgments
     train_tokens_per_group: float = 512.0
+    train_group_size: int = 1  # samples per group: the backward of one runs on up to this many devices
     step_seconds: float = 0.0  # the optimizer step, after the last backward
     prompt_tokens_mean: float = 0.0  # prompt tokens re-prefilled with a migrated sequence
     judge_read_tokens: float = 0.0  # prompt + response tokens of the judgments queued or running: what they read
@@ -389,3 +390,6 @@ class Workload:
             )
         _positive("judge_tokens_mean", self.judge_tokens_mean)
         _positive("train_tokens_per_group", self.train_tokens_per_group)
+        size = self.train_group_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"train_group_size: got {self.train_group_size!r}, must be an integer >= 1")

@@ -17,6 +17,7 @@ from pivotrl.control.planner import (
     ShiftCosts,
     TrainProfile,
     Workload,
+    _estimate,
     _fifo,
     _lend,
     _rollout_grid,
@@ -380,6 +381,26 @@ def test_groups_train_once_judged():
     none = estimate(Workload(**base), profiles(), alloc(0, 2, 2), MAX_BATCH)
     half = estimate(Workload(**base, train_groups_ready=8), profiles(), alloc(0, 2, 2), MAX_BATCH)
     assert half.judge_end == none.judge_end and half.backward_end < none.backward_end
+
+
+def test_the_last_groups_backward_is_shared_by_its_samples():
+    # one group of 16 samples left, judged as judging ends: 16 train devices take a sample each
+    base = dict(judge_queued=1, judge_tokens_mean=100, train_groups_left=1, train_tokens_per_group=16_000)
+    whole = estimate(Workload(**base), profiles(), alloc(0, 1, 16), MAX_BATCH)
+    shared = estimate(Workload(**base, train_group_size=16), profiles(), alloc(0, 1, 16), MAX_BATCH)
+    assert whole.backward_end - whole.judge_end == pytest.approx(16.0, rel=0.05)  # 16,000 tokens at 1000/s
+    assert shared.backward_end - shared.judge_end == pytest.approx(1.0, rel=0.05)  # a sample on each device
+    # 4 train devices, and the judge device once it has shifted over (0.05 s): the group on 5 devices
+    few = estimate(Workload(**base, train_group_size=16), profiles(), alloc(0, 1, 4), MAX_BATCH)
+    assert few.backward_end - few.judge_end == pytest.approx(0.05 + (16_000 - 4 * 0.05 * 1000) / 5000, rel=1e-3)
+
+
+def test_the_optimizer_step_waits_for_train_devices_shifting_in():
+    base = Workload(train_groups_left=1, train_tokens_per_group=1000, train_groups_ready=1, train_group_size=4)
+    p = profiles()
+    on_time = _estimate(_summarize(base, p), p, (0, 0, 4), MAX_BATCH)
+    late = _estimate(_summarize(base, p), p, (0, 0, 4), MAX_BATCH, ((0, 0.0), (0, 0.0), (2, 30.0)))
+    assert on_time.backward_end < 1.0 and late.backward_end == pytest.approx(30.0)
 
 
 def test_fifo_pieces_end_in_order_as_devices_join():
