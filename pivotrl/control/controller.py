@@ -493,13 +493,7 @@ class Controller:
             # sends next find an empty queue; small shares rebalance as devices free up. Shares are
             # counted in tokens, not groups: the groups judged last hold the longest responses
             queued = sum(map(self._train_tokens, self.train_queue))
-            per_sample, step_share = queued / len(self.train_queue), -(-n // len(self.devices))
-            share = min(queued / len(train_devs), per_sample * step_share)
-            if self.step.rollout_end is None:
-                # while the rollout runs, the backward is off the step's critical path: shares of a
-                # sample or two (a thousand train devices, one group queued) would only multiply the
-                # backward calls; at least half a group each, once the rollout ends as fine as it takes
-                share = max(share, per_sample * min(-(-self.spec.group_size // 2), step_share))
+            share = min(queued / len(train_devs), queued / len(self.train_queue) * -(-n // len(self.devices)))
         for i in free:
             if not self.train_queue:
                 break

@@ -440,28 +440,6 @@ def test_a_backlog_is_shared_by_tokens_not_by_groups():
         assert list(b.shard.advantages) == pytest.approx([1.0 if u % 2 else -1.0 for u in mine], abs=1e-4)
 
 
-@pytest.mark.parametrize(("rollout_over", "shares"), [(False, [[0, 1], [2, 3]]), (True, [[0], [1], [2], [3]])])
-def test_backward_shares_are_half_a_group_at_least_while_the_rollout_runs(rollout_over, shares):
-    """One group queued, four train devices: while the rollout runs (the backward off the step's
-    critical path) a share holds half a group at least; once it has ended, a sample each."""
-    ctl = controller(Disaggregated(6, {R: 1, G: 1, T: 4}), prompts_per_step=4, group_size=4)
-    cluster = FakeCluster(ctl)
-    commands = ctl.start()
-    while not any(isinstance(c, Generate) for c in commands):  # every device in its role
-        for c in commands:
-            cluster.submit(c)
-        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
-    step = ctl.step
-    for i, s in enumerate(step.samples):
-        s.prompt_ids, s.response_ids, s.reward = [1] * 8, [i] + [7] * 9, float(i % 2)
-    if rollout_over:
-        step.rollout_end = 1.0
-    ctl._queue_group(0)
-    backwards = [c for c in ctl._dispatch_train() if isinstance(c, Accumulate)]
-    assert [[r[0] for r in b.shard.response_ids] for b in backwards] == shares
-    assert not ctl.train_queue
-
-
 @pytest.mark.parametrize("rebalance", [True, False])
 def test_requests_in_flight_are_rebalanced_once_the_queue_is_empty(rebalance):
     """A rollout device that empties while another still holds its whole share takes half of
