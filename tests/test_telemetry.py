@@ -3,7 +3,16 @@ import json
 import pytest
 
 from pivotrl.cli import main
-from pivotrl.telemetry import RunWriter, Slice, read_events
+from pivotrl.telemetry import (
+    RASTER_COLUMNS,
+    ROLE_COLORS,
+    RunWriter,
+    Slice,
+    _raster,
+    draw_timeline,
+    read_events,
+    write_trace,
+)
 
 
 def slices() -> list[Slice]:
@@ -24,6 +33,44 @@ def test_trace_is_chrome_trace_event_json(tmp_path):
     assert judge["args"] == {"role": "genrm", "tokens": 120}
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     assert names == {"device 0", "device 1"}
+
+
+def test_trace_writes_non_finite_arguments_as_null(tmp_path):
+    def strict(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    write_trace([*slices(), Slice(1, "train", "step", 2.0, 3.0, {"loss": float("nan"), "nested": {"x": float("inf")}})],
+                tmp_path / "trace.json")  # fmt: skip
+    trace = json.loads((tmp_path / "trace.json").read_text(), parse_constant=strict)
+    step = next(e for e in trace["traceEvents"] if e.get("name") == "step")
+    assert step["args"] == {"role": "train", "loss": None, "nested": {"x": None}}
+    assert next(e for e in trace["traceEvents"] if e.get("cat") == "genrm")["args"]["tokens"] == 120
+
+
+class FakeAxes:
+    def imshow(self, image, **kwargs) -> None:
+        self.image, self.kwargs = image, kwargs
+
+
+def test_many_devices_are_painted_as_pixel_rows_shifts_on_top(tmp_path):
+    # device 0: rollout, a migration mark (no duration) and the rollout going on in the same time bin
+    many = [
+        Slice(0, "rollout", "r", 0.0, 4.0),
+        Slice(0, "migrate", "m", 4.0, 4.0),
+        Slice(0, "rollout", "r", 4.001, 10.0),
+        Slice(99, "genrm", "g", 5.0, 10.0),
+    ]
+    ax = FakeAxes()
+    roles = _raster(ax, many, [0, 99], 0.0, 10.0)
+    image, per_s = ax.image, RASTER_COLUMNS // 10
+    code = {r: i + 1 for i, r in enumerate(ROLE_COLORS)}
+    assert roles == {"rollout", "migrate", "genrm"} and image.shape == (100, RASTER_COLUMNS)
+    assert image[0, 4 * per_s] == code["migrate"]  # painted last: the later rollout slice does not hide it
+    assert (image[0, : 4 * per_s] == code["rollout"]).all() and (image[0, 4 * per_s + 1 :] == code["rollout"]).all()
+    assert (image[99, 5 * per_s :] == code["genrm"]).all() and not image[99, : 5 * per_s].any()
+    assert not image[1:99].any()  # devices with no slice stay idle (white)
+    draw_timeline(many + [Slice(d, "train", "t", 1.0, 2.0) for d in range(1, 99)], tmp_path / "t.png", "many")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_events_round_trip_and_timeline_redraw(tmp_path, capsys):

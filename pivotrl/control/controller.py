@@ -133,7 +133,7 @@ class Controller:
         self.spec, self.policy, self.genrm, self.clock = spec, policy, genrm, clock
         self.train_set, self.heldout = train_set, heldout
         self.devices = [DeviceView(i) for i in range(policy.devices)]
-        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None, len(self.devices))
+        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None)
         self.version = 0
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}

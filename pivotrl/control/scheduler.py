@@ -22,7 +22,7 @@ from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
 
 
 class Scheduler:
-    def __init__(self, per_device: int, judge_per_device: int | None = None, devices: int = 0) -> None:
+    def __init__(self, per_device: int, judge_per_device: int | None = None) -> None:
         for name, n in (("per_device", per_device), ("judge_per_device", judge_per_device or per_device)):
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
@@ -32,7 +32,7 @@ class Scheduler:
         self.judge_queue: deque[JudgeRequest] = deque()
         # device -> uids it is working on; a list, not a dict: the loads of a thousand devices are
         # read at every pump, and a list of sets gives them at C speed (grown as devices get work)
-        self.inflight: list[set[int]] = [set() for _ in range(devices)]
+        self.inflight: list[set[int]] = []
 
     def load(self, device: int) -> int:
         return len(self.inflight[device]) if device < len(self.inflight) else 0
@@ -79,12 +79,11 @@ class Scheduler:
         than twice the least loaded plus one: each device above an even share gives its excess,
         the requests cheapest to move first (lowest ``cost``, e.g. tokens to re-prefill).
         For a role whose queue is empty: queued requests go to the least loaded first anyway."""
-        inflight = self.inflight
-        held = len(inflight)
-        loads = [len(inflight[d]) if d < held else 0 for d in devices]
+        loads = [self.load(d) for d in devices]
         if len(loads) < 2 or min(loads) * 2 + 1 >= max(loads):
             return {}
         share = -(-sum(loads) // len(loads))
+        inflight = self.inflight
         return {
             d: sorted(inflight[d], key=lambda u: (cost(u), u))[: n - share]
             for n, d in zip(loads, devices, strict=True)
