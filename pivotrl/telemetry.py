@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 ROLE_COLORS = {
     "rollout": "#4c78a8",
     "genrm": "#f58518",
@@ -39,6 +41,31 @@ def _clean(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
     return value
+
+
+def _plain(value: Any) -> Any:
+    """What orjson cannot write itself: numpy scalars (``item``)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def jsonl(rows: list[dict[str, Any]]) -> bytes:
+    """Rows as JSON lines; non-finite numbers as null (JSON has none). One orjson call over the whole
+    list, cut between rows, when every row begins with the same key: a run's 10^5 slices or samples
+    take a tenth of the time of one call each. The cut is checked: a row that held the separator
+    inside it (a nested object beginning with that key) makes the count wrong, and then each row
+    is written alone."""
+    if not rows:
+        return b""
+    options = orjson.OPT_SERIALIZE_NUMPY
+    first = next(iter(rows[0]), None)
+    if first is not None and all(next(iter(r), None) == first for r in rows):
+        whole = orjson.dumps(rows, default=_plain, option=options)
+        head = b"{" + orjson.dumps(first) + b":"
+        if whole.count(b"}," + head) == len(rows) - 1:
+            return whole[1:-1].replace(b"}," + head, b"}\n" + head) + b"\n"
+    return b"".join(orjson.dumps(r, default=_plain, option=options | orjson.OPT_APPEND_NEWLINE) for r in rows)
 
 
 @dataclass(slots=True)
@@ -83,9 +110,8 @@ class RunWriter:
             f.write(json.dumps(_clean(metrics)) + "\n")
 
     def samples(self, rows: Iterable[dict[str, Any]]) -> None:
-        with self.samples_path.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        with self.samples_path.open("ab") as f:
+            f.write(jsonl(list(rows)))
 
     def write_json(self, name: str, data: dict[str, Any]) -> Path:
         path = self.dir / name
@@ -93,10 +119,9 @@ class RunWriter:
         return path
 
     def write_events(self, slices: list[Slice], title: str = "") -> None:
-        with (self.dir / "events.jsonl").open("w") as f:
-            for s in slices:  # asdict's fields without its deep copy: a simulated run has 10^5 slices
-                row = dict(device=s.device, role=s.role, name=s.name, start=s.start, end=s.end, args=s.args)
-                f.write(json.dumps(row) + "\n")
+        # asdict's fields without its deep copy: a simulated run has 10^5 slices
+        rows = [dict(device=s.device, role=s.role, name=s.name, start=s.start, end=s.end, args=s.args) for s in slices]
+        (self.dir / "events.jsonl").write_bytes(jsonl(rows))
         write_trace(slices, self.dir / "trace.json")
         draw_timeline(slices, self.dir / "timeline.png", title)
 
@@ -128,14 +153,8 @@ def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
             }
         )
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
-    try:
-        text = json.dumps(trace, allow_nan=False)
-    except ValueError:  # an infinite or NaN argument somewhere: null, as JSON has no such numbers
-        for e in events:
-            if "args" in e:
-                e["args"] = _clean(e["args"])
-        text = json.dumps(trace)
-    Path(path).write_text(text)
+    # (an infinite or NaN argument is written as null: JSON has no such numbers)
+    Path(path).write_bytes(orjson.dumps(trace, default=_plain, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") -> None:

@@ -10,6 +10,7 @@ from pivotrl.telemetry import (
     Slice,
     _raster,
     draw_timeline,
+    jsonl,
     read_events,
     write_trace,
 )
@@ -45,6 +46,36 @@ def test_trace_writes_non_finite_arguments_as_null(tmp_path):
     step = next(e for e in trace["traceEvents"] if e.get("name") == "step")
     assert step["args"] == {"role": "train", "loss": None, "nested": {"x": None}}
     assert next(e for e in trace["traceEvents"] if e.get("cat") == "genrm")["args"]["tokens"] == 120
+
+
+def lines_of(data: bytes) -> list:
+    def strict(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    text = data.decode()
+    assert text.endswith("\n")
+    return [json.loads(line, parse_constant=strict) for line in text.splitlines()]
+
+
+def test_jsonl_writes_one_row_a_line_cut_from_one_call():
+    rows = [
+        {"device": i, "name": f"r{i}", "start": i / 3, "args": {"tokens": i, "loss": float("nan")}} for i in range(5)
+    ]
+    assert lines_of(jsonl(rows)) == [{**r, "args": {"tokens": r["device"], "loss": None}} for r in rows]
+    assert jsonl([]) == b""
+    np = pytest.importorskip("numpy")
+    assert lines_of(jsonl([{"x": np.float32(1.5), "n": np.int64(3), "a": np.arange(2)}])) == [
+        {"x": 1.5, "n": 3, "a": [0, 1]}
+    ]
+
+
+def test_jsonl_falls_back_to_a_call_per_row_when_the_cut_would_be_wrong():
+    # a nested object beginning with the rows' first key: cutting the whole list there would split a row
+    nested = [{"device": 0, "args": [{"device": 9}]}, {"device": 1, "args": {"x": [{"device": 8}, {"device": 7}]}}]
+    assert lines_of(jsonl(nested)) == nested
+    mixed = [{"device": 0}, {"step": 1, "device": 2}, {"device": 3}]  # rows that do not share a first key
+    assert lines_of(jsonl(mixed)) == mixed
+    assert lines_of(jsonl([{}, {"device": 1}])) == [{}, {"device": 1}]
 
 
 class FakeAxes:

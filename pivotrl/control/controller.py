@@ -205,20 +205,22 @@ class Controller:
         # one pass over the devices: each shifts (or aborts its work) towards its target, or, holding
         # the rollout or judge role and staying, is ready for more of its work (below)
         ready: dict[Role | None, list[int]] = {Role.ROLLOUT: [], Role.GENRM: [], Role.TRAIN: [], None: []}
-        for d in self.devices:
+        version, preempt, rollout, genrm = self.version, self.policy.preempt, Role.ROLLOUT, Role.GENRM
+        for d, load in zip(self.devices, loads, strict=True):  # (a thousand devices a pump: names bound locally)
             if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
                 continue
-            want = targets[d.id] if d.leaving is None else d.leaving
-            if loads[d.id]:
-                if d.role is not want and self.policy.preempt:  # leave now: its requests migrate
+            leaving = d.leaving
+            want = targets[d.id] if leaving is None else leaving
+            if load:
+                if d.role is not want and preempt:  # leave now: its requests migrate
                     cmds.append(Abort(d.id))
                     d.aborting, d.leaving = True, want  # a decision acted on is kept: no work comes back to it
-                elif d.leaving is None and (d.role is not Role.ROLLOUT or d.version == self.version):
+                elif leaving is None and (d.role is not rollout or d.version == version):
                     ready[d.role].append(d.id)  # (a stale rollout device finishes its work, takes no more)
                 continue
             d.leaving = None
-            if d.role is not want or (want is not Role.GENRM and d.version != self.version):  # or stale
-                cmds.append(Shift(d.id, want, self.version))
+            if d.role is not want or (want is not genrm and d.version != version):  # or stale
+                cmds.append(Shift(d.id, want, version))
                 d.shifting, d.heading = True, want
             else:
                 ready[d.role].append(d.id)  # a rollout device's version is current: it would be shifting
@@ -259,11 +261,13 @@ class Controller:
         s = self.scheduler
         loads = s.loads(len(self.devices))
         gen, judge = len(s.gen_queue), len(s.judge_queue)
+        rollout, genrm = Role.ROLLOUT, Role.GENRM
         for d, n in zip(self.devices, loads, strict=True):
             if n:
-                if d.role is Role.ROLLOUT:
+                role = d.role
+                if role is rollout:
                     gen += n
-                elif d.role is Role.GENRM:
+                elif role is genrm:
                     judge += n
         view = self._plan_view() if self.policy.wants_view else None
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
@@ -382,8 +386,7 @@ class Controller:
 
     def _on_progress(self, e: Progress) -> None:
         """Live measurements; the planner of shiftable mode learns its profiles from them."""
-        for uid, n in e.tokens_so_far:
-            self.tokens_so_far[uid] = n
+        self.tokens_so_far.update(e.tokens_so_far)  # (uid, tokens) pairs
 
     def _on_aborted(self, e: Aborted) -> None:
         """Requests taken from a device (it leaves its role, or hands its excess over when the

@@ -79,11 +79,11 @@ class Scheduler:
         than twice the least loaded plus one: each device above an even share gives its excess,
         the requests cheapest to move first (lowest ``cost``, e.g. tokens to re-prefill).
         For a role whose queue is empty: queued requests go to the least loaded first anyway."""
-        loads = [self.load(d) for d in devices]
+        inflight, known = self.inflight, len(self.inflight)
+        loads = [len(inflight[d]) if d < known else 0 for d in devices]
         if len(loads) < 2 or min(loads) * 2 + 1 >= max(loads):
             return {}
         share = -(-sum(loads) // len(loads))
-        inflight = self.inflight
         return {
             d: sorted(inflight[d], key=lambda u: (cost(u), u))[: n - share]
             for n, d in zip(loads, devices, strict=True)
@@ -99,7 +99,8 @@ class Scheduler:
         batches: dict[int, list] = {}
         if not queue or not devices:
             return batches
-        heap = [(self.load(d), d) for d in devices]  # least loaded first, ties to the lowest id
+        inflight, known = self.inflight, len(self.inflight)  # (``load`` inlined: a thousand devices, every pump)
+        heap = [(len(inflight[d]) if d < known else 0, d) for d in devices]  # least loaded first, ties to the lowest id
         heapq.heapify(heap)
         if joining:
             share = -(-(len(queue) + sum(n for n, _ in heap)) // (len(heap) + joining))

@@ -19,6 +19,7 @@ advances from event to event, not from token to token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
@@ -76,6 +77,9 @@ class CostModel(Protocol):
         ...
 
 
+_REALS = (int, float)
+
+
 def _check(name: str, value: float, minimum: float = 0.0) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (minimum <= value < math.inf):
         raise ValueError(f"{name}: got {value!r}, must be a finite number >= {minimum:g}")
@@ -108,35 +112,54 @@ def max_batch(model: ModelSpec, tp: int, gpu: GPU, context_len: int, mem_fractio
     return max(0, math.floor(free / per_seq))
 
 
+def _series(line: tuple[float, float], start: int, count: int) -> float:
+    """``sum(line[0] + line[1] * i for i in range(start, start + count))``."""
+    return count * (line[0] + line[1] * (start + (count - 1) / 2)) if count > 0 else 0.0
+
+
 def _sum_of_max(a: tuple[float, float], b: tuple[float, float], n: int) -> float:
     """``sum(max(a0 + a1*i, b0 + b1*i) for i in range(n))`` without the loop: the two lines cross
     at most once, so each side is an arithmetic series."""
-
-    def series(line: tuple[float, float], start: int, count: int) -> float:
-        return count * (line[0] + line[1] * (start + (count - 1) / 2)) if count > 0 else 0.0
-
     if a[1] == b[1]:
-        return series(max(a, b), 0, n)
+        return _series(max(a, b), 0, n)
     cross = (b[0] - a[0]) / (a[1] - b[1])
     below = min(n, max(0, math.ceil(cross)))  # steps i < cross
     first, then = (b, a) if a[1] > b[1] else (a, b)  # the steeper line wins past the crossing
-    return series(first, 0, below) + series(then, below, n - below)
+    return _series(first, 0, below) + _series(then, below, n - below)
+
+
+Span = Callable[[int, float, int], float]  # (batch, context, steps) -> seconds of that many decode steps
+
+
+def span_of(costs: CostModel, model: ModelSpec, tp: int) -> Span:
+    """``costs.decode_span`` of ``model`` on instances of ``tp`` GPUs, as a function of the batch,
+    the context and the steps: what an engine calls in its inner loop, millions of times a run.
+    A cost model may make it faster (``RooflineCosts.span_of``: no argument checks, its lines at hand)."""
+    own = getattr(costs, "span_of", None)
+    if own is not None:
+        return own(model, tp)
+    return lambda batch, context, steps: costs.decode_span(model, tp, batch, context, steps)
 
 
 def steps_within(
     costs: CostModel, model: ModelSpec, tp: int, batch: int, context: float, seconds: float, limit: int
 ) -> int:
     """The most decode steps (at most ``limit``) that end within ``seconds``: how far a batch got when
-    an event interrupts it. A guess from the step time and its growth with the context (exact while
-    one roofline side binds), then a gallop and a bisection over ``decode_span``: a few calls when
-    the guess is right, O(log limit) at worst."""
+    an event interrupts it (``span_steps_within`` over ``costs.decode_span``)."""
+    return span_steps_within(span_of(costs, model, tp), batch, context, seconds, limit)
+
+
+def span_steps_within(span: Span, batch: int, context: float, seconds: float, limit: int) -> int:
+    """``steps_within`` over a ``span_of``. A guess from the step time and its growth with the context
+    (exact while one roofline side binds), then a gallop and a bisection over the span: a few calls
+    when the guess is right, O(log limit) at worst."""
     _check_count("limit", limit)
 
     def fits(steps: int) -> bool:
-        return costs.decode_span(model, tp, batch, context, steps) <= seconds
+        return span(batch, context, steps) <= seconds
 
-    first = costs.decode_span(model, tp, batch, context, 1)
-    growth = max(0.0, costs.decode_span(model, tp, batch, context, 2) - 2 * first)
+    first = span(batch, context, 1)
+    growth = max(0.0, span(batch, context, 2) - 2 * first)
     if first <= 0 or seconds <= 0:
         guess = limit if first <= 0 else 0
     elif growth == 0:
@@ -214,7 +237,8 @@ class RooflineCosts:
     # warm-up step (vLLM sleep mode reports 0.1-0.4 s to wake small models), plus the control round trip
     train_start_s: float = 2.0  # a trainer joining: its data-parallel process group is rebuilt (NCCL init)
     mem_fraction: float = 0.9
-    # (model, tp, batch) -> a decode step's line in the context; the simulator asks for a few batches millions of times
+    # (id(model), tp, batch) -> (model, a decode step's line in the context): the simulator asks for a few
+    # batches millions of times
     _lines: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -260,23 +284,48 @@ class RooflineCosts:
         return self.decode_terms(model, tp, batch, mean_context).total
 
     def decode_span(self, model: ModelSpec, tp: int, batch: int, context: float, steps: int) -> float:
-        _check_count("steps", steps)
-        _check("context", context)
+        # the checks' fast path first: the simulator's engines call this millions of times
+        if type(steps) is not int or steps < 0:
+            _check_count("steps", steps)
+        if type(context) not in _REALS or not 0 <= context < math.inf:
+            _check("context", context)
         if steps == 0 or batch == 0:
             return 0.0
         c0, c1, m0, m1, rest = self._decode_line(model, tp, batch)
         return _sum_of_max((c0 + c1 * context, c1), (m0 + m1 * context, m1), steps) + steps * rest
 
+    def span_of(self, model: ModelSpec, tp: int) -> Span:
+        """``decode_span`` of one model and instance size, without its argument checks (the engine
+        passes its own counts) and with the lines of the batches seen kept at hand."""
+        if type(self).decode_span is not RooflineCosts.decode_span:  # a subclass prices spans its own way
+            return lambda batch, context, steps: self.decode_span(model, tp, batch, context, steps)
+        _check_tp(tp)
+        lines: dict[int, tuple[float, float, float, float, float]] = {}
+
+        def span(batch: int, context: float, steps: int) -> float:
+            if steps == 0 or batch == 0:
+                return 0.0
+            line = lines.get(batch)
+            if line is None:
+                line = lines[batch] = self._decode_line(model, tp, batch)
+            c0, c1, m0, m1, rest = line
+            return _sum_of_max((c0 + c1 * context, c1), (m0 + m1 * context, m1), steps) + steps * rest
+
+        return span
+
     def _decode_line(self, model: ModelSpec, tp: int, batch: int) -> tuple[float, float, float, float, float]:
         """Compute and memory seconds of a decode step as ``a + b * context`` (both roofline sides are
         linear in the context: read off two adjacent steps), and the rest (collectives, overhead)."""
-        key = (model, tp, batch)
-        line = self._lines.get(key)
-        if line is None:
-            t0, t1 = self.decode_terms(model, tp, batch, 0.0), self.decode_terms(model, tp, batch, 1.0)
-            line = (t0.compute_s, t1.compute_s - t0.compute_s, t0.memory_s, t1.memory_s - t0.memory_s,
-                    t0.comm_s + t0.overhead_s)  # fmt: skip
-            self._lines[key] = line
+        # keyed by the model's identity (a dataclass hashes every field at each call), checked on a hit:
+        # a model freed and another made at its address must not find the old one's line
+        key = (id(model), tp, batch)
+        hit = self._lines.get(key)
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        t0, t1 = self.decode_terms(model, tp, batch, 0.0), self.decode_terms(model, tp, batch, 1.0)
+        line = (t0.compute_s, t1.compute_s - t0.compute_s, t0.memory_s, t1.memory_s - t0.memory_s,
+                t0.comm_s + t0.overhead_s)  # fmt: skip
+        self._lines[key] = (model, line)
         return line
 
     def prefill_terms(self, model: ModelSpec, tp: int, tokens: int, seq_len: int | None = None) -> StepTime:

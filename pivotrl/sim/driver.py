@@ -73,6 +73,11 @@ from pivotrl.sim.workload import LengthDist
 from pivotrl.telemetry import Slice
 
 
+def _named(cmd: Command) -> str:
+    """``Shift(3)``: a command's kind and device(s), for messages."""
+    return f"{type(cmd).__name__}({getattr(cmd, 'device', getattr(cmd, 'devices', ''))})"
+
+
 class StallError(RuntimeError):
     """The controller waits for events but no device has work, or it repeats commands without
     virtual time moving: a control-plane bug."""
@@ -149,7 +154,7 @@ class SimDriver:
         self._to_start: set[int] = set()  # devices whose engine has work and no slice in flight
         self._slices: list[Slice] = []
         self._rounds = 0  # rounds of commands since virtual time last moved
-        self._recent: deque[str] = deque(maxlen=6)  # the latest commands, for the livelock message
+        self._recent: deque[Command] = deque(maxlen=6)  # the latest commands, for the livelock message
         self._last: dict[int, Slice] = {}  # each device's latest slice, extended while its role work runs on
         self._placeholders: dict[tuple[int, type], list] = {}  # placeholder ids and logprobs, shared per length
 
@@ -168,7 +173,7 @@ class SimDriver:
         pass
 
     def submit(self, cmd: Command) -> None:
-        self._recent.append(f"{type(cmd).__name__}({getattr(cmd, 'device', getattr(cmd, 'devices', ''))})")
+        self._recent.append(cmd)  # (named only if the message is written: 10^5 commands a run)
         if isinstance(cmd, Shift):
             self._shift(cmd)
         elif isinstance(cmd, Generate):
@@ -198,7 +203,7 @@ class SimDriver:
             if self._rounds > LIVELOCK_ROUNDS:
                 raise StallError(
                     f"the control plane repeats itself without progress: {LIVELOCK_ROUNDS} rounds of commands at "
-                    f"t={self.now:.3f} s, the latest {', '.join(self._recent)}"
+                    f"t={self.now:.3f} s, the latest {', '.join(map(_named, self._recent))}"
                 )
             # what completes within the control plane's reaction time is handled as one batch when the
             # last of it lands: a cluster's devices finish at distinct instants, thousands a step

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from pivotrl.sim.costs import CostModel, steps_within
+from pivotrl.sim.costs import CostModel, span_of, span_steps_within
 from pivotrl.sim.models import ModelSpec
 
 
@@ -44,6 +44,7 @@ class ModeledEngine:
         if capacity < 1:
             raise ValueError(f"capacity: got {capacity}, must be >= 1 (the KV memory holds no sequence)")
         self.costs, self.model, self.tp, self.capacity = costs, model, tp, capacity
+        self._span = span_of(costs, model, tp)  # decode_span of this instance: (batch, context, steps) -> seconds
         self.t = now  # end of the last completed step
         self.k = 0  # decode steps completed
         self.tokens = 0  # tokens sampled, prefill and decode
@@ -114,7 +115,7 @@ class ModeledEngine:
     def advance(self, until: float) -> list[SimSeq]:
         """Run the steps that complete by ``until``; the sequences that finished in them."""
         finished: list[SimSeq] = []
-        costs, model, tp = self.costs, self.model, self.tp
+        span = self._span
         while True:
             free = self.capacity - len(self.running)
             if self.waiting and free > 0:  # a prefill step admits as many as there are free slots
@@ -143,11 +144,11 @@ class ModeledEngine:
                 break
             steps = self._finish[0][0] - self.k
             context = self._ctx / n + self.k
-            seconds = costs.decode_span(model, tp, n, context, steps)
+            seconds = span(n, context, steps)
             if self.t + seconds > until:  # the next finish is past ``until``: go as far as it allows
-                part = steps_within(costs, model, tp, n, context, until - self.t, steps - 1)
+                part = span_steps_within(span, n, context, until - self.t, steps - 1)
                 if part:
-                    self.t += costs.decode_span(model, tp, n, context, part)
+                    self.t += span(n, context, part)
                     self.k += part
                     self.tokens += part * n
                 break
