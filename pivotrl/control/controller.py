@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +147,12 @@ class Controller:
         self.shift_log: list[ShiftDone] = []
         self.tokens_so_far: dict[int, int] = {}  # uid -> response tokens generated, for running sequences
         self._rebalance_due = False  # the rollout devices' loads changed since they were last compared
+        # the pump's memory (see ``pump``): devices that had an event or a command since it last looked,
+        # the targets and policy version it last looked with, and the devices ready for more work, by role
+        self._touched: set[int] = set()
+        self._looked: tuple[dict[int, Role] | None, int] = (None, -1)
+        self._ready_in: dict[int, Role | None] = {}
+        self._ready: dict[Role | None, set[int]] = {role: set() for role in (*Role, None)}
         self.measured = {  # running means (priors until measured)
             "judge_tokens": float(spec.judge.max_new_tokens) / 2,
             "response_tokens": float(spec.rollout.max_new_tokens) / 2,
@@ -174,6 +180,10 @@ class Controller:
         return self.pump()
 
     def _apply(self, event: Event) -> None:
+        if isinstance(event, Trained):
+            self._touched.update(event.devices)
+        elif not isinstance(event, Progress):  # (a progress report changes no device's state)
+            self._touched.add(event.device)
         previous = self.devices[event.device].role if isinstance(event, ShiftDone) else None
         self.policy.observe(event, previous)
         self._measure(event)
@@ -202,43 +212,70 @@ class Controller:
         cmds: list[Command] = []
         demand = self.demand()
         targets, loads = self.policy.targets(demand), demand.loads
-        # one pass over the devices: each shifts (or aborts its work) towards its target, or, holding
-        # the rollout or judge role and staying, is ready for more of its work (below)
-        ready: dict[Role | None, list[int]] = {Role.ROLLOUT: [], Role.GENRM: [], Role.TRAIN: [], None: []}
+        # each device shifts (or aborts its work) towards its target, or, holding the rollout or judge
+        # role and staying, is ready for more of its work (below). What a device does follows from its
+        # state, its load, its target and the policy version: with the same targets and version as the
+        # last pump, only the devices that had an event or a command since can do something else
+        # (a thousand devices, thousands of pumps a run, most of them after progress reports)
         version, preempt, rollout, genrm = self.version, self.policy.preempt, Role.ROLLOUT, Role.GENRM
-        for d, load in zip(self.devices, loads, strict=True):  # (a thousand devices a pump: names bound locally)
+        if targets != self._looked[0] or version != self._looked[1]:
+            visit: Iterable[int] = range(len(self.devices))
+            self._looked = (dict(targets), version)
+        else:
+            visit = sorted(self._touched)
+        self._touched = set()
+        devices, ready_in, ready_sets = self.devices, self._ready_in, self._ready
+        for i in visit:
+            d = devices[i]
+            was = ready_in.pop(i, 0)
+            if was != 0:
+                ready_sets[was].discard(i)
             if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
                 continue
             leaving = d.leaving
-            want = targets[d.id] if leaving is None else leaving
-            if load:
+            want = targets[i] if leaving is None else leaving
+            if loads[i]:
                 if d.role is not want and preempt:  # leave now: its requests migrate
-                    cmds.append(Abort(d.id))
+                    cmds.append(Abort(i))
                     d.aborting, d.leaving = True, want  # a decision acted on is kept: no work comes back to it
                 elif leaving is None and (d.role is not rollout or d.version == version):
-                    ready[d.role].append(d.id)  # (a stale rollout device finishes its work, takes no more)
+                    ready_in[i] = d.role  # (a stale rollout device finishes its work, takes no more)
+                    ready_sets[d.role].add(i)
                 continue
             d.leaving = None
             if d.role is not want or (want is not genrm and d.version != version):  # or stale
-                cmds.append(Shift(d.id, want, version))
+                cmds.append(Shift(i, want, version))
                 d.shifting, d.heading = True, want
+            else:  # a rollout device's version is current: it would be shifting
+                ready_in[i] = d.role
+                ready_sets[d.role].add(i)
+        cmds += self._dispatch(targets)
+        for c in cmds:  # whoever got a command is looked at again next time
+            if isinstance(c, Step):
+                self._touched.update(c.devices)
             else:
-                ready[d.role].append(d.id)  # a rollout device's version is current: it would be shifting
+                self._touched.add(c.device)
+        return cmds
+
+    def _dispatch(self, targets: dict[int, Role]) -> list[Command]:
+        """Queued requests to the devices ready for them, the rollout rebalanced, the train work."""
+        cmds: list[Command] = []
         s = self.scheduler
         if s.gen_queue or s.judge_queue:
             wanted = Counter(targets.values())
             for role, queue in ((Role.ROLLOUT, s.gen_queue), (Role.GENRM, s.judge_queue)):
                 if not queue:
                     continue
-                joining = max(0, wanted[role] - len(ready[role]))
+                ready = sorted(self._ready[role])
+                joining = max(0, wanted[role] - len(ready))
                 if role is Role.ROLLOUT:
-                    sent = s.dispatch_gen(ready[role], self.version, joining)
+                    sent = s.dispatch_gen(ready, self.version, joining)
                     self._rebalance_due |= bool(sent)
                     cmds += sent
                 else:
-                    cmds += s.dispatch_judge(ready[role], joining)
+                    cmds += s.dispatch_judge(ready, joining)
         if self.spec.rebalance and self._rebalance_due and not s.gen_queue:
-            cmds += self._rebalance(ready[Role.ROLLOUT])
+            cmds += self._rebalance(sorted(self._ready[Role.ROLLOUT]))
         cmds += self._dispatch_train()
         return cmds
 

@@ -152,3 +152,36 @@ def test_compare_reads_simulated_runs(runs):
 
     c = compare_runs(runs["colocated"], runs["shiftable"])
     assert c.samples == 2 * 32 and c.token_match == 1.0 and c.reward_match == 1.0
+
+
+@pytest.mark.parametrize("mode", ["colocated", "shiftable"])
+def test_the_pump_looking_at_touched_devices_decides_as_one_looking_at_all(tmp_path, monkeypatch, mode):
+    """The controller's pump passes over every device only when the targets or the policy version
+    changed, otherwise over those that had an event or a command: each run's commands, in order, and
+    its timeline must be what a pump looking at every device every time gives."""
+    from pivotrl.control import controller as control
+    from pivotrl.sim import run as sim_run
+
+    class Sent(control.Controller):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.sent: list = []
+
+        def pump(self):
+            cmds = super().pump()
+            self.sent += cmds
+            return cmds
+
+    class EveryDevice(Sent):
+        def pump(self):
+            self._looked = (None, -1)  # as if the targets had changed: every device is looked at
+            return super().pump()
+
+    seen = {}
+    for name, cls in (("touched", Sent), ("every", EveryDevice)):
+        made = []
+        monkeypatch.setattr(sim_run, "Controller", lambda *a, cls=cls, made=made: made.append(cls(*a)) or made[-1])
+        summary = simulate(tmp_path / name, f"mode={mode}", "sim.gpus=40", "rollout.prompts_per_step=40")
+        seen[name] = (made[0].sent, (tmp_path / name / "events.jsonl").read_text(), summary["sim_seconds"])
+    assert seen["touched"] == seen["every"]
+    assert len(seen["every"][0]) > 100 and sum(type(c).__name__ == "Shift" for c in seen["every"][0]) > 40
