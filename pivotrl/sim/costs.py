@@ -309,7 +309,21 @@ class RooflineCosts:
             if line is None:
                 line = lines[batch] = self._decode_line(model, tp, batch)
             c0, c1, m0, m1, rest = line
-            return _sum_of_max((c0 + c1 * context, c1), (m0 + m1 * context, m1), steps) + steps * rest
+            # _sum_of_max inlined, its operations in its order (the same floats): its calls were a
+            # third of this function's time
+            a0, b0 = c0 + c1 * context, m0 + m1 * context
+            if c1 == m1:
+                y0, y1 = max((a0, c1), (b0, m1))
+                return steps * (y0 + y1 * ((steps - 1) / 2)) + steps * rest
+            below = min(steps, max(0, math.ceil((b0 - a0) / (c1 - m1))))
+            if c1 > m1:  # memory binds first, compute past the crossing
+                f0, f1, t0, t1 = b0, m1, a0, c1
+            else:
+                f0, f1, t0, t1 = a0, c1, b0, m1
+            first = below * (f0 + f1 * ((below - 1) / 2)) if below > 0 else 0.0
+            n = steps - below
+            then = n * (t0 + t1 * (below + (n - 1) / 2)) if n > 0 else 0.0
+            return first + then + steps * rest
 
         return span
 

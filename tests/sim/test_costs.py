@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from pivotrl.control.messages import Role
-from pivotrl.sim.costs import CostModel, RooflineCosts, max_batch, steps_within
+from pivotrl.sim.costs import CostModel, RooflineCosts, max_batch, span_of, steps_within
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.models import MODELS
 
@@ -69,6 +69,17 @@ def test_decode_span_sums_the_steps(model, tp, batch, context):
     loop = sum(H100.decode_step(model, tp, batch, context + i) for i in range(steps))
     assert H100.decode_span(model, tp, batch, context, steps) == pytest.approx(loop, rel=1e-9)
     assert H100.decode_span(model, tp, batch, context, 0) == 0.0
+
+
+def test_an_engines_span_is_decode_span_to_the_last_bit():
+    """``span_of`` (what engines call, the roofline's sum inlined) gives exactly ``decode_span``'s floats,
+    on either side of the crossing of the roofline's two lines and across it."""
+    for model, tp in ((QWEN7, 1), (A3B, 2), (QWEN32, 4)):
+        span = span_of(H100, model, tp)
+        for batch in (0, 1, 8, 64, 255, 900, 4000):
+            for context in (0, 1, 100.5, 3000, 60_000):
+                for steps in (0, 1, 2, 7, 700, 20_000):
+                    assert span(batch, context, steps) == H100.decode_span(model, tp, batch, context, steps)
 
 
 def test_steps_within_inverts_the_span():
