@@ -147,6 +147,11 @@ class Controller:
         self.shift_log: list[ShiftDone] = []
         self.tokens_so_far: dict[int, int] = {}  # uid -> response tokens generated, for running sequences
         self._rebalance_due = False  # the rollout devices' loads changed since they were last compared
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            ShiftDone: self._on_shift, Generated: self._on_generated, Judged: self._on_judged,
+            Trained: self._on_trained, Aborted: self._on_aborted, Accumulated: self._on_accumulated,
+            Progress: self._on_progress,
+        }  # fmt: skip
         # the pump's memory (see ``pump``): devices that had an event or a command since it last looked,
         # the targets and policy version it last looked with, and the devices ready for more work, by role
         self._touched: set[int] = set()
@@ -180,29 +185,19 @@ class Controller:
         return self.pump()
 
     def _apply(self, event: Event) -> None:
-        if isinstance(event, Trained):
-            self._touched.update(event.devices)
-        elif not isinstance(event, Progress):  # (a progress report changes no device's state)
-            self._touched.add(event.device)
-        previous = self.devices[event.device].role if isinstance(event, ShiftDone) else None
-        self.policy.observe(event, previous)
-        self._measure(event)
-        if isinstance(event, ShiftDone):
-            self._on_shift(event)
-        elif isinstance(event, Generated):
-            self._on_generated(event)
-        elif isinstance(event, Judged):
-            self._on_judged(event)
-        elif isinstance(event, Trained):
-            self._on_trained(event)
-        elif isinstance(event, Aborted):
-            self._on_aborted(event)
-        elif isinstance(event, Accumulated):
-            self._on_accumulated(event)
-        elif isinstance(event, Progress):
-            self._on_progress(event)
-        else:
+        kind = type(event)  # (a table, not a chain of isinstance: progress reports are half of a run's events)
+        handler = self._handlers.get(kind)
+        if handler is None:
             raise TypeError(f"unknown event {event!r}")
+        if kind is Trained:
+            self._touched.update(event.devices)
+        elif kind is not Progress:  # (a progress report changes no device's state)
+            self._touched.add(event.device)
+        previous = self.devices[event.device].role if kind is ShiftDone else None
+        self.policy.observe(event, previous)
+        if kind is not Progress:
+            self._measure(event)
+        handler(event)
 
     def pump(self) -> list[Command]:
         """Commands that the current state allows: shifts towards the policy's
