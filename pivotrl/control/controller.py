@@ -515,11 +515,12 @@ class Controller:
         cmds: list[Command] = []
         # devices already holding gradients first: they stay in the role until the optimizer step
         # anyway, while a device given its first samples is pinned there too, out of the planner's reach
-        free = [
-            i for i in sorted(train_devs, key=lambda i: not self.devices[i].grads)
-            if (d := self.devices[i]).role is Role.TRAIN and d.version == self.version
-            and not (d.shifting or d.accumulating)
+        devices, version = self.devices, self.version
+        usable = [
+            i for i in train_devs
+            if (d := devices[i]).role is Role.TRAIN and d.version == version and not (d.shifting or d.accumulating)
         ]  # fmt: skip
+        free = [i for i in usable if devices[i].grads] + [i for i in usable if not devices[i].grads]
         share = 0.0
         if self.train_queue and free:
             # an even share of the tokens queued now, counting train devices still shifting in, and
