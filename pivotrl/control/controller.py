@@ -154,8 +154,10 @@ class Controller:
         }  # fmt: skip
         # the pump's memory (see ``pump``): devices that had an event or a command since it last looked,
         # the targets and policy version it last looked with, and the devices ready for more work, by role
+        self._holders: dict[Role, set[int]] = {role: set() for role in Role}  # the devices holding each role
         self._touched: set[int] = set()
         self._looked: tuple[dict[int, Role] | None, int] = (None, -1)
+        self._wanted: Counter[Role] = Counter()
         self._ready_in: dict[int, Role | None] = {}
         self._ready: dict[Role | None, set[int]] = {role: set() for role in (*Role, None)}
         self.measured = {  # running means (priors until measured)
@@ -216,6 +218,7 @@ class Controller:
         if targets != self._looked[0] or version != self._looked[1]:
             visit: Iterable[int] = range(len(self.devices))
             self._looked = (dict(targets), version)
+            self._wanted = Counter(targets.values())  # devices each role is to have
         else:
             visit = sorted(self._touched)
         self._touched = set()
@@ -244,7 +247,7 @@ class Controller:
             else:  # a rollout device's version is current: it would be shifting
                 ready_in[i] = d.role
                 ready_sets[d.role].add(i)
-        cmds += self._dispatch(targets)
+        cmds += self._dispatch()
         for c in cmds:  # whoever got a command is looked at again next time
             if isinstance(c, Step):
                 self._touched.update(c.devices)
@@ -252,12 +255,12 @@ class Controller:
                 self._touched.add(c.device)
         return cmds
 
-    def _dispatch(self, targets: dict[int, Role]) -> list[Command]:
+    def _dispatch(self) -> list[Command]:
         """Queued requests to the devices ready for them, the rollout rebalanced, the train work."""
         cmds: list[Command] = []
         s = self.scheduler
         if s.gen_queue or s.judge_queue:
-            wanted = Counter(targets.values())
+            wanted = self._wanted
             for role, queue in ((Role.ROLLOUT, s.gen_queue), (Role.GENRM, s.judge_queue)):
                 if not queue:
                     continue
@@ -292,15 +295,9 @@ class Controller:
     def demand(self) -> Demand:
         s = self.scheduler
         loads = s.loads(len(self.devices))
-        gen, judge = len(s.gen_queue), len(s.judge_queue)
-        rollout, genrm = Role.ROLLOUT, Role.GENRM
-        for d, n in zip(self.devices, loads, strict=True):
-            if n:
-                role = d.role
-                if role is rollout:
-                    gen += n
-                elif role is genrm:
-                    judge += n
+        at = loads.__getitem__
+        gen = len(s.gen_queue) + sum(map(at, self._holders[Role.ROLLOUT]))
+        judge = len(s.judge_queue) + sum(map(at, self._holders[Role.GENRM]))
         view = self._plan_view() if self.policy.wants_view else None
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
 
@@ -409,6 +406,9 @@ class Controller:
     # -- events ---------------------------------------------------------------------
     def _on_shift(self, e: ShiftDone) -> None:
         d = self.devices[e.device]
+        if d.role is not None:
+            self._holders[d.role].discard(d.id)
+        self._holders[e.role].add(d.id)
         d.role, d.version, d.shifting = e.role, e.version, False
         self._rebalance_due |= e.role is Role.ROLLOUT
         self.shift_log.append(e)
