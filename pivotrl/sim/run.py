@@ -180,6 +180,17 @@ def gps_bytes(spec: SimSpec) -> dict[str, int]:
 
 def run_simulation(cfg: JobConfig, out: str | Path, progress: bool = False) -> dict[str, Any]:
     """Simulate the whole job; writes a run directory like ``run_job``'s (no policy checkpoint)."""
+    # millions of short-lived objects and few cycles: the collector's pauses were a third of the time.
+    # It comes back once the run's objects went with ``_simulate``'s frame, by reference counting:
+    # enabled before, its first pass would walk every one of them (most of a second at 1024 GPUs)
+    gc.disable()
+    try:
+        return _simulate(cfg, out, progress)
+    finally:
+        gc.enable()
+
+
+def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]:
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -193,47 +204,41 @@ def run_simulation(cfg: JobConfig, out: str | Path, progress: bool = False) -> d
     bar = tqdm(total=job.steps, desc=desc, unit="step", disable=not progress)
     commands = ctl.start()
     written, events, in_driver, in_control = 0, 0, 0.0, 0.0
-    # millions of short-lived objects and few cycles: the collector's pauses were a third of the time
-    # (writing the run's files too: a collection then walks every object of the run)
-    gc.disable()
-    try:
-        while not ctl.done:
-            t0 = time.perf_counter()
-            for c in commands:
-                driver.submit(c)
-            batch = driver.next_events()
-            t1 = time.perf_counter()
-            commands = ctl.handle_all(batch)  # completions at one virtual instant, then one look at the state
-            t2 = time.perf_counter()
-            in_driver, in_control, events = in_driver + t1 - t0, in_control + t2 - t1, events + len(batch)
-            if ctl.finished_steps:
-                writer.samples(sample_rows(ctl.finished_steps, token_ids=False))
-                ctl.finished_steps.clear()
-            while written < len(ctl.metrics):
-                m = ctl.metrics[written]
-                writer.step(m)
-                written += 1
-                bar.update(1)
-                bar.set_postfix(sim_s=f"{driver.clock():.0f}", step_s=f"{m['step_seconds']:.1f}")
-        bar.close()
-        slices = driver.slices()
-        summary = summarize(job, ctl, slices, driver.clock())
-        summary["policy_checkpoint"] = None  # nothing is trained
-        summary["gps_bytes"] = gps_bytes(spec)
-        summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
-                          "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,
-                          "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events}  # fmt: skip
-        summary["sim_seconds"] = driver.clock()
-        title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
-        writer.write_events(slices, title=title)
-        planner = getattr(s.policy, "planner", None)
-        if planner is not None:  # every decision that moved a device, with the estimate that justified it
-            with (Path(out) / "decisions.jsonl").open("w") as f:
-                for d in planner.log:
-                    moves = [[dev, src.value if src else None, dst.value] for dev, src, dst in d.moves]
-                    f.write(json.dumps({"t": round(d.now, 4), "moves": moves, "reason": d.reason}) + "\n")
-    finally:
-        gc.enable()
+    while not ctl.done:
+        t0 = time.perf_counter()
+        for c in commands:
+            driver.submit(c)
+        batch = driver.next_events()
+        t1 = time.perf_counter()
+        commands = ctl.handle_all(batch)  # completions at one virtual instant, then one look at the state
+        t2 = time.perf_counter()
+        in_driver, in_control, events = in_driver + t1 - t0, in_control + t2 - t1, events + len(batch)
+        if ctl.finished_steps:
+            writer.samples(sample_rows(ctl.finished_steps, token_ids=False))
+            ctl.finished_steps.clear()
+        while written < len(ctl.metrics):
+            m = ctl.metrics[written]
+            writer.step(m)
+            written += 1
+            bar.update(1)
+            bar.set_postfix(sim_s=f"{driver.clock():.0f}", step_s=f"{m['step_seconds']:.1f}")
+    bar.close()
+    slices = driver.slices()
+    summary = summarize(job, ctl, slices, driver.clock())
+    summary["policy_checkpoint"] = None  # nothing is trained
+    summary["gps_bytes"] = gps_bytes(spec)
+    summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
+                      "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,
+                      "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events}  # fmt: skip
+    summary["sim_seconds"] = driver.clock()
+    title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
+    writer.write_events(slices, title=title)
+    planner = getattr(s.policy, "planner", None)
+    if planner is not None:  # every decision that moved a device, with the estimate that justified it
+        with (Path(out) / "decisions.jsonl").open("w") as f:
+            for d in planner.log:
+                moves = [[dev, src.value if src else None, dst.value] for dev, src, dst in d.moves]
+                f.write(json.dumps({"t": round(d.now, 4), "moves": moves, "reason": d.reason}) + "\n")
     summary["wall_seconds"] = wall = time.perf_counter() - started
     summary["wall_split"] = {"driver": in_driver, "control_plane": in_control, "rest": wall - in_driver - in_control}
     writer.write_json("summary.json", summary)
