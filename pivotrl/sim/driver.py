@@ -157,6 +157,8 @@ class SimDriver:
         self._recent: deque[Command] = deque(maxlen=6)  # the latest commands, for the livelock message
         self._last: dict[int, Slice] = {}  # each device's latest slice, extended while its role work runs on
         self._placeholders: dict[tuple[int, type], list] = {}  # placeholder ids and logprobs, shared per length
+        # (seed, uid) -> the draw of a response to judge (evaluation responses are not judged: a few hundred stay)
+        self._judged_right: dict[tuple[int, int], bool] = {}
 
     # -- the driver interface -------------------------------------------------------
     def clock(self) -> float:
@@ -412,15 +414,22 @@ class SimDriver:
 
     def _gen_result(self, q: SimSeq, version: int) -> GenResult:
         r: GenRequest = q.request
-        right = synthetic.unit(self.spec.seed, r.seed, r.uid, synthetic.VERDICT) < self.spec.yes_probability
+        right = self._right(r.seed, r.uid)
+        self._judged_right[(r.seed, r.uid)] = right  # the judgment of this response draws the same
         reason = "length" if q.target >= r.params.max_new_tokens else "stop"
         text = synthetic.response_text(q.target, right)
         ids, logprobs = self._placeholder(q.target), self._placeholder(q.target, 0.0)
         return GenResult(r.uid, self._placeholder(q.prompt), ids, logprobs, text, reason, version)
 
+    def _right(self, seed: int, uid: int) -> bool:
+        """Whether the response to sequence ``uid`` is right: one draw for its text and its judgment."""
+        return synthetic.unit(self.spec.seed, seed, uid, synthetic.VERDICT) < self.spec.yes_probability
+
     def _judge_result(self, q: SimSeq) -> JudgeResult:
         r: JudgeRequest = q.request
-        right = synthetic.unit(self.spec.seed, r.seed, r.uid, synthetic.VERDICT) < self.spec.yes_probability
+        right = self._judged_right.pop((r.seed, r.uid), None)
+        if right is None:  # (a judge request that no generation here answered)
+            right = self._right(r.seed, r.uid)
         truncated = q.target >= r.params.max_new_tokens  # cut off before its verdict: the GenRM's fallback
         return JudgeResult(r.uid, "" if truncated else self.spec.verdicts[right], truncated, q.target)
 
