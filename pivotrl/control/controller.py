@@ -21,6 +21,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from pivotrl.control.messages import (
@@ -155,6 +156,7 @@ class Controller:
         # the pump's memory (see ``pump``): devices that had an event or a command since it last looked,
         # the targets and policy version it last looked with, and the devices ready for more work, by role
         self._holders: dict[Role, set[int]] = {role: set() for role in Role}  # the devices holding each role
+        self._pick_role: dict[Role, Callable[[tuple[int, ...]], Iterable[int]]] = {}  # see _role_load
         self._touched: set[int] = set()
         self._looked: tuple[dict[int, Role] | None, int] = (None, -1)
         self._wanted: Counter[Role] = Counter()
@@ -295,11 +297,23 @@ class Controller:
     def demand(self) -> Demand:
         s = self.scheduler
         loads = s.loads(len(self.devices))
-        at = loads.__getitem__
-        gen = len(s.gen_queue) + sum(map(at, self._holders[Role.ROLLOUT]))
-        judge = len(s.judge_queue) + sum(map(at, self._holders[Role.GENRM]))
+        gen = len(s.gen_queue) + self._role_load(Role.ROLLOUT, loads)
+        judge = len(s.judge_queue) + self._role_load(Role.GENRM, loads)
         view = self._plan_view() if self.policy.wants_view else None
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
+
+    def _role_load(self, role: Role, loads: tuple[int, ...]) -> int:
+        """Requests in flight on the devices holding ``role``: their loads picked in C (an
+        ``itemgetter`` kept until a device joins or leaves the role), not read one by one."""
+        pick = self._pick_role.get(role)
+        if pick is None:
+            ids = sorted(self._holders[role])
+            if len(ids) > 1:
+                pick = itemgetter(*ids)
+            else:  # (an itemgetter of one index gives the item, not a tuple)
+                pick = lambda loads, ids=ids: [loads[i] for i in ids]  # noqa: E731
+            self._pick_role[role] = pick
+        return sum(pick(loads))
 
     def _plan_view(self) -> PlanView:
         return PlanView(self.clock(), self._layout, self.workload)
@@ -408,7 +422,9 @@ class Controller:
         d = self.devices[e.device]
         if d.role is not None:
             self._holders[d.role].discard(d.id)
+            self._pick_role.pop(d.role, None)
         self._holders[e.role].add(d.id)
+        self._pick_role.pop(e.role, None)
         d.role, d.version, d.shifting = e.role, e.version, False
         self._rebalance_due |= e.role is Role.ROLLOUT
         self.shift_log.append(e)

@@ -43,7 +43,10 @@ class Scheduler:
 
     def loads(self, devices: int) -> tuple[int, ...]:
         """``load`` of devices 0 .. devices - 1."""
-        out = list(map(len, self.inflight[:devices]))
+        inflight = self.inflight
+        if len(inflight) == devices:  # (once every device had work: no slice, no padding)
+            return tuple(map(len, inflight))
+        out = list(map(len, inflight[:devices]))
         return tuple(out + [0] * (devices - len(out)))
 
     def _holding(self, device: int) -> set[int]:
