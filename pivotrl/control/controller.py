@@ -153,10 +153,11 @@ class Controller:
             Trained: self._on_trained, Aborted: self._on_aborted, Accumulated: self._on_accumulated,
             Progress: self._on_progress,
         }  # fmt: skip
-        # the pump's memory (see ``pump``): devices that had an event or a command since it last looked,
-        # the targets and policy version it last looked with, and the devices ready for more work, by role
         self._holders: dict[Role, set[int]] = {role: set() for role in Role}  # the devices holding each role
         self._pick_role: dict[Role, Callable[[tuple[int, ...]], Iterable[int]]] = {}  # see _role_load
+        # the pump's memory (see ``pump``): devices that had an event or a command since it last looked,
+        # the targets and policy version it last looked with (and the devices each role is to have then),
+        # and the devices ready for more work: the role of each, and each role's
         self._touched: set[int] = set()
         self._looked: tuple[dict[int, Role] | None, int] = (None, -1)
         self._wanted: Counter[Role] = Counter()
