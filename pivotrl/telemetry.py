@@ -50,6 +50,9 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS  # numpy values; int keys as strings, as json does
+
+
 def jsonl(rows: list[dict[str, Any]]) -> bytes:
     """Rows as JSON lines; non-finite numbers as null (JSON has none). One orjson call over the whole
     list, cut between rows, when every row begins with the same key: a run's 10^5 slices or samples
@@ -58,7 +61,7 @@ def jsonl(rows: list[dict[str, Any]]) -> bytes:
     is written alone."""
     if not rows:
         return b""
-    options = orjson.OPT_SERIALIZE_NUMPY
+    options = _OPTIONS
     first = next(iter(rows[0]), None)
     if first is not None and all(next(iter(r), None) == first for r in rows):
         whole = orjson.dumps(rows, default=_plain, option=options)
@@ -154,7 +157,7 @@ def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
         )
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     # (an infinite or NaN argument is written as null: JSON has no such numbers)
-    Path(path).write_bytes(orjson.dumps(trace, default=_plain, option=orjson.OPT_SERIALIZE_NUMPY))
+    Path(path).write_bytes(orjson.dumps(trace, default=_plain, option=_OPTIONS))
 
 
 def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") -> None:

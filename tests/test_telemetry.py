@@ -63,6 +63,7 @@ def test_jsonl_writes_one_row_a_line_cut_from_one_call():
     ]
     assert lines_of(jsonl(rows)) == [{**r, "args": {"tokens": r["device"], "loss": None}} for r in rows]
     assert jsonl([]) == b""
+    assert lines_of(jsonl([{"device": 0, "args": {3: "x"}}])) == [{"device": 0, "args": {"3": "x"}}]  # as json.dumps
     np = pytest.importorskip("numpy")
     assert lines_of(jsonl([{"x": np.float32(1.5), "n": np.int64(3), "a": np.arange(2)}])) == [
         {"x": 1.5, "n": 3, "a": [0, 1]}
