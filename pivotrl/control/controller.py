@@ -332,9 +332,10 @@ class Controller:
     def workload(self) -> Workload:
         """What is left in the step, in the planner's terms."""
         s = self.scheduler
-        running = [uid for d in self.devices if d.role is Role.ROLLOUT for uid in s.running(d.id)]
+        rollout = sorted(self._holders[Role.ROLLOUT])  # (in device order, as a pass over the devices gives)
+        running = [uid for d in rollout for uid in s.running(d)]
         gen_uids = [r.uid for r in s.gen_queue] + running
-        judging = [uid for d in self.devices if d.role is Role.GENRM for uid in s.running(d.id)]
+        judging = [uid for d in sorted(self._holders[Role.GENRM]) for uid in s.running(d)]
         step, g = self.step, self.spec.group_size
         groups_left = 0 if step is None else -(-(len(step.samples) - step.accumulated) // g)
         by_uid, m = self.by_uid, self.measured
@@ -354,9 +355,7 @@ class Controller:
             rollout_groups=[by_uid[u].prompt_index if u < EVAL_UID and u in by_uid else -1 for u in gen_uids],
             rollout_queued=len(s.gen_queue),
             # rebalanced, the running sequences spread over every rollout device (0: any may hold them)
-            rollout_holders=0
-            if self.spec.rebalance
-            else sum(1 for d in self.devices if d.role is Role.ROLLOUT and s.load(d.id)),
+            rollout_holders=0 if self.spec.rebalance else sum(1 for d in rollout if s.load(d)),
             judge_queued=len(s.judge_queue) + len(judging),
             judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
             judge_tokens_mean=self.measured["judge_tokens"],
