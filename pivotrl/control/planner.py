@@ -133,7 +133,7 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         holders=w.rollout_holders,
         tokens=sum(exp[t] * n for t, n in by_t.items()),
         longest=longest,
-        worst=max((lm.max_remaining(t) for t in by_t), default=0.0),
+        worst=lm.max_remaining(min(by_t)) if by_t else 0.0,  # (the rest is longest for the fewest tokens so far)
         judge_items=w.judge_queued + w.judge_future,
         judge_queued=w.judge_queued,
         judge_future=w.judge_future,
