@@ -35,14 +35,6 @@ ROLE_COLORS = {
 }
 
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    return value
-
-
 def _plain(value: Any) -> Any:
     """What orjson cannot write itself: numpy scalars (``item``)."""
     if hasattr(value, "item"):
@@ -109,22 +101,27 @@ class RunWriter:
         self.samples_path.write_text("")
 
     def step(self, metrics: dict[str, Any]) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(_clean(metrics)) + "\n")
+        with self.metrics_path.open("ab") as f:
+            f.write(jsonl([metrics]))
 
     def samples(self, rows: Iterable[dict[str, Any]]) -> None:
         with self.samples_path.open("ab") as f:
             f.write(jsonl(list(rows)))
 
+    def write_jsonl(self, name: str, rows: list[dict[str, Any]]) -> Path:
+        path = self.dir / name
+        path.write_bytes(jsonl(rows))
+        return path
+
     def write_json(self, name: str, data: dict[str, Any]) -> Path:
         path = self.dir / name
-        path.write_text(json.dumps(_clean(data), indent=2) + "\n")
+        path.write_bytes(orjson.dumps(data, default=_plain, option=_OPTIONS | orjson.OPT_INDENT_2) + b"\n")
         return path
 
     def write_events(self, slices: list[Slice], title: str = "") -> None:
         # asdict's fields without its deep copy: a simulated run has 10^5 slices
         rows = [dict(device=s.device, role=s.role, name=s.name, start=s.start, end=s.end, args=s.args) for s in slices]
-        (self.dir / "events.jsonl").write_bytes(jsonl(rows))
+        self.write_jsonl("events.jsonl", rows)
         write_trace(slices, self.dir / "trace.json")
         draw_timeline(slices, self.dir / "timeline.png", title)
 

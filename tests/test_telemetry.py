@@ -79,6 +79,15 @@ def test_jsonl_falls_back_to_a_call_per_row_when_the_cut_would_be_wrong():
     assert lines_of(jsonl([{}, {"device": 1}])) == [{}, {"device": 1}]
 
 
+def test_run_files_write_non_finite_numbers_as_null(tmp_path):
+    np = pytest.importorskip("numpy")
+    w = RunWriter(tmp_path)
+    w.write_json("summary.json", {"rate": float("inf"), "by_step": {1: float("nan")}, "x": np.float64(0.5)})
+    w.step({"step": 1, "loss": float("nan")})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"rate": None, "by_step": {"1": None}, "x": 0.5}
+    assert lines_of((tmp_path / "metrics.jsonl").read_bytes()) == [{"step": 1, "loss": None}]
+
+
 class FakeAxes:
     def imshow(self, image, **kwargs) -> None:
         self.image, self.kwargs = image, kwargs

@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pivotrl.control.messages import ROLES, Role
 from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload, _positive
@@ -475,6 +476,11 @@ class Decision:
     after: Estimate | None = None  # the allocation chosen
     overhead: float = 0.0  # seconds charged for the moves
     wake: float = INF  # when to plan again at the latest: devices lent to the rollout are due in their role
+
+    def row(self) -> dict[str, Any]:
+        """The decision as a line of a run's ``decisions.jsonl``: when, the moves, and why."""
+        moves = [[dev, src.value if src else None, dst.value] for dev, src, dst in self.moves]
+        return {"t": round(self.now, 4), "moves": moves, "reason": self.reason}
 
 
 @dataclass(slots=True)

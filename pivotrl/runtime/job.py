@@ -9,7 +9,6 @@ every role's weights from the Global Parameter Storage.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -151,9 +150,6 @@ def run_job(
     writer.write_events(slices, title=f"{cfg.mode}, {cfg.devices} device(s), {cfg.steps} steps")
     planner = getattr(policy, "planner", None)
     if planner is not None:  # every decision that moved a device, with the estimate that justified it
-        with (Path(out) / "decisions.jsonl").open("w") as f:
-            for d in planner.log:
-                moves = [[dev, src.value if src else None, dst.value] for dev, src, dst in d.moves]
-                f.write(json.dumps({"t": round(d.now, 4), "moves": moves, "reason": d.reason}) + "\n")
+        writer.write_jsonl("decisions.jsonl", [d.row() for d in planner.log])
     logger.info("run written to %s", out)
     return summary

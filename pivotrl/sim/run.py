@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,10 +234,7 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     writer.write_events(slices, title=title)
     planner = getattr(s.policy, "planner", None)
     if planner is not None:  # every decision that moved a device, with the estimate that justified it
-        with (Path(out) / "decisions.jsonl").open("w") as f:
-            for d in planner.log:
-                moves = [[dev, src.value if src else None, dst.value] for dev, src, dst in d.moves]
-                f.write(json.dumps({"t": round(d.now, 4), "moves": moves, "reason": d.reason}) + "\n")
+        writer.write_jsonl("decisions.jsonl", [d.row() for d in planner.log])
     summary["wall_seconds"] = wall = time.perf_counter() - started
     summary["wall_split"] = {"driver": in_driver, "control_plane": in_control, "rest": wall - in_driver - in_control}
     writer.write_json("summary.json", summary)
