@@ -157,11 +157,10 @@ class Controller:
         self._pick_role: dict[Role, Callable[[tuple[int, ...]], Iterable[int]]] = {}  # see _role_load
         # the pump's memory (see ``pump``): devices that had an event or a command since it last looked,
         # the targets and policy version it last looked with (and the devices each role is to have then),
-        # and the devices ready for more work: the role of each, and each role's
+        # and the devices ready for more work in each role
         self._touched: set[int] = set()
         self._looked: tuple[dict[int, Role] | None, int] = (None, -1)
         self._wanted: Counter[Role] = Counter()
-        self._ready_in: dict[int, Role | None] = {}
         self._ready: dict[Role | None, set[int]] = {role: set() for role in (*Role, None)}
         self.measured = {  # running means (priors until measured)
             "judge_tokens": float(spec.judge.max_new_tokens) / 2,
@@ -225,12 +224,11 @@ class Controller:
         else:
             visit = sorted(self._touched)
         self._touched = set()
-        devices, ready_in, ready_sets = self.devices, self._ready_in, self._ready
+        devices, ready_sets = self.devices, self._ready.values()
         for i in visit:
             d = devices[i]
-            was = ready_in.pop(i, 0)
-            if was != 0:
-                ready_sets[was].discard(i)
+            for ready in ready_sets:  # (looked at again: ready for its role's work below, or not)
+                ready.discard(i)
             if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
                 continue
             leaving = d.leaving
@@ -240,16 +238,14 @@ class Controller:
                     cmds.append(Abort(i))
                     d.aborting, d.leaving = True, want  # a decision acted on is kept: no work comes back to it
                 elif leaving is None and (d.role is not rollout or d.version == version):
-                    ready_in[i] = d.role  # (a stale rollout device finishes its work, takes no more)
-                    ready_sets[d.role].add(i)
+                    self._ready[d.role].add(i)  # (a stale rollout device finishes its work, takes no more)
                 continue
             d.leaving = None
             if d.role is not want or (want is not genrm and d.version != version):  # or stale
                 cmds.append(Shift(i, want, version))
                 d.shifting, d.heading = True, want
             else:  # a rollout device's version is current: it would be shifting
-                ready_in[i] = d.role
-                ready_sets[d.role].add(i)
+                self._ready[d.role].add(i)
         cmds += self._dispatch()
         for c in cmds:  # whoever got a command is looked at again next time
             if isinstance(c, Step):

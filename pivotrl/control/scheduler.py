@@ -49,6 +49,11 @@ class Scheduler:
         out = list(map(len, inflight[:devices]))
         return tuple(out + [0] * (devices - len(out)))
 
+    def _loads_of(self, devices: list[int]) -> list[int]:
+        """``load`` of each of ``devices``, inlined: a thousand devices at every pump."""
+        inflight, known = self.inflight, len(self.inflight)
+        return [len(inflight[d]) if d < known else 0 for d in devices]
+
     def _holding(self, device: int) -> set[int]:
         while len(self.inflight) <= device:
             self.inflight.append(set())
@@ -82,11 +87,11 @@ class Scheduler:
         than twice the least loaded plus one: each device above an even share gives its excess,
         the requests cheapest to move first (lowest ``cost``, e.g. tokens to re-prefill).
         For a role whose queue is empty: queued requests go to the least loaded first anyway."""
-        inflight, known = self.inflight, len(self.inflight)
-        loads = [len(inflight[d]) if d < known else 0 for d in devices]
+        loads = self._loads_of(devices)
         if len(loads) < 2 or min(loads) * 2 + 1 >= max(loads):
             return {}
         share = -(-sum(loads) // len(loads))
+        inflight = self.inflight
         return {
             d: sorted(inflight[d], key=lambda u: (cost(u), u))[: n - share]
             for n, d in zip(loads, devices, strict=True)
@@ -102,8 +107,7 @@ class Scheduler:
         batches: dict[int, list] = {}
         if not queue or not devices:
             return batches
-        inflight, known = self.inflight, len(self.inflight)  # (``load`` inlined: a thousand devices, every pump)
-        heap = [(len(inflight[d]) if d < known else 0, d) for d in devices]  # least loaded first, ties to the lowest id
+        heap = list(zip(self._loads_of(devices), devices, strict=True))  # least loaded first, ties to the lowest id
         heapq.heapify(heap)
         if joining:
             share = -(-(len(queue) + sum(n for n, _ in heap)) // (len(heap) + joining))
