@@ -45,9 +45,14 @@ by the same cost model at the best batch the KV memory allows (rollout and
 judge prefill and decode, training forward and backward, the optimizer update
 on one instance), in GPU-seconds, divided by the cluster's GPUs: no idle time,
 no shifts, no weight refreshes, no gradient sync. Each mode's share of it
-says how much of the cluster the mode leaves unused. Next to it, the critical
-path: the step's longest response generated and judged alone, a floor under
-any on-policy step (the chart marks the throughput it allows).
+says how much of the cluster the mode leaves unused. Next to it, the step
+floor: the longer of the ideal step and the spread path (the step's longest
+response generated beside its even share of the others on every instance,
+judged alone, its backward and the optimizer step), a floor under any
+on-policy step that does not know the lengths in advance; the chart marks the
+throughput it allows, and each group's note says the most any schedule could
+gain over each baseline. (The critical path, the same response generated at
+batch 1, is printed too: a looser floor.)
 
 Writes ``benchmarks/results/paper.{json,md,png}``: the JSON has a ``groups``
 list (per group ``name``, ``ideal``, ``modes``, ``ideal_fraction`` per mode,
@@ -216,6 +221,7 @@ def steady(run_dir: Path) -> dict[str, Any]:
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = metrics[1:] or metrics  # the window of summary.json's steady_samples_per_s
     step_s = sum(m["step_seconds"] for m in later) / len(later)
+    rollout_s = sum(m["time_s"]["rollout"] for m in later) / len(later)  # from a step's start to its last response
     spans = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     ends: dict[int, float] = {}  # step -> end of its optimizer step
     for s in spans:
@@ -238,6 +244,7 @@ def steady(run_dir: Path) -> dict[str, Any]:
         "samples_per_s": summary["steady_samples_per_s"],
         "step_seconds": step_s,
         "step_seconds_each": [m["step_seconds"] for m in metrics],
+        "rollout_seconds": rollout_s,
         "busy_fraction": fractions,
         "idle_fraction": max(0.0, 1 - sum(fractions.values())),
         "shifts_per_step": sum(m["shifts"] for m in later) / len(later),  # role moves and weight reloads
@@ -295,15 +302,7 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
     dis["search"] = [{"split": split_text(s), "step_seconds": v} for s, v in trials]
     modes["disaggregated"] = dis
     print(f"  disaggregated {dis['split']}: {_rate(dis)} after {len(trials)} search runs", flush=True)
-    rate = {m: r.get("samples_per_s", 0.0) for m, r in modes.items()}
-
-    i = best_ideal
-    ceiling = i.samples_per_s * i.step_seconds / max(i.step_seconds, i.critical_path_s)
-
-    def speedup(baseline: str) -> float | None:
-        return rate["shiftable"] / rate[baseline] if rate[baseline] > 0 and rate["shiftable"] > 0 else None
-
-    return {
+    g = {
         "name": group.name,
         "what": group.what,
         "policy": group.policy,
@@ -314,13 +313,26 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
         "overrides": base,
         "ideal": best_ideal.to_dict(),
         "modes": {m: modes[m] for m in MODES},
-        "ideal_fraction": {m: rate[m] / best_ideal.samples_per_s for m in MODES},
+    }
+    return {**derive(g), "wall_s": time.perf_counter() - t0}
+
+
+def derive(g: dict[str, Any]) -> dict[str, Any]:
+    """``g`` with what follows from its runs and its ideal: each mode's share of the ideal, shiftable's
+    speedups, and the most any on-policy schedule could gain over each baseline (``bound``)."""
+    rate = {m: r.get("samples_per_s", 0.0) for m, r in g["modes"].items()}
+    ceiling = bound(g)
+
+    def speedup(baseline: str) -> float | None:
+        return rate["shiftable"] / rate[baseline] if rate[baseline] > 0 and rate["shiftable"] > 0 else None
+
+    return {
+        **g,
+        "ideal_fraction": {m: rate[m] / g["ideal"]["samples_per_s"] for m in MODES},
         "speedup_vs_colocated": speedup("colocated"),
         "speedup_vs_disaggregated": speedup("disaggregated"),
-        # the most any on-policy schedule could gain over each baseline (``bound``)
         "bound_vs_colocated": ceiling / rate["colocated"] if rate["colocated"] > 0 else None,
         "bound_vs_disaggregated": ceiling / rate["disaggregated"] if rate["disaggregated"] > 0 else None,
-        "wall_s": time.perf_counter() - t0,
     }
 
 
@@ -330,8 +342,8 @@ def _rate(r: dict[str, Any]) -> str:
 
 # -- reports --------------------------------------------------------------------------------
 
-HEAD = ("group", "mode", "layout", "samples/s", "step s", "of ideal", "rollout", "genrm", "train", "shift", "idle",
-        "shifts/step", "moves/step", "shift s/step")  # fmt: skip
+HEAD = ("group", "mode", "layout", "samples/s", "step s", "rollout s", "of ideal", "rollout", "genrm", "train",
+        "shift", "idle", "shifts/step", "moves/step", "shift s/step")  # fmt: skip
 
 
 def rows(g: dict[str, Any], label: str | None = None) -> list[list[str]]:
@@ -344,15 +356,17 @@ def rows(g: dict[str, Any], label: str | None = None) -> list[list[str]]:
             out.append([label or g["name"], mode, layout, "failed: " + r.get("error", "?")] + [""] * (len(HEAD) - 4))
             continue
         b = r["busy_fraction"]
+        rollout = f"{r['rollout_seconds']:.1f}" if "rollout_seconds" in r else ""  # (older reports: not kept)
         out.append([label or g["name"], mode, layout, f"{r['samples_per_s']:.1f}", f"{r['step_seconds']:.1f}",
-                    f"{g['ideal_fraction'][mode]:.0%}", *(f"{b[k]:.0%}" for k in (*ROLES, "shift")),
+                    rollout, f"{g['ideal_fraction'][mode]:.0%}", *(f"{b[k]:.0%}" for k in (*ROLES, "shift")),
                     f"{r['idle_fraction']:.0%}", f"{r['shifts_per_step']:.0f}", f"{r['moves_per_step']:.0f}",
                     f"{r['shift_seconds_per_step']:.0f}"])  # fmt: skip
     i = g["ideal"]
     shares = {k: v / sum(i["gpu_seconds_by_role"].values()) for k, v in i["gpu_seconds_by_role"].items()}
+    floor = f"{i['spread_rollout_s']:.1f}" if "spread_rollout_s" in i else ""  # the spread path's generation
     out.append([label or g["name"], "ideal", f"TP{g['instance_gpus']}, batch {i['rollout_batch']}/{i['genrm_batch']}",
-                f"{i['samples_per_s']:.1f}", f"{i['step_seconds']:.1f}", "100%", *(f"{shares[k]:.0%}" for k in ROLES),
-                "0%", "0%", "", "", ""])  # fmt: skip
+                f"{i['samples_per_s']:.1f}", f"{i['step_seconds']:.1f}", floor, "100%",
+                *(f"{shares[k]:.0%}" for k in ROLES), "0%", "0%", "", "", ""])  # fmt: skip
     return out
 
 
@@ -365,15 +379,16 @@ def speedups(g: dict[str, Any]) -> str:
     return (
         f"shiftable vs colocated {_times(g['speedup_vs_colocated'])}, "
         f"vs disaggregated {_times(g['speedup_vs_disaggregated'])}; "
-        f"ideal step {i['step_seconds']:.0f} s, critical path {i['critical_path_s']:.0f} s: no schedule gains more "
-        f"than {_times(g.get('bound_vs_colocated'))} / {_times(g.get('bound_vs_disaggregated'))}"
+        f"ideal step {i['step_seconds']:.0f} s, spread path {i['spread_path_s']:.0f} s (alone "
+        f"{i['critical_path_s']:.0f} s): no schedule gains more than {_times(g.get('bound_vs_colocated'))} / "
+        f"{_times(g.get('bound_vs_disaggregated'))}"
     )
 
 
 def bound(g: dict[str, Any]) -> float:
-    """Samples/s if a step took the longer of the ideal step and the critical path."""
+    """Samples/s if a step took the longer of the ideal step and the spread path."""
     i = g["ideal"]
-    return i["samples_per_s"] * i["step_seconds"] / max(i["step_seconds"], i["critical_path_s"])
+    return i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
 
 
 def text_table(table: list[list[str]], head: tuple[str, ...] = HEAD) -> str:
@@ -400,14 +415,19 @@ ASSUMPTIONS = """\
 - One tensor-parallel size for every instance (the simulator's `sim.instance_gpus`), chosen per group as the one
   with the highest ideal throughput.
 - Throughput over steps 2..N (step 1 runs on priors and pays the first loads); busy, shifts and shift seconds over
-  the same window. Shifts count role moves and per-step weight reloads; moves count devices changing role;
-  shift s is device-seconds spent shifting.
+  the same window. Rollout s: from a step's start to its last response generated, the mean over the same steps;
+  in the ideal row, the spread path's generation (a floor). Shifts count role moves and per-step weight
+  reloads; moves count devices changing role; shift s is device-seconds spent shifting.
 - Disaggregated: the best static split found by a grid-then-compass search on the steady step time.
 - Ideal: all the work of a step (prefill and decode of rollout and judge at the largest batch the KV cache
   allows, training forward and backward, the optimizer update) in GPU-seconds over all GPUs; no idle time,
   no shifts, no weight refreshes, no gradient sync (`pivotrl/sim/ideal.py`). Its role columns are the
-  shares of that work. The critical path is the longest response of a step generated and judged alone, at
-  batch 1: no on-policy step is shorter (the black mark on the chart: samples/s at the longer of the two)."""
+  shares of that work. The spread path is the longest response of a step generated beside its even share of
+  the others on every instance (all start together; those still running at each decode step spread over
+  every instance), judged alone, its backward and the optimizer step: no on-policy step that cannot tell the
+  longest response in advance is shorter (the black mark on the chart: samples/s at the longer of the
+  ideal step and the spread path; `pivotrl/sim/ideal.py`). The critical path is the same response generated
+  at batch 1, a looser floor."""
 
 
 def _short(model: str) -> str:
@@ -418,7 +438,7 @@ def _bars(
     ax: Any, items: list[dict[str, Any]], value: Callable[[dict[str, Any], str], float], ticks: list[str]
 ) -> None:
     """Per item a bar for each mode and the ideal (labelled with the mode's share of the ideal), and the
-    critical-path bound as a black mark over the ideal's bar."""
+    step-floor bound as a black mark over the ideal's bar."""
     colors = {"colocated": "#8c8c8c", "disaggregated": "#4c72b0", "shiftable": "#dd8452", "ideal": "#55a868"}
     width = 0.2
     for k, mode in enumerate((*MODES, "ideal")):
@@ -432,7 +452,7 @@ def _bars(
                 ax.text(x, y, f"{g['ideal_fraction'][mode]:.0%}", ha="center", va="bottom", fontsize=7)
     xs = [i + 1.5 * width for i in range(len(items))]
     ax.hlines([value(g, "bound") for g in items], [x - width / 2 for x in xs], [x + width / 2 for x in xs],
-              colors="black", linewidths=1.5, label="critical-path bound")  # fmt: skip
+              colors="black", linewidths=1.5, label="step-floor bound")  # fmt: skip
     ax.set_xticks(range(len(items)), ticks, fontsize=7)
     ax.margins(y=0.15)
 
@@ -545,6 +565,40 @@ def code() -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def report_text(report: dict[str, Any]) -> tuple[list[list[str]], list[str], str, str]:
+    """The table rows, the notes, the title and the label of a report."""
+    if "points" in report:
+        items = report["points"]
+        notes = [f"{g['sweep']} {g['point']}: {speedups(g)}" for g in items]
+        gpus = report["settings"]["gpus"]
+        title = f"dense-7b sensitivity (base {gpus} GPUs): tail, judge size, cluster size"
+        return sweep_rows(items), notes, title, "point"
+    items = report["groups"]
+    notes = [f"{g['name']} ({g['policy']} + {g['genrm']} judge): {speedups(g)}" for g in items]
+    title = f"{report['settings']['gpus']} x H100: steady samples/s by mode and the ideal"
+    return [r for g in items for r in rows(g)], notes, title, "name"
+
+
+def rerender(path: Path, out: Path | None) -> None:
+    """``--rerender``: the runs of a report, their ideals and bounds recomputed, written again."""
+    try:
+        report = json.loads(path.read_text())
+        key = "points" if "points" in report else "groups"
+        items = report[key]
+        for g in items:
+            g["ideal"] = ideal(g["overrides"]).to_dict()
+        report[key] = [derive(g) for g in items]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--rerender: {path} is not a report of this script ({type(e).__name__}: {e})") from None
+    report["rerendered"] = {"code": code(), "machine": machine(list(os.getloadavg()))}
+    table, notes, title, label = report_text(report)
+    notes.append(f"wall time {report.get('wall_s', 0.0) / 60:.1f} min (runs at {report.get('code', '?')}; "
+                 f"ideals and bounds at {report['rerendered']['code']})")  # fmt: skip
+    print(text_table(table))
+    print("\n".join(notes))
+    write_all(out or path.with_suffix(""), report, table, notes, title, label)
+
+
 # -- main -----------------------------------------------------------------------------------
 
 
@@ -563,7 +617,13 @@ def main() -> None:
     p.add_argument("--sweep-gpus", type=int, nargs="+", default=[32, 128, 512, 1024])
     p.add_argument("--runs", type=Path, help="keep the measured runs' directories under this folder")
     p.add_argument("--out", type=Path, help="path prefix of the reports (default benchmarks/results/paper[_sweep])")
+    p.add_argument("--rerender", type=Path, metavar="JSON",
+                   help="no runs: recompute the ideals and bounds of a report's groups or points with this code and "
+                        "write its table and chart again (its runs kept as they are)")  # fmt: skip
     args = p.parse_args()
+    if args.rerender:
+        rerender(args.rerender, args.out)
+        return
     if args.quick:
         args.gpus, args.steps, args.search_steps, args.search_budget = 32, 3, 3, 7
         args.sweep_gpus = [64]
@@ -579,16 +639,11 @@ def main() -> None:
         def save(points: list[dict[str, Any]]) -> None:  # after each point: a long sweep keeps what it did
             write_report(prefix.with_suffix(".json"), {**report, "points": points, "partial": True})
 
-        items = report["points"] = sweep(args, save)
-        table = sweep_rows(items)
-        notes = [f"{g['sweep']} {g['point']}: {speedups(g)}" for g in items]
-        title, label = f"dense-7b sensitivity (base {args.gpus} GPUs): tail, judge size, cluster size", "point"
+        report["points"] = sweep(args, save)
     else:
-        items = report["groups"] = [bench(GROUPS[name], args.gpus, args) for name in args.groups]
-        table = [r for g in items for r in rows(g)]
-        notes = [f"{g['name']} ({g['policy']} + {g['genrm']} judge): {speedups(g)}" for g in items]
-        title, label = f"{args.gpus} x H100: steady samples/s by mode and the ideal", "name"
+        report["groups"] = [bench(GROUPS[name], args.gpus, args) for name in args.groups]
     report["wall_s"] = wall = time.perf_counter() - t0
+    table, notes, title, label = report_text(report)
     report["machine"]["load_average_at_end"] = list(os.getloadavg())
     notes.append(f"wall time {wall / 60:.1f} min")
     print(text_table(table))

@@ -38,6 +38,26 @@ longest response is generated and judged, one token after the other, so its
 decoded at batch 1, then judged at batch 1) is a floor under any mode's step
 time; where it exceeds the ideal step time, no synchronous schedule reaches
 the ideal.
+
+Batch 1 is a floor no engine reaches: the longest response decodes beside the
+others of its step. ``spread_path_s`` prices that. The N responses start
+together (a response's length is not known while it runs, so the one that
+will be longest cannot be told apart from the others of its age); at each
+decode step x the ones still generating, N P(L > x) on the same quantile grid
+as above, are spread evenly over every instance (at most B to one), which is
+the spread that keeps the longest response's expected batch smallest when a
+step's time grows linearly with its batch. So the longest response takes
+
+    prefill(min(B, N / D) prompts)
+      + sum over x = 1 .. L_max - 1 of decode_step(min(B, max(1, ceil(alive(x) / D))), P + x)
+
+on D instances, then it is judged alone as above, its group's backward runs
+on one instance (its own sample, the longest), and the optimizer step
+follows, on one instance: what must happen after the last token before the
+next step's policy exists. Any schedule that moves instances out of the
+rollout while it runs only makes the batches larger; the ratio of a mode's
+step time to ``max(ideal step, spread_path_s)`` is the most any schedule
+could gain over it.
 """
 
 from __future__ import annotations
@@ -64,6 +84,8 @@ class IdealStep:
     mean_response: float  # E[L], tokens
     gpu_seconds: dict[str, float]  # rollout_prefill, rollout_decode, genrm_prefill, genrm_decode, train, optimizer
     critical_path_s: float = 0.0  # the longest response generated and judged alone
+    spread_path_s: float = 0.0  # ... generated beside its even share of the others, judged, trained, and the update
+    spread_rollout_s: float = 0.0  # of which its generation
 
     @property
     def total(self) -> float:
@@ -86,6 +108,11 @@ class IdealStep:
     def samples_per_s(self) -> float:
         return self.samples / self.step_seconds
 
+    @property
+    def floor_seconds(self) -> float:
+        """The shortest a step can be: the longer of the ideal step and the spread path."""
+        return max(self.step_seconds, self.spread_path_s)
+
     def split(self, devices: int) -> dict[str, int]:
         """``devices`` divided between the roles in proportion to their work, at least one each: the
         static split that would be best if every role were busy all the time."""
@@ -105,6 +132,9 @@ class IdealStep:
             "genrm_batch": self.genrm_batch,
             "mean_response": self.mean_response,
             "critical_path_s": self.critical_path_s,
+            "spread_path_s": self.spread_path_s,
+            "spread_rollout_s": self.spread_rollout_s,
+            "floor_seconds": self.floor_seconds,
         }
 
 
@@ -141,13 +171,32 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     }
     longest = min(spec.lengths.quantile(1 - 1 / (2 * n)), rollout_tokens)
     judged = p + longest + spec.judge_template_len
-    critical = (
-        costs.prefill(spec.policy, tp, p, p)
-        + costs.decode_span(spec.policy, tp, 1, p + 1, longest - 1)
-        + costs.prefill(spec.genrm, tp, judged, judged)
-        + costs.decode_span(spec.genrm, tp, 1, judged + 1, out_len - 1)
+    judge_alone = costs.prefill(spec.genrm, tp, judged, judged) + costs.decode_span(
+        spec.genrm, tp, 1, judged + 1, out_len - 1
     )
-    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical)
+    critical = costs.prefill(spec.policy, tp, p, p) + costs.decode_span(spec.policy, tp, 1, p + 1, longest - 1)
+    rollout = spread_rollout_s(spec, n, rollout_tokens)
+    update = costs.train_tokens(spec.policy, p + longest, tp, p + longest) + costs.optimizer_step(spec.policy, tp)
+    spread = rollout + judge_alone + update
+    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical + judge_alone, spread, rollout)
+
+
+def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:
+    """Seconds until the longest of ``samples`` responses is generated when they start together and those
+    still running are spread evenly over every instance (the module docstring's ``spread_path_s``)."""
+    costs, tp, p, d = spec.costs, spec.tp, spec.prompt_len, spec.devices
+    b = spec.capacity(Role.ROLLOUT)
+    lengths = sorted(min(spec.lengths.quantile((i + 0.5) / samples), rollout_tokens) for i in range(samples))
+    seconds = costs.prefill(spec.policy, tp, min(b, -(-samples // d)) * p, p)
+    x = 1  # the decode step at hand: the first token came from the prefill
+    for i, length in enumerate(lengths):  # responses of this length end after step length - 1
+        if length <= x:
+            continue
+        alive = samples - i  # this response and every longer one
+        batch = min(b, max(1, -(-alive // d)))
+        seconds += costs.decode_span(spec.policy, tp, batch, p + x, length - x)
+        x = length
+    return seconds
 
 
 def ideal_for_job(cfg: JobConfig) -> IdealStep:

@@ -72,11 +72,21 @@ def write_run(path: Path) -> None:
     path.mkdir()
     summary = {"samples": 30, "steps": 3, "devices": 2, "steady_samples_per_s": 1.0}
     (path / "summary.json").write_text(json.dumps(summary))
-    steps = [(12.0, 4, 6.0, 0), (10.0, 2, 2.0, 1), (10.0, 4, 3.0, 3)]  # step s, shifts, shift s, migrations
+    # step s, shifts, shift s, migrations, rollout s
+    steps = [(12.0, 4, 6.0, 0, 11.0), (10.0, 2, 2.0, 1, 7.0), (10.0, 4, 3.0, 3, 8.0)]
     (path / "metrics.jsonl").write_text(
         "".join(
-            json.dumps({"step_seconds": s, "shifts": n, "shift_seconds": x, "migrations": m}) + "\n"
-            for s, n, x, m in steps
+            json.dumps(
+                {
+                    "step_seconds": s,
+                    "shifts": n,
+                    "shift_seconds": x,
+                    "migrations": m,
+                    "time_s": {"rollout": r, "step": s},
+                }
+            )
+            + "\n"
+            for s, n, x, m, r in steps
         )  # fmt: skip
     )
     spans = [
@@ -107,6 +117,7 @@ def test_steady_window_leaves_out_the_first_step(tmp_path):
     assert s["idle_fraction"] == pytest.approx(21 / 40)
     assert (s["shifts_per_step"], s["moves_per_step"], s["shift_seconds_per_step"]) == (3.0, 0.5, 2.5)
     assert s["migrations_per_step"] == 2.0
+    assert s["rollout_seconds"] == 7.5
 
 
 def test_tail_points_keep_the_mean_length():
@@ -117,3 +128,38 @@ def test_tail_points_keep_the_mean_length():
     assert list(means)[0] == "uniform" and list(means)[-1].startswith("pareto")
     base = means["lognormal s=0.9"]
     assert all(m == pytest.approx(base, rel=0.01) for m in means.values()), means
+
+
+def fake_report(tmp_path: Path) -> Path:
+    """A report of one group run at 32 GPUs, its ideal left out as an older report might have it."""
+    modes = {m: {"samples_per_s": rate, "step_seconds": 8192 / rate, "busy_fraction": dict.fromkeys(
+        (*paper.ROLES, "shift"), 0.2), "idle_fraction": 0.2, "shifts_per_step": 1.0, "moves_per_step": 1.0,
+        "shift_seconds_per_step": 1.0} for m, rate in zip(paper.MODES, (10.0, 8.0, 12.0), strict=True)}  # fmt: skip
+    overrides = paper.job_overrides(paper.GROUPS["dense-7b"], 32, 1)
+    group = {"name": "dense-7b", "what": "dense pair", "policy": "Qwen2.5-7B", "genrm": "Qwen2.5-7B", "gpus": 32,
+             "instance_gpus": 1, "devices": 32, "overrides": overrides, "ideal": {}, "modes": modes}  # fmt: skip
+    report = {"code": "abc", "settings": {"gpus": 32}, "wall_s": 60.0, "groups": [group]}
+    path = tmp_path / "paper.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_rerender_recomputes_the_ideal_and_the_bounds_and_keeps_the_runs(tmp_path):
+    path = fake_report(tmp_path)
+    paper.rerender(path, tmp_path / "out")
+    g = json.loads((tmp_path / "out.json").read_text())["groups"][0]
+    i = g["ideal"]
+    assert i["spread_path_s"] > i["critical_path_s"] > 0
+    assert i["floor_seconds"] == max(i["step_seconds"], i["spread_path_s"])
+    ceiling = i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
+    assert g["bound_vs_colocated"] == pytest.approx(ceiling / 10.0)
+    assert g["bound_vs_disaggregated"] == pytest.approx(ceiling / 8.0)
+    assert g["speedup_vs_colocated"] == pytest.approx(1.2) and g["modes"]["shiftable"]["samples_per_s"] == 12.0
+    assert "spread path" in (tmp_path / "out.md").read_text() and (tmp_path / "out.png").stat().st_size > 0
+
+
+def test_rerender_refuses_what_is_not_a_report(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": []}')
+    with pytest.raises(SystemExit, match="not a report of this script"):
+        paper.rerender(bad, None)

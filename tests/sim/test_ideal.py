@@ -71,6 +71,30 @@ def test_a_hand_computed_step():
     assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 3 * 0.101)
 
 
+def test_the_spread_path_by_hand():
+    costs = LinearCosts()
+    # 16 responses of 1..16 tokens (one of each on the grid) on 4 instances: at decode step x, 16 - x still run
+    step = ideal_step(spec(costs, LengthDist.uniform(1, 16)), samples=16, rollout_tokens=100, judge_tokens=100)
+    batches = [-(-(16 - x) // 4) for x in range(1, 16)]
+    assert batches == [4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1]
+    rollout = 0.001 * 4 * 5 + sum(0.1 + 0.001 * b for b in batches)  # 4 prompts of 5 prefilled together
+    judged = 0.001 * (5 + 16 + 3) + 3 * 0.101  # the longest judged alone
+    update = 1e-4 * (5 + 16) / 2 + 2.0 / 2  # its backward on one instance of 2 GPUs, then the optimizer step
+    assert step.spread_path_s == pytest.approx(rollout + judged + update)
+    assert step.spread_rollout_s == pytest.approx(rollout)
+    assert step.critical_path_s == pytest.approx(0.005 + 15 * 0.101 + judged)
+    assert step.floor_seconds == max(step.step_seconds, step.spread_path_s)
+
+
+@pytest.mark.parametrize(("samples", "batch"), [(2, 1), (16, 4), (64, 8)])  # 4 instances; 8 at most to one
+def test_equal_lengths_decode_side_by_side_to_the_end(samples, batch):
+    costs = LinearCosts()
+    step = ideal_step(spec(costs, LengthDist.fixed(11)), samples=samples, rollout_tokens=100, judge_tokens=100)
+    rollout = 0.001 * batch * 5 + 10 * (0.1 + 0.001 * batch)
+    judged = 0.001 * (5 + 11 + 3) + 3 * 0.101
+    assert step.spread_path_s == pytest.approx(rollout + judged + 1e-4 * 16 / 2 + 1.0)
+
+
 def test_judgments_and_responses_are_capped():
     costs = LinearCosts()
     step = ideal_step(spec(costs, LengthDist.fixed(11)), samples=16, rollout_tokens=6, judge_tokens=2)
