@@ -370,6 +370,35 @@ def rows(g: dict[str, Any], label: str | None = None) -> list[list[str]]:
     return out
 
 
+SPENT_HEAD = ("group", "mode", "the step's work", "rollout beyond", "judge beyond", "train beyond", "shift", "idle")
+
+
+def spent(g: dict[str, Any], mode: str) -> dict[str, float] | None:
+    """Where a mode's GPU-time goes, as shares of it (None for a failed run): the step's work as the ideal
+    prices it (the mode's share of the ideal), each role's busy time beyond its part of that work (decoding
+    in smaller batches than the ideal's, re-prefilling migrated sequences, gradient sync), shifts, idle."""
+    r = g["modes"][mode]
+    if "busy_fraction" not in r:
+        return None
+    work = g["ideal"]["gpu_seconds_by_role"]
+    useful = g["ideal_fraction"][mode]
+    out = {"work": useful}
+    for role in ROLES:
+        out[role] = r["busy_fraction"][role] - useful * work[role] / sum(work.values())
+    out["shift"], out["idle"] = r["busy_fraction"]["shift"], r["idle_fraction"]
+    return out
+
+
+def spent_rows(items: list[dict[str, Any]], label: str) -> list[list[str]]:
+    out = []
+    for g in items:
+        for mode in MODES:
+            x = spent(g, mode)
+            name = g["name"] if label == "name" else f"{g['sweep']}: {g['point']}"
+            out.append([name, mode, *(f"{v:.0%}" for v in x.values())] if x else [name, mode] + [""] * 6)
+    return out
+
+
 def _times(x: float | None) -> str:
     return f"{x:.2f}x" if x else "n/a"
 
@@ -428,6 +457,13 @@ ASSUMPTIONS = """\
   longest response in advance is shorter (the black mark on the chart: samples/s at the longer of the
   ideal step and the spread path; `pivotrl/sim/ideal.py`). The critical path is the same response generated
   at batch 1, a looser floor."""
+
+
+SPENT_NOTE = """\
+The step's work is the GPU-time the ideal prices the step at (the mode's share of the ideal); a role's
+"beyond" is its busy time past its part of that work: decoding in smaller batches than the ideal's (the
+rollout's tail, a judge fed one response at a time), prefills of migrated sequences, the gradient sync; shift
+and idle as in the table above. The columns add up to 100% (rounding aside)."""
 
 
 def _short(model: str) -> str:
@@ -498,10 +534,16 @@ def plot(items: list[dict[str, Any]], path: Path, title: str, label: str) -> Non
     plt.close(fig)
 
 
+SPENT_TITLE = "Where each mode's GPU-time goes (shares of the cluster's time over the measured steps)"
+
+
 def write_all(prefix: Path, report: dict[str, Any], table: list[list[str]], notes: list[str], title: str,
               label: str) -> None:  # fmt: skip
     write_report(prefix.with_suffix(".json"), report)
-    md = f"### {title}\n\n{md_table(table)}\n\n" + "".join(f"- {n}\n" for n in notes) + f"\n{ASSUMPTIONS}\n"
+    items = report.get("groups") or report["points"]
+    md = (f"### {title}\n\n{md_table(table)}\n\n" + "".join(f"- {n}\n" for n in notes)
+          + f"\n#### {SPENT_TITLE}\n\n{md_table(spent_rows(items, label), SPENT_HEAD)}\n\n{SPENT_NOTE}\n"
+          + f"\n{ASSUMPTIONS}\n")  # fmt: skip
     prefix.with_suffix(".md").write_text(md)
     plot(report.get("groups") or report["points"], prefix.with_suffix(".png"), title, label)
     print(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.png')}")
@@ -594,9 +636,15 @@ def rerender(path: Path, out: Path | None) -> None:
     table, notes, title, label = report_text(report)
     notes.append(f"wall time {report.get('wall_s', 0.0) / 60:.1f} min (runs at {report.get('code', '?')}; "
                  f"ideals and bounds at {report['rerendered']['code']})")  # fmt: skip
+    show(report, table, notes, label)
+    write_all(out or path.with_suffix(""), report, table, notes, title, label)
+
+
+def show(report: dict[str, Any], table: list[list[str]], notes: list[str], label: str) -> None:
     print(text_table(table))
     print("\n".join(notes))
-    write_all(out or path.with_suffix(""), report, table, notes, title, label)
+    print(f"\n{SPENT_TITLE}")
+    print(text_table(spent_rows(report.get("groups") or report["points"], label), SPENT_HEAD))
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -646,8 +694,7 @@ def main() -> None:
     table, notes, title, label = report_text(report)
     report["machine"]["load_average_at_end"] = list(os.getloadavg())
     notes.append(f"wall time {wall / 60:.1f} min")
-    print(text_table(table))
-    print("\n".join(notes))
+    show(report, table, notes, label)
     write_all(prefix, report, table, notes, title, label)
 
 

@@ -163,3 +163,17 @@ def test_rerender_refuses_what_is_not_a_report(tmp_path):
     bad.write_text('{"runs": []}')
     with pytest.raises(SystemExit, match="not a report of this script"):
         paper.rerender(bad, None)
+
+
+def test_spent_splits_a_modes_time_into_the_work_and_what_is_beyond_it():
+    busy = {"rollout": 0.5, "genrm": 0.2, "train": 0.15, "shift": 0.05}
+    g = {
+        "ideal": {"gpu_seconds_by_role": {"rollout": 2.0, "genrm": 1.0, "train": 1.0}},
+        "ideal_fraction": {"colocated": 0.4},
+        "modes": {"colocated": {"busy_fraction": busy, "idle_fraction": 0.1}, "shiftable": {"error": "timeout"}},
+    }
+    x = paper.spent(g, "colocated")
+    # the ideal's work is 40% of the time: rollout 20%, judge 10%, train 10%; the rest of each role's busy is beyond
+    assert x == pytest.approx({"work": 0.4, "rollout": 0.3, "genrm": 0.1, "train": 0.05, "shift": 0.05, "idle": 0.1})
+    assert sum(x.values()) == pytest.approx(1.0)
+    assert paper.spent(g, "shiftable") is None
