@@ -598,7 +598,7 @@ class Planner:
         chosen, reason = self._choose(alt, stay, w)
         moves, wait = _lend(_moves(chosen, scene), current, pinned, chosen.est, w, profiles.costs)
         if wait < INF:
-            reason += f"; train devices lent to the rollout for {_s(wait)}, until groups can train"
+            reason += f"; devices for train lent to the rollout for {_s(wait)}, until groups can train"
         targets = {d: r for d, r in current.items() if r is not None}
         for d, _, dst in moves:
             targets[d] = dst
@@ -785,25 +785,29 @@ LEND_AFTER = 2.0  # round trips of shifts a train device must be able to generat
 def _lend(
     moves: list[Move], current: dict[int, Role | None], pinned: set[int], est: Estimate, w: _Work, costs: ShiftCosts
 ) -> tuple[list[Move], float]:
-    """The plan's moves, with the train devices lent to the rollout at the start of a step: until the
-    first group can train they would idle, while the rollout, with every sequence still to generate,
-    ends sooner with them. (The estimate holds a role's devices from now until its phase
-    ends, so it cannot see this.) They are lent only if they can generate for ``LEND_AFTER`` round
-    trips of shifts. Also the seconds until they must leave for train (inf: none lent)."""
-    fresh_step = w.queued and not (w.judge_queued or w.ready or w.judging)  # nothing generated yet
-    if not fresh_step or not est.count(Role.TRAIN) or est.train_from == INF:
+    """The plan's moves, with the devices it sends to train lent to the rollout until the first group can
+    train: there they would idle, while the rollout ends sooner with them. (The estimate holds a role's
+    devices from now until its phase ends, so moving now is the only way it can see them train before
+    the rollout ends; it cannot see them generate in the meantime.) A device the plan takes out of the
+    rollout or the judge for train stays where it is, one with no role yet starts on the rollout, and a
+    train device left idle joins the rollout when sequences wait for a device (otherwise it would only
+    take sequences from the others). Only if they can generate for ``LEND_AFTER`` round trips of
+    shifts; also the seconds until they must leave for train (inf: none lent)."""
+    if not w.seqs or not est.count(Role.TRAIN) or est.train_from == INF:
         return moves, INF
     to_train, back = costs.cost(Role.ROLLOUT, Role.TRAIN), costs.cost(Role.TRAIN, Role.ROLLOUT)
     wait = est.train_from - to_train  # a device in train now would idle this long
     if wait <= LEND_AFTER * (to_train + back):
         return moves, INF
-    moving = {d for d, _, _ in moves}
+    kept = [m for m in moves if m[2] is not Role.TRAIN]
     fresh = [(d, None, Role.ROLLOUT) for d, src, dst in moves if src is None and dst is Role.TRAIN]
-    idle = [(d, Role.TRAIN, Role.ROLLOUT) for d, r in current.items()
-            if r is Role.TRAIN and d not in pinned and d not in moving]  # fmt: skip
-    if not fresh and not idle:
+    idle: list[Move] = []
+    if w.queued:
+        moving = {d for d, _, _ in moves}
+        idle = [(d, Role.TRAIN, Role.ROLLOUT) for d, r in current.items()
+                if r is Role.TRAIN and d not in pinned and d not in moving]  # fmt: skip
+    if len(kept) == len(moves) and not idle:
         return moves, INF
-    kept = [m for m in moves if not (m[1] is None and m[2] is Role.TRAIN)]
     return sorted(kept + fresh + idle, key=lambda m: m[0]), wait
 
 

@@ -468,25 +468,34 @@ def _est(train_from: float, alloc: tuple[int, int, int] = (2, 0, 2)) -> Estimate
 
 
 LEND = [
-    # workload, first group trainable in (s), pinned, moves kept as planned
-    pytest.param(_fresh_step(), 10.0, set(), False, id="step-start:idle-and-new-train-devices-roll-out"),
+    # workload, first group trainable in (s), pinned, whether the idle train device 1 is lent
+    pytest.param(_fresh_step(), 10.0, set(), True, id="step-start:idle-and-new-train-devices-roll-out"),
     pytest.param(_fresh_step(), 10.0, {1}, False, id="step-start:pinned-train-device-stays"),
-    pytest.param(_fresh_step(), 0.2, set(), True, id="groups-trainable-soon:no-loan"),
-    pytest.param(_fresh_step(judge_queued=2), 10.0, set(), True, id="mid-step:no-loan"),
-    pytest.param(_fresh_step(rollout_queued=0), 10.0, set(), True, id="nothing-queued:no-loan"),
+    pytest.param(_fresh_step(judge_queued=2), 10.0, set(), True, id="mid-step-with-sequences-waiting"),
+    pytest.param(_fresh_step(rollout_queued=0), 10.0, set(), False, id="nothing-queued:idle-train-device-stays"),
 ]
 
 
-@pytest.mark.parametrize(("workload", "train_from", "pinned", "unchanged"), LEND)
-def test_train_devices_are_lent_to_the_rollout_at_the_start_of_a_step(workload, train_from, pinned, unchanged):
-    # device 0 leaves train as planned, 1 stays there idle, 3 gets its first role (train)
+@pytest.mark.parametrize(("workload", "train_from", "pinned", "idle_lent"), LEND)
+def test_devices_for_train_are_lent_to_the_rollout_until_groups_can_train(workload, train_from, pinned, idle_lent):
+    # device 0 leaves train as planned, 1 stays there idle, 2 is planned to leave the rollout for train,
+    # 3 gets its first role (train)
     p = profiles(shift=0.05)
     current = {0: T, 1: T, 2: R, 3: None}
-    planned = [(0, T, R), (3, None, T)]
+    planned = [(0, T, R), (2, R, T), (3, None, T)]
     moves, wait = _lend(planned, current, pinned, _est(train_from), _summarize(workload, p), p.costs)
-    if unchanged:
-        assert (moves, wait) == (planned, math.inf)
-        return
     assert wait == pytest.approx(train_from - 0.05)  # then a device must leave for train to be in time
-    lent = [] if 1 in pinned else [(1, T, R)]
-    assert moves == sorted([(0, T, R), (3, None, R), *lent])
+    lent = [(1, T, R)] if idle_lent else []
+    assert moves == sorted([(0, T, R), (3, None, R), *lent])  # 2 stays on the rollout
+
+
+@pytest.mark.parametrize(
+    ("workload", "train_from"),
+    [(_fresh_step(), 0.2), (_fresh_step(rollout_remaining=[], rollout_groups=[], rollout_queued=0), 10.0)],
+    ids=["groups-trainable-soon", "rollout-done"],
+)
+def test_no_loan_when_groups_train_soon_or_nothing_is_left_to_generate(workload, train_from):
+    p = profiles(shift=0.05)
+    planned = [(0, T, R), (2, R, T), (3, None, T)]
+    moves, wait = _lend(planned, {0: T, 1: T, 2: R, 3: None}, set(), _est(train_from), _summarize(workload, p), p.costs)
+    assert (moves, wait) == (planned, math.inf)
