@@ -449,7 +449,7 @@ class Controller:
 
     def _on_generated(self, e: Generated) -> None:
         self._rebalance_due = True
-        judge_reqs = []
+        judge_reqs, whole = [], []
         for r in e.results:
             self.scheduler.finished(e.device, r.uid)
             if r.uid >= EVAL_UID:
@@ -464,11 +464,17 @@ class Controller:
             s.correct = exact_match(r.text, s.reference)
             assert self.step is not None
             self.step.generated += 1
-            self.step.group_generated[s.prompt_index] = self.step.group_generated.get(s.prompt_index, 0) + 1
+            generated = self.step.group_generated[s.prompt_index] = self.step.group_generated.get(s.prompt_index, 0) + 1
             if self.step.generated == len(self.step.samples):
                 self.step.rollout_end = self.clock()
             judge_reqs.append(JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge))
+            if generated == self.spec.group_size:
+                whole.append(s.prompt_index)
         self.scheduler.submit_judge(judge_reqs)
+        for p in whole:  # its judgments go first: the group trains once they are done
+            assert self.step is not None
+            g, samples = self.spec.group_size, self.step.samples
+            self.scheduler.judge_first({samples[i].uid for i in range(p * g, (p + 1) * g)})
 
     def _on_evaluated(self, uid: int, text: str) -> None:
         after_step, index = divmod(uid - EVAL_UID, EVAL_STRIDE)

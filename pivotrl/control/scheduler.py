@@ -10,6 +10,12 @@ finish theirs unevenly: one holds a big batch (each of its decode steps the
 slower for it) while another empties. ``rebalance`` names the requests to
 take back from the most loaded devices, so that, handed out again, every
 device holds about an even share.
+
+Judgments of a group whose responses are all generated go first
+(``judge_first``): a group trains once all of its members are judged, so a
+judge backlog drained group by group lets training start while the rollout's
+tail still runs, where one drained in arrival order leaves most groups a
+judgment short until the end. The rewards do not depend on the order.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class Scheduler:
         self.judge_per_device = judge_per_device or per_device
         self.gen_queue: deque[GenRequest] = deque()
         self.judge_queue: deque[JudgeRequest] = deque()
+        self._judge_first = 0  # the judge queue's first requests that go first: whole groups', migrated ones
         # device -> uids it is working on; a list, not a dict: the loads of a thousand devices are
         # read at every pump, and a list of sets gives them at C speed (grown as devices get work)
         self.inflight: list[set[int]] = []
@@ -66,10 +73,23 @@ class Scheduler:
             self.gen_queue.extend(reqs)
 
     def submit_judge(self, reqs: list[JudgeRequest], front: bool = False) -> None:
-        if front:
+        if front:  # (migrated requests: they ran before any still queued)
             self.judge_queue.extendleft(reversed(reqs))
+            self._judge_first += len(reqs)
         else:
             self.judge_queue.extend(reqs)
+
+    def judge_first(self, uids: set[int]) -> None:
+        """The queued judge requests of ``uids`` (a group generated whole) go before every other one
+        queued, after those already sent first; their order is kept."""
+        queue, first = self.judge_queue, self._judge_first
+        moved = [r for i, r in enumerate(queue) if i >= first and r.uid in uids]
+        if not moved:
+            return
+        items = list(queue)
+        queue.clear()
+        queue.extend(items[:first] + moved + [r for r in items[first:] if r.uid not in uids])
+        self._judge_first = first + len(moved)
 
     def finished(self, device: int, uid: int) -> None:
         self.inflight[device].discard(uid)
@@ -79,7 +99,9 @@ class Scheduler:
         return [Generate(d, tuple(reqs), version) for d, reqs in batches.items()]
 
     def dispatch_judge(self, devices: list[int], joining: int = 0) -> list[Judge]:
+        queued = len(self.judge_queue)
         batches = self._spread(self.judge_queue, devices, self.judge_per_device, joining)
+        self._judge_first = max(0, self._judge_first - (queued - len(self.judge_queue)))
         return [Judge(d, tuple(reqs)) for d, reqs in batches.items()]
 
     def rebalance(self, devices: list[int], cost: Callable[[int], float]) -> dict[int, list[int]]:

@@ -440,6 +440,33 @@ def test_a_backlog_is_shared_by_tokens_not_by_groups():
         assert list(b.shard.advantages) == pytest.approx([1.0 if u % 2 else -1.0 for u in mine], abs=1e-4)
 
 
+def test_a_group_generated_whole_is_judged_first():
+    """A group trains once every member is judged: the judgments of a group generated whole go ahead
+    of those queued earlier for groups still generating."""
+    ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}), per_device=16, judge_per_device=1)
+    cluster = FakeCluster(ctl)
+    commands = ctl.start()
+    while not any(isinstance(c, Generate) for c in commands):  # every device in its role
+        for c in commands:
+            cluster.submit(c)
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    for c in commands:
+        cluster.submit(c)
+    work = {r.uid: r for r in cluster.work[0]}  # the rollout device holds all 8 (groups of 2: uids 2p, 2p + 1)
+    assert set(range(SAMPLES)) <= set(work)  # (and the held-out evaluation)
+    sent: list[int] = []
+    for uids in ([0], [2], [4], [6], [3]):  # group 1 (2, 3) is whole after the fifth
+        for c in ctl.handle(Generated(0, tuple(work[u] for u in uids))):
+            if isinstance(c, Judge):
+                sent += [r.uid for r in c.requests]
+    assert sent == [0]  # one judgment in flight, the rest queued
+    assert [r.uid for r in ctl.scheduler.judge_queue] == [2, 3, 4, 6]
+    for c in ctl.handle(Judged(1, (JudgeResult(0, "VERDICT: yes", False, 5),))):
+        if isinstance(c, Judge):
+            sent += [r.uid for r in c.requests]
+    assert sent == [0, 2]
+
+
 @pytest.mark.parametrize("rebalance", [True, False])
 def test_requests_in_flight_are_rebalanced_once_the_queue_is_empty(rebalance):
     """A rollout device that empties while another still holds its whole share takes half of

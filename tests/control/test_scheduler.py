@@ -152,3 +152,33 @@ def test_rebalanced_requests_go_back_to_the_least_loaded():
     s.submit_gen(gen(*taken[0]), front=True)
     assert placed(s.dispatch_gen([0, 1], 0)) == {1: [1, 2]}
     assert (s.load(0), s.load(1)) == (4, 3) and s.rebalance([0, 1], lambda u: 0) == {}
+
+
+def queued_uids(s: Scheduler) -> list[int]:
+    return [r.uid for r in s.judge_queue]
+
+
+def test_judgments_of_a_whole_group_go_first_in_their_order():
+    s = Scheduler(per_device=2)
+    s.submit_judge(judge(0, 1, 2, 3, 4, 5))
+    s.judge_first({4, 2, 9})  # 9 is not queued (judged already, or running)
+    assert queued_uids(s) == [2, 4, 0, 1, 3, 5]
+    s.judge_first({5, 1})  # a group whole later goes after the first one, not before it
+    assert queued_uids(s) == [2, 4, 1, 5, 0, 3]
+    s.judge_first({7})  # none of it queued: nothing moves
+    assert queued_uids(s) == [2, 4, 1, 5, 0, 3]
+
+
+def test_requests_sent_first_stay_first_as_the_queue_drains():
+    s = Scheduler(per_device=2)
+    s.submit_judge(judge(0, 1, 2, 3, 4, 5))
+    s.judge_first({3, 4})
+    assert placed(s.dispatch_judge([0])) == {0: [3, 4]}  # the whole group's two went out
+    s.judge_first({1})  # the first ones are gone: 1 goes to the very front
+    assert queued_uids(s) == [1, 0, 2, 5]
+    s.submit_judge(judge(8), front=True)  # a migrated judgment stays ahead of the group sent first
+    s.judge_first({5})
+    assert queued_uids(s) == [8, 1, 5, 0, 2]
+    assert placed(s.dispatch_judge([1])) == {1: [8, 1]}
+    s.judge_first({2})
+    assert queued_uids(s) == [5, 2, 0]
