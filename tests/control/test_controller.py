@@ -410,17 +410,23 @@ def test_a_judged_backlog_goes_out_in_shares():
         assert {a.device for a in accumulates} == {3}
 
 
+def in_roles(ctl: Controller) -> tuple[FakeCluster, list[Command]]:
+    """The job run until every device holds its role: the fake cluster, and the first rollout's commands."""
+    cluster = FakeCluster(ctl)
+    commands = ctl.start()
+    while not any(isinstance(c, Generate) for c in commands):
+        for c in commands:
+            cluster.submit(c)
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    return cluster, commands
+
+
 def test_a_backlog_is_shared_by_tokens_not_by_groups():
     """Judged samples go to the train devices in even shares of their tokens, a group split
     between devices if need be: the groups judged last hold the longest responses, and whole
     groups would leave one device with the longest backward while the others wait."""
     ctl = controller(Disaggregated(4, {R: 1, G: 1, T: 2}), prompts_per_step=4, group_size=4)
-    cluster = FakeCluster(ctl)
-    commands = ctl.start()
-    while not any(isinstance(c, Generate) for c in commands):  # every device in its role
-        for c in commands:
-            cluster.submit(c)
-        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    cluster, _ = in_roles(ctl)
     step = ctl.step
     lengths = [40, 40, 40, 40] + [1] * 12  # group 0 long, groups 1-3 short
     for i, (s, n) in enumerate(zip(step.samples, lengths, strict=True)):
@@ -444,12 +450,7 @@ def test_a_group_generated_whole_is_judged_first():
     """A group trains once every member is judged: the judgments of a group generated whole go ahead
     of those queued earlier for groups still generating."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}), per_device=16, judge_per_device=1)
-    cluster = FakeCluster(ctl)
-    commands = ctl.start()
-    while not any(isinstance(c, Generate) for c in commands):  # every device in its role
-        for c in commands:
-            cluster.submit(c)
-        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    cluster, commands = in_roles(ctl)
     for c in commands:
         cluster.submit(c)
     work = {r.uid: r for r in cluster.work[0]}  # the rollout device holds all 8 (groups of 2: uids 2p, 2p + 1)
