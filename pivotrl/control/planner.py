@@ -596,7 +596,10 @@ class Planner:
                     alt = c
                     break
         chosen, reason = self._choose(alt, stay, w)
-        moves, wait = _lend(_moves(chosen, scene), current, pinned, chosen.est, w, profiles.costs)
+        moves = _moves(chosen, scene)
+        lendable = _lendable(moves, current, pinned, w)
+        needed = _train_needed(chosen, len(lendable), w, profiles, max_batch) if lendable else 0.0
+        moves, wait = _lend(moves, lendable, needed, profiles.costs)
         if wait < INF:
             reason += f"; devices for train lent to the rollout for {_s(wait)}, until groups can train"
         targets = {d: r for d, r in current.items() if r is not None}
@@ -622,12 +625,8 @@ class Planner:
                 gives[src] += k
         if any(k > movable[r] for r, k in gives.items()):
             return None
-        late = [[0, 0.0] for _ in ROLES]
-        for (src, dst), k in flows.items():
-            slot = late[ROLES.index(dst)]
-            slot[0] += k
-            slot[1] = max(slot[1], p.costs.cost(src, dst))
-        est = _estimate(w, p, alloc, max_batch, tuple((k, at) for k, at in late))
+        late = _late(flows, p.costs)
+        est = _estimate(w, p, alloc, max_batch, late)
         shift = max((at for _, at in late), default=0.0)
         return _Candidate(est.total, sum(flows.values()), alloc, flows, est, shift)
 
@@ -782,33 +781,71 @@ def _take(
 LEND_AFTER = 2.0  # round trips of shifts a train device must be able to generate for, to be lent
 
 
-def _lend(
-    moves: list[Move], current: dict[int, Role | None], pinned: set[int], est: Estimate, w: _Work, costs: ShiftCosts
-) -> tuple[list[Move], float]:
-    """The plan's moves, with the devices it sends to train lent to the rollout until the first group can
-    train: there they would idle, while the rollout ends sooner with them. (The estimate holds a role's
-    devices from now until its phase ends, so moving now is the only way it can see them train before
-    the rollout ends; it cannot see them generate in the meantime.) A device the plan takes out of the
-    rollout or the judge for train stays where it is, one with no role yet starts on the rollout, and a
-    train device left idle joins the rollout when sequences wait for a device (otherwise it would only
-    take sequences from the others). Only if they can generate for ``LEND_AFTER`` round trips of
-    shifts; also the seconds until they must leave for train (inf: none lent)."""
-    if not w.seqs or not est.count(Role.TRAIN) or est.train_from == INF:
-        return moves, INF
-    to_train, back = costs.cost(Role.ROLLOUT, Role.TRAIN), costs.cost(Role.TRAIN, Role.ROLLOUT)
-    wait = est.train_from - to_train  # a device in train now would idle this long
-    if wait <= LEND_AFTER * (to_train + back):
-        return moves, INF
-    kept = [m for m in moves if m[2] is not Role.TRAIN]
-    fresh = [(d, None, Role.ROLLOUT) for d, src, dst in moves if src is None and dst is Role.TRAIN]
-    idle: list[Move] = []
+def _late(flows: dict[tuple[Role | None, Role], int], costs: ShiftCosts) -> Late:
+    """Per role, the devices ``flows`` bring in and when the slowest of their shifts ends."""
+    late = [[0, 0.0] for _ in ROLES]
+    for (src, dst), k in flows.items():
+        slot = late[ROLES.index(dst)]
+        slot[0] += k
+        slot[1] = max(slot[1], costs.cost(src, dst))
+    return tuple((k, at) for k, at in late)
+
+
+def _lendable(moves: list[Move], current: dict[int, Role | None], pinned: set[int], w: _Work) -> list[Move]:
+    """The devices a plan has in train that could generate for now instead: those it moves there, and,
+    when sequences wait for a device, those idle there (otherwise they would only take sequences from
+    the others), as the moves that would put them on the rollout. None once the rollout is done."""
+    if not w.seqs:
+        return []
+    out: list[Move] = [(d, src, src or Role.ROLLOUT) for d, src, dst in moves if dst is Role.TRAIN]
     if w.queued:
         moving = {d for d, _, _ in moves}
-        idle = [(d, Role.TRAIN, Role.ROLLOUT) for d, r in current.items()
+        out += [(d, Role.TRAIN, Role.ROLLOUT) for d, r in current.items()
                 if r is Role.TRAIN and d not in pinned and d not in moving]  # fmt: skip
-    if len(kept) == len(moves) and not idle:
+    return out
+
+
+def _train_needed(c: _Candidate, lendable: int, w: _Work, p: Profiles, max_batch: Batch) -> float:
+    """Seconds from now by which ``lendable`` of the candidate's train devices must be in train: the
+    latest arrival that leaves its estimate as it is (the groups they will train are not judged yet),
+    never before the first group can train."""
+    if c.est.train_from == INF:
+        return 0.0
+    late = list(_late(c.flows, p.costs))
+    base, first = c.est.total, max(late[2][1], c.est.train_from)
+
+    def total(at: float) -> float:
+        late[2] = (lendable, at)
+        return _estimate(w, p, c.alloc, max_batch, tuple(late)).total
+
+    slack = 1e-6 * max(1.0, base)
+    if base == INF or total(first) > base + slack:
+        return first
+    lo, hi = first, base  # total(lo) holds; by ``base`` the step would be over
+    if total(hi) <= base + slack:
+        return hi
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if total(mid) <= base + slack else (lo, mid)
+    return lo
+
+
+def _lend(moves: list[Move], lendable: list[Move], needed: float, costs: ShiftCosts) -> tuple[list[Move], float]:
+    """The plan's moves, with the devices it has in train lent to the rollout until they are ``needed``
+    there: until then they would idle, while the rollout ends sooner with them. (The estimate holds a
+    role's devices from now until its phase ends, so moving now is the only way it can see them train
+    before the rollout ends; it cannot see them generate in the meantime.) ``lendable`` (from
+    ``_lendable``) says how: a device the plan takes out of the rollout or the judge for train stays
+    where it is, one with no role yet starts on the rollout, an idle train device joins the rollout.
+    Only if they can generate for ``LEND_AFTER`` round trips of shifts; also the seconds until they
+    must leave for train (inf: none lent)."""
+    to_train, back = costs.cost(Role.ROLLOUT, Role.TRAIN), costs.cost(Role.TRAIN, Role.ROLLOUT)
+    wait = needed - to_train  # a device in train now would idle this long
+    if not lendable or wait <= LEND_AFTER * (to_train + back):
         return moves, INF
-    return sorted(kept + fresh + idle, key=lambda m: m[0]), wait
+    lent = {d for d, _, _ in lendable}
+    kept = [m for m in moves if m[0] not in lent]
+    return sorted(kept + [m for m in lendable if m[1] != m[2]], key=lambda m: m[0]), wait
 
 
 def _situation(est: Estimate, w: _Work) -> str:

@@ -20,8 +20,10 @@ from pivotrl.control.planner import (
     _estimate,
     _fifo,
     _lend,
+    _lendable,
     _rollout_grid,
     _summarize,
+    _train_needed,
     estimate,
     fmt_alloc,
     initial_split,
@@ -463,39 +465,60 @@ def _fresh_step(**kw) -> Workload:
     return Workload(**{**base, **kw})
 
 
-def _est(train_from: float, alloc: tuple[int, int, int] = (2, 0, 2)) -> Estimate:
-    return Estimate(alloc, 20.0, 25.0, 30.0, 31.0, 8, False, 40.0, train_from)
-
-
-LEND = [
-    # workload, first group trainable in (s), pinned, whether the idle train device 1 is lent
-    pytest.param(_fresh_step(), 10.0, set(), True, id="step-start:idle-and-new-train-devices-roll-out"),
-    pytest.param(_fresh_step(), 10.0, {1}, False, id="step-start:pinned-train-device-stays"),
-    pytest.param(_fresh_step(judge_queued=2), 10.0, set(), True, id="mid-step-with-sequences-waiting"),
-    pytest.param(_fresh_step(rollout_queued=0), 10.0, set(), False, id="nothing-queued:idle-train-device-stays"),
+LENDABLE = [
+    # workload, pinned, whether the idle train device 1 may be lent
+    pytest.param(_fresh_step(), set(), True, id="step-start:idle-and-new-train-devices"),
+    pytest.param(_fresh_step(), {1}, False, id="step-start:pinned-train-device-stays"),
+    pytest.param(_fresh_step(judge_queued=2), set(), True, id="mid-step-with-sequences-waiting"),
+    pytest.param(_fresh_step(rollout_queued=0), set(), False, id="nothing-queued:idle-train-device-stays"),
 ]
 
 
-@pytest.mark.parametrize(("workload", "train_from", "pinned", "idle_lent"), LEND)
-def test_devices_for_train_are_lent_to_the_rollout_until_groups_can_train(workload, train_from, pinned, idle_lent):
+@pytest.mark.parametrize(("workload", "pinned", "idle"), LENDABLE)
+def test_the_devices_a_plan_has_in_train_that_could_generate_instead(workload, pinned, idle):
     # device 0 leaves train as planned, 1 stays there idle, 2 is planned to leave the rollout for train,
-    # 3 gets its first role (train)
+    # 4 to leave the judge for train, 3 gets its first role (train)
     p = profiles(shift=0.05)
-    current = {0: T, 1: T, 2: R, 3: None}
-    planned = [(0, T, R), (2, R, T), (3, None, T)]
-    moves, wait = _lend(planned, current, pinned, _est(train_from), _summarize(workload, p), p.costs)
-    assert wait == pytest.approx(train_from - 0.05)  # then a device must leave for train to be in time
-    lent = [(1, T, R)] if idle_lent else []
-    assert moves == sorted([(0, T, R), (3, None, R), *lent])  # 2 stays on the rollout
+    current = {0: T, 1: T, 2: R, 3: None, 4: G}
+    planned = [(0, T, R), (2, R, T), (3, None, T), (4, G, T)]
+    lendable = _lendable(planned, current, pinned, _summarize(workload, p))
+    # as moves: 2 and 4 stay where they are, 3 starts on the rollout, 1 joins it
+    assert lendable == [(2, R, R), (3, None, R), (4, G, G), *([(1, T, R)] if idle else [])]
+    moves, wait = _lend(planned, lendable, needed=10.0, costs=p.costs)
+    assert wait == pytest.approx(10.0 - 0.05)  # then a device must leave for train to be in time
+    assert moves == sorted([(0, T, R), (3, None, R), *([(1, T, R)] if idle else [])])
 
 
-@pytest.mark.parametrize(
-    ("workload", "train_from"),
-    [(_fresh_step(), 0.2), (_fresh_step(rollout_remaining=[], rollout_groups=[], rollout_queued=0), 10.0)],
-    ids=["groups-trainable-soon", "rollout-done"],
-)
-def test_no_loan_when_groups_train_soon_or_nothing_is_left_to_generate(workload, train_from):
+def test_nothing_to_lend_once_the_rollout_is_done():
     p = profiles(shift=0.05)
-    planned = [(0, T, R), (2, R, T), (3, None, T)]
-    moves, wait = _lend(planned, {0: T, 1: T, 2: R, 3: None}, set(), _est(train_from), _summarize(workload, p), p.costs)
-    assert (moves, wait) == (planned, math.inf)
+    done = _summarize(_fresh_step(rollout_remaining=[], rollout_groups=[], rollout_queued=0), p)
+    assert _lendable([(2, R, T), (3, None, T)], {0: T, 1: T, 2: R, 3: None}, set(), done) == []
+
+
+def test_no_loan_when_devices_are_needed_in_train_soon():
+    p = profiles(shift=0.05)
+    planned = [(0, T, R), (2, R, T)]
+    assert _lend(planned, [(2, R, R)], needed=0.2, costs=p.costs) == (planned, math.inf)
+    assert _lend(planned, [], needed=10.0, costs=p.costs) == (planned, math.inf)
+
+
+@pytest.mark.parametrize(("judging", "tokens", "later"), [(1, 8000, True), (6, 20_000, False)])
+def test_train_devices_are_needed_at_the_latest_arrival_that_keeps_the_estimate(judging, tokens, later):
+    """Mid-step: one group still generating, ``judging`` generated whole and waiting for the judgments
+    queued (the first trainable in 12 s), the rest later. A device moved to train now is needed by the
+    latest arrival that keeps the estimate: later than the first group when one small group comes
+    first, as soon as it comes when there is much to train."""
+    p = profiles(shift=0.05)
+    w = _summarize(Workload(rollout_remaining=[500] * 4, rollout_groups=[9] * 4, judge_future=4, judge_queued=96,
+                            judge_tokens_mean=50, train_groups_left=8, train_groups_judging=judging,
+                            train_tokens_per_group=tokens, train_group_size=4), p)  # fmt: skip
+    c = Planner._candidate((2, 1, 1), (3, 1, 0), 0, {R: 3, G: 1, T: 0}, w, p, MAX_BATCH)  # one device R -> T
+    needed = _train_needed(c, 1, w, p, MAX_BATCH)
+    assert c.est.train_from == pytest.approx(12.0)
+    assert (needed > c.est.train_from + 10) if later else needed == pytest.approx(c.est.train_from)
+
+    def total(at: float) -> float:
+        return _estimate(w, p, c.alloc, MAX_BATCH, ((0, 0.0), (0, 0.0), (1, at))).total
+
+    assert total(needed) == pytest.approx(c.est.total, rel=1e-5)
+    assert total(needed + 1.0) > c.est.total + 0.1
