@@ -134,7 +134,7 @@ class Controller:
         self.spec, self.policy, self.genrm, self.clock = spec, policy, genrm, clock
         self.train_set, self.heldout = train_set, heldout
         self.devices = [DeviceView(i) for i in range(policy.devices)]
-        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None)
+        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None, self._judge_weight)
         self.version = 0
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}
@@ -475,6 +475,11 @@ class Controller:
             assert self.step is not None
             g, samples = self.spec.group_size, self.step.samples
             self.scheduler.judge_first({samples[i].uid for i in range(p * g, (p + 1) * g)})
+
+    def _judge_weight(self, uid: int) -> float:
+        """The work of judging a sample: the tokens its judgment reads (the prompt and the response)."""
+        s = self.by_uid[uid]
+        return float(len(s.prompt_ids) + len(s.response_ids))
 
     def _on_evaluated(self, uid: int, text: str) -> None:
         after_step, index = divmod(uid - EVAL_UID, EVAL_STRIDE)

@@ -16,6 +16,12 @@ Judgments of a group whose responses are all generated go first
 judge backlog drained group by group lets training start while the rollout's
 tail still runs, where one drained in arrival order leaves most groups a
 judgment short until the end. The rewards do not depend on the order.
+
+A judgment's work is known when it is queued (``judge_weight``: the tokens it
+reads), so judgments go to the judge device with the least work in flight,
+not the fewest requests: a group's judgments, queued together, hold its
+shortest and its longest response side by side, and handed out by count in
+turn they would load a few devices with every group's longest.
 """
 
 from __future__ import annotations
@@ -28,12 +34,17 @@ from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
 
 
 class Scheduler:
-    def __init__(self, per_device: int, judge_per_device: int | None = None) -> None:
+    def __init__(
+        self, per_device: int, judge_per_device: int | None = None, judge_weight: Callable[[int], float] | None = None
+    ) -> None:
         for name, n in (("per_device", per_device), ("judge_per_device", judge_per_device or per_device)):
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
         self.per_device = per_device
         self.judge_per_device = judge_per_device or per_device
+        self.judge_weight = judge_weight or (lambda uid: 1.0)  # the work of a judgment, from its uid
+        self._weights: dict[int, float] = {}  # judgment uid in flight -> its weight
+        self._work: dict[int, float] = {}  # device -> weight of the judgments it runs
         self.gen_queue: deque[GenRequest] = deque()
         self.judge_queue: deque[JudgeRequest] = deque()
         self._judge_first = 0  # the judge queue's first requests that go first: whole groups', migrated ones
@@ -93,6 +104,9 @@ class Scheduler:
 
     def finished(self, device: int, uid: int) -> None:
         self.inflight[device].discard(uid)
+        weight = self._weights.pop(uid, None)
+        if weight is not None:
+            self._work[device] -= weight
 
     def dispatch_gen(self, devices: list[int], version: int, joining: int = 0) -> list[Generate]:
         batches = self._spread(self.gen_queue, devices, self.per_device, joining)
@@ -100,7 +114,7 @@ class Scheduler:
 
     def dispatch_judge(self, devices: list[int], joining: int = 0) -> list[Judge]:
         queued = len(self.judge_queue)
-        batches = self._spread(self.judge_queue, devices, self.judge_per_device, joining)
+        batches = self._spread(self.judge_queue, devices, self.judge_per_device, joining, weighed=True)
         self._judge_first = max(0, self._judge_first - (queued - len(self.judge_queue)))
         return [Judge(d, tuple(reqs)) for d, reqs in batches.items()]
 
@@ -120,8 +134,11 @@ class Scheduler:
             if n > share
         }
 
-    def _spread(self, queue: deque, devices: list[int], cap: int, joining: int = 0) -> dict[int, list]:
-        """Hand queued requests one at a time to the least-loaded device with room.
+    def _spread(
+        self, queue: deque, devices: list[int], cap: int, joining: int = 0, weighed: bool = False
+    ) -> dict[int, list]:
+        """Hand queued requests one at a time to the least-loaded device with room: the fewest
+        requests in flight, or (``weighed``, judgments) the least weight, then the fewest.
 
         ``joining`` devices are taking the role (shifting into it) and not ready yet: the
         ready ones get no more than an even share of the work, so the first device to
@@ -129,15 +146,34 @@ class Scheduler:
         batches: dict[int, list] = {}
         if not queue or not devices:
             return batches
-        heap = list(zip(self._loads_of(devices), devices, strict=True))  # least loaded first, ties to the lowest id
-        heapq.heapify(heap)
+        loads = self._loads_of(devices)
         if joining:
-            share = -(-(len(queue) + sum(n for n, _ in heap)) // (len(heap) + joining))
+            share = -(-(len(queue) + sum(loads)) // (len(devices) + joining))
             cap = min(cap, max(1, share))
-        while queue and heap[0][0] < cap:
-            n, d = heap[0]
-            req = queue.popleft()
+        work = self._work
+        # least loaded first, ties to the lowest id; a device with no room leaves the heap
+        heap = [(work.get(d, 0.0) if weighed else n, n, d) for n, d in zip(loads, devices, strict=True) if n < cap]
+        heapq.heapify(heap)
+        if weighed:  # the requests that go now, in queue order; placed heaviest first (longest processing time)
+            room = sum(cap - n for _, n, _ in heap)
+            going = [queue.popleft() for _ in range(min(room, len(queue)))]
+            weights = {r.uid: self.judge_weight(r.uid) for r in going}
+            going.sort(key=lambda r: -weights[r.uid])
+            pending: deque = deque(going)
+        else:
+            pending = queue
+        while pending and heap:
+            w, n, d = heap[0]
+            req = pending.popleft()
             batches.setdefault(d, []).append(req)
             self._holding(d).add(req.uid)
-            heapq.heapreplace(heap, (n + 1, d))
+            if weighed:
+                weight = self._weights[req.uid] = weights[req.uid]
+                work[d] = w = work.get(d, 0.0) + weight
+            else:
+                w += 1
+            if n + 1 < cap:
+                heapq.heapreplace(heap, (w, n + 1, d))
+            else:
+                heapq.heappop(heap)
         return batches

@@ -37,11 +37,15 @@ DISPATCH = [
 ]
 
 
-def scheduler_with(per_device: int, inflight: dict[int, list[int]]) -> Scheduler:
+def scheduler_with(per_device: int, inflight: dict[int, list[int]], judging: bool = False) -> Scheduler:
     s = Scheduler(per_device)
     for device, uids in inflight.items():
-        s.submit_gen(gen(*uids))
-        assert placed(s.dispatch_gen([device], 0)) == {device: uids}
+        if judging:
+            s.submit_judge(judge(*uids))
+            assert placed(s.dispatch_judge([device])) == {device: uids}
+        else:
+            s.submit_gen(gen(*uids))
+            assert placed(s.dispatch_gen([device], 0)) == {device: uids}
     return s
 
 
@@ -60,7 +64,7 @@ def test_dispatch_gen(per_device, inflight, queued, devices, expected):
 
 @pytest.mark.parametrize(("per_device", "inflight", "queued", "devices", "expected"), DISPATCH)
 def test_dispatch_judge(per_device, inflight, queued, devices, expected):
-    s = scheduler_with(per_device, inflight)  # generation in flight counts towards a device's load too
+    s = scheduler_with(per_device, inflight, judging=True)  # every judgment weighs the same by default
     s.submit_judge(judge(*queued))
     assert placed(s.dispatch_judge(devices)) == expected
     sent = {u for uids in expected.values() for u in uids}
@@ -182,3 +186,17 @@ def test_requests_sent_first_stay_first_as_the_queue_drains():
     assert placed(s.dispatch_judge([1])) == {1: [8, 1]}
     s.judge_first({2})
     assert queued_uids(s) == [5, 2, 0]
+
+
+def test_judgments_go_to_the_device_with_the_least_work_in_flight():
+    weight = {0: 10.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 8.0, 5: 1.0, 6: 1.0, 7: 5.0}
+    s = Scheduler(per_device=3, judge_weight=weight.__getitem__)
+    s.submit_judge(judge(0, 1, 2, 3, 4, 5, 6, 7))
+    # room for 6: the first 6 in queue order go, placed heaviest first on the least loaded device
+    # (0 -> device 0, 4 -> 1, then the light ones on 1 while it is lighter), 6 and 7 wait
+    assert placed(s.dispatch_judge([0, 1])) == {0: [0, 3, 5], 1: [4, 1, 2]}
+    assert [r.uid for r in s.judge_queue] == [6, 7] and s._work == {0: 12.0, 1: 10.0}
+    s.finished(0, 0)  # device 0: 2 left in flight, device 1: 9
+    s.finished(1, 1)
+    assert placed(s.dispatch_judge([0, 1])) == {0: [7], 1: [6]}  # 7 (5) first, to device 0 (2); 6 to device 1
+    assert s._work == {0: 7.0, 1: 10.0}
