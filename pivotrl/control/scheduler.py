@@ -28,9 +28,61 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from pivotrl.control.messages import Generate, GenRequest, Judge, JudgeRequest
+
+
+class JudgeQueue:
+    """Judge requests waiting for a device: those sent first (migrated ones, then whole groups'), then the
+    rest in arrival order. Sending a group's requests first costs the group's size, not the queue's: the
+    rest keeps each request's arrival number, and one sent first is only marked gone there."""
+
+    def __init__(self) -> None:
+        self.first: deque[JudgeRequest] = deque()
+        self._rest: deque[tuple[int, JudgeRequest]] = deque()  # (arrival number, request), gone ones too
+        self._waiting: dict[int, tuple[int, JudgeRequest]] = {}  # uid -> its entry in _rest, while there
+        self._arrivals = 0
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self._waiting)
+
+    def __iter__(self) -> Iterator[JudgeRequest]:
+        yield from self.first
+        waiting = self._waiting
+        for entry in self._rest:
+            if waiting.get(entry[1].uid) is entry:
+                yield entry[1]
+
+    def extend(self, reqs: Iterable[JudgeRequest]) -> None:
+        for r in reqs:
+            entry = (self._arrivals, r)
+            self._arrivals += 1
+            self._rest.append(entry)
+            self._waiting[r.uid] = entry
+
+    def push_front(self, reqs: list[JudgeRequest]) -> None:
+        """``reqs`` before every other request, in their order."""
+        self.first.extendleft(reversed(reqs))
+
+    def send_first(self, uids: Iterable[int]) -> None:
+        """The waiting requests of ``uids`` after those sent first already, in their arrival order."""
+        entries = sorted(e for u in uids if (e := self._waiting.pop(u, None)) is not None)
+        self.first.extend(r for _, r in entries)
+        if not self._waiting:  # only entries marked gone are left there
+            self._rest.clear()
+
+    def popleft(self) -> JudgeRequest:
+        if self.first:
+            return self.first.popleft()
+        waiting = self._waiting
+        while True:
+            entry = self._rest.popleft()  # (IndexError when empty, as a deque's)
+            if waiting.get(entry[1].uid) is entry:
+                del waiting[entry[1].uid]
+                if not waiting:
+                    self._rest.clear()
+                return entry[1]
 
 
 class Scheduler:
@@ -46,8 +98,7 @@ class Scheduler:
         self._weights: dict[int, float] = {}  # judgment uid in flight -> its weight
         self._work: dict[int, float] = {}  # device -> weight of the judgments it runs
         self.gen_queue: deque[GenRequest] = deque()
-        self.judge_queue: deque[JudgeRequest] = deque()
-        self._judge_first = 0  # the judge queue's first requests that go first: whole groups', migrated ones
+        self.judge_queue = JudgeQueue()
         # device -> uids it is working on; a list, not a dict: the loads of a thousand devices are
         # read at every pump, and a list of sets gives them at C speed (grown as devices get work)
         self.inflight: list[set[int]] = []
@@ -85,22 +136,14 @@ class Scheduler:
 
     def submit_judge(self, reqs: list[JudgeRequest], front: bool = False) -> None:
         if front:  # (migrated requests: they ran before any still queued)
-            self.judge_queue.extendleft(reversed(reqs))
-            self._judge_first += len(reqs)
+            self.judge_queue.push_front(reqs)
         else:
             self.judge_queue.extend(reqs)
 
     def judge_first(self, uids: set[int]) -> None:
         """The queued judge requests of ``uids`` (a group generated whole) go before every other one
         queued, after those already sent first; their order is kept."""
-        queue, first = self.judge_queue, self._judge_first
-        moved = [r for i, r in enumerate(queue) if i >= first and r.uid in uids]
-        if not moved:
-            return
-        items = list(queue)
-        queue.clear()
-        queue.extend(items[:first] + moved + [r for r in items[first:] if r.uid not in uids])
-        self._judge_first = first + len(moved)
+        self.judge_queue.send_first(uids)
 
     def finished(self, device: int, uid: int) -> None:
         self.inflight[device].discard(uid)
@@ -113,9 +156,7 @@ class Scheduler:
         return [Generate(d, tuple(reqs), version) for d, reqs in batches.items()]
 
     def dispatch_judge(self, devices: list[int], joining: int = 0) -> list[Judge]:
-        queued = len(self.judge_queue)
         batches = self._spread(self.judge_queue, devices, self.judge_per_device, joining, weighed=True)
-        self._judge_first = max(0, self._judge_first - (queued - len(self.judge_queue)))
         return [Judge(d, tuple(reqs)) for d, reqs in batches.items()]
 
     def rebalance(self, devices: list[int], cost: Callable[[int], float]) -> dict[int, list[int]]:
@@ -135,7 +176,7 @@ class Scheduler:
         }
 
     def _spread(
-        self, queue: deque, devices: list[int], cap: int, joining: int = 0, weighed: bool = False
+        self, queue: deque | JudgeQueue, devices: list[int], cap: int, joining: int = 0, weighed: bool = False
     ) -> dict[int, list]:
         """Hand queued requests one at a time to the least-loaded device with room: the fewest
         requests in flight, or (``weighed``, judgments) the least weight, then the fewest.
@@ -159,7 +200,7 @@ class Scheduler:
             going = [queue.popleft() for _ in range(min(room, len(queue)))]
             weights = {r.uid: self.judge_weight(r.uid) for r in going}
             going.sort(key=lambda r: -weights[r.uid])
-            pending: deque = deque(going)
+            pending: deque | JudgeQueue = deque(going)
         else:
             pending = queue
         while pending and heap:

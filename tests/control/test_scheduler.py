@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pivotrl.control.messages import Generate, GenParams, GenRequest, Judge, JudgeRequest
-from pivotrl.control.scheduler import Scheduler
+from pivotrl.control.scheduler import JudgeQueue, Scheduler
 
 P = GenParams(max_new_tokens=4)
 
@@ -200,3 +200,17 @@ def test_judgments_go_to_the_device_with_the_least_work_in_flight():
     s.finished(1, 1)
     assert placed(s.dispatch_judge([0, 1])) == {0: [7], 1: [6]}  # 7 (5) first, to device 0 (2); 6 to device 1
     assert s._work == {0: 7.0, 1: 10.0}
+
+
+def test_the_judge_queue_sends_groups_first_at_the_cost_of_the_group():
+    q = JudgeQueue()
+    q.extend(judge(0, 1, 2, 3, 4, 5))
+    q.send_first([5, 1, 9])  # in arrival order; 9 is not waiting
+    q.push_front(judge(7))  # a migrated judgment goes before everything
+    assert [r.uid for r in q] == [7, 1, 5, 0, 2, 3, 4] and len(q) == 7
+    assert [q.popleft().uid for _ in range(4)] == [7, 1, 5, 0]
+    q.send_first([4, 2, 3])  # every waiting request sent first: nothing is left behind in the rest
+    assert [r.uid for r in q] == [2, 3, 4] and not q._rest
+    assert [q.popleft().uid for _ in range(3)] == [2, 3, 4] and len(q) == 0
+    with pytest.raises(IndexError):
+        q.popleft()
