@@ -601,7 +601,7 @@ class Planner:
         needed = _train_needed(chosen, len(lendable), w, profiles, max_batch) if lendable else 0.0
         moves, wait = _lend(moves, lendable, needed, profiles.costs)
         if wait < INF:
-            reason += f"; devices for train lent to the rollout for {_s(wait)}, until groups can train"
+            reason += f"; devices for train lent to the rollout for {_s(wait)}, until needed there"
         targets = {d: r for d, r in current.items() if r is not None}
         for d, _, dst in moves:
             targets[d] = dst
