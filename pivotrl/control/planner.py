@@ -344,6 +344,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
     handoff_r = 0.0 < t_r < INF  # rollout devices free up later in the step
     # judging
     t_g, t_q, r_judged = 0.0, 0.0, False
+    judged_whole: list[float] = []
     if w.judge_items:
         arrivals = _now_and_later(n_g, late[1]) + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
         judge_rate = lambda n: _memo_rate(w, p.judge, w.judge_items, n, judge_batch)  # noqa: E731
@@ -360,6 +361,14 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             pieces.append((t_r, max(0.0, w.judge_future - prev) * per_future))
             judged = _fifo(pieces, arrivals, judge_rate)
             bulk, t_q = judged[-1], judged[0]  # t_q: the judgments waiting now are done
+            # the judge queue takes whole groups first: the judgments of the groups whole now (at most
+            # all those waiting), then those of the groups whole by each point, judged ahead of the rest
+            now = min(queued, w.judging * w.group_size * queued / max(1, w.judge_queued))
+            whole_pieces, prev_whole = [(0.0, now)], 0.0
+            for at, whole in zip(taus, w.whole, strict=True):
+                whole_pieces.append((at, (whole - prev_whole) * w.group_size * per_future))
+                prev_whole = whole
+            judged_whole = _fifo(whole_pieces, arrivals, judge_rate)
             # the judgments still waiting when the rollout ends run as one batch on every device then
             items = [w.judge_queued, *(b - a for a, b in zip((0.0, *w.ended[:-1]), w.ended, strict=True))]
             items.append(w.judge_future - prev)
@@ -386,14 +395,14 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         group, rate = w.group_tokens / spread / p.train.device_rate, p.train.device_rate
         if w.judge_items and 0.0 < t_g < INF:
             # a group trains once its last response is judged: the groups judged now from now, those
-            # generated whole once the judgments waiting now are done, the rest (a response of theirs
-            # still generating, mostly the longest) when judging ends
+            # generated whole once their judgments are done (the queue takes them first), the rest (a
+            # response of theirs still generating, mostly the longest) when judging ends
             rest = w.groups - w.ready - w.judging
-            chunks = [(0.0, w.ready), (min(t_q, t_g), w.judging)]
+            chunks = [(0.0, w.ready), (min(judged_whole[0] if judged_whole else t_q, t_g), w.judging)]
             if taus:  # groups generated whole at a grid point train once their judgments are done
                 prev = 0.0
                 for k, whole in enumerate(w.whole):
-                    chunks.append((min(t_g, max(judged[k + 1], taus[k] + latency)), whole - prev))
+                    chunks.append((min(t_g, max(judged_whole[k + 1], taus[k] + latency)), whole - prev))
                     prev = whole
                 rest -= prev
             chunks.append((t_g, max(0.0, rest)))

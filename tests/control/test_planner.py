@@ -502,19 +502,20 @@ def test_no_loan_when_devices_are_needed_in_train_soon():
     assert _lend(planned, [], needed=10.0, costs=p.costs) == (planned, math.inf)
 
 
-@pytest.mark.parametrize(("judging", "tokens", "later"), [(1, 8000, True), (6, 20_000, False)])
-def test_train_devices_are_needed_at_the_latest_arrival_that_keeps_the_estimate(judging, tokens, later):
-    """Mid-step: one group still generating, ``judging`` generated whole and waiting for the judgments
-    queued (the first trainable in 12 s), the rest later. A device moved to train now is needed by the
-    latest arrival that keeps the estimate: later than the first group when one small group comes
-    first, as soon as it comes when there is much to train."""
+@pytest.mark.parametrize(("judging", "tokens", "first", "later"), [(1, 8000, 0.5, True), (6, 20_000, 3.0, False)])
+def test_train_devices_are_needed_at_the_latest_arrival_that_keeps_the_estimate(judging, tokens, first, later):
+    """Mid-step: one group still generating, ``judging`` generated whole and waiting for their judgments
+    (judged ahead of the 96 queued: the first group trainable once its 4, or the 6 groups' 24, are done,
+    at 8 judgments a second), the rest later. A device moved to train now is needed by the latest
+    arrival that keeps the estimate: later than the first group when one small group comes first, as
+    soon as it comes when there is much to train."""
     p = profiles(shift=0.05)
     w = _summarize(Workload(rollout_remaining=[500] * 4, rollout_groups=[9] * 4, judge_future=4, judge_queued=96,
                             judge_tokens_mean=50, train_groups_left=8, train_groups_judging=judging,
                             train_tokens_per_group=tokens, train_group_size=4), p)  # fmt: skip
     c = Planner._candidate((2, 1, 1), (3, 1, 0), 0, {R: 3, G: 1, T: 0}, w, p, MAX_BATCH)  # one device R -> T
     needed = _train_needed(c, 1, w, p, MAX_BATCH)
-    assert c.est.train_from == pytest.approx(12.0)
+    assert c.est.train_from == pytest.approx(first)
     assert (needed > c.est.train_from + 10) if later else needed == pytest.approx(c.est.train_from)
 
     def total(at: float) -> float:
