@@ -32,6 +32,31 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def ensure_models(config: Path, overrides: list[str] | None = None) -> None:
+    """Make sure the job's policy and judge checkpoints exist before a benchmark starts real runs.
+
+    The bundled ones (``models/policy`` and ``models/judge`` under the repository) are built by our own
+    recipe when missing, as ``make prepare`` would (several minutes on a CPU); any other missing
+    directory stops the benchmark with a message naming it."""
+    from pivotrl.config import load_config
+    from pivotrl.recipes.prepare import prepare
+
+    cfg = load_config(config, overrides or [])
+    bundled = {ROOT / "models/policy", ROOT / "models/judge"}
+    missing = [Path(p) for p in (cfg.policy.path, cfg.judge.path) if not (Path(p) / "config.json").is_file()]
+    if not missing:
+        return
+    foreign = [str(p) for p in missing if p not in bundled]
+    if foreign:
+        raise SystemExit(
+            f"checkpoint directory {foreign[0]!r} holds no config.json; point policy.path and judge.path at"
+            " checkpoints, or run from the repository root with models/policy and models/judge to have them"
+            f" built (relative paths are taken from the working directory, {os.getcwd()})"
+        )
+    print("building the bundled policy and judge (pivotrl prepare, a few minutes) ...", flush=True)
+    prepare(ROOT / "models", ROOT / "data/arithmetic")
+
+
 def simulate(config: Path, overrides: list[str], out: Path, timeout: float) -> tuple[float, str | None]:
     """``pivotrl simulate`` in its own process: its wall seconds, and the error that stopped it (the
     last line it printed, or the timeout), None if it finished."""

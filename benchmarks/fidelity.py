@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from common import machine, write_report
+from common import ensure_models, machine, write_report
 
 from pivotrl.config import load_config
 from pivotrl.log import setup_logging
@@ -153,6 +153,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/fidelity.json")
     args = p.parse_args()
     setup_logging()
+    ensure_models(args.config)
     load_at_start = list(os.getloadavg())
     rows: list[dict[str, Any]] = []
     failed: list[str] = []

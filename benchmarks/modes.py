@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, write_report
+from common import ensure_models, machine, write_report
 
 from pivotrl.config import load_config
 from pivotrl.log import setup_logging
@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/modes.json")
     args = p.parse_args()
     setup_logging()
+    ensure_models(args.config)
     load_at_start = list(os.getloadavg())
     base = [f"devices={args.devices}", f"steps={args.steps}", "eval.every=0"]
     rows = []

@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from common import machine, write_report
+from common import ensure_models, machine, write_report
 
 from pivotrl.compare import compare_runs, format_comparison
 from pivotrl.config import load_config
@@ -43,6 +43,7 @@ def main() -> None:
     if args.runs:
         a, b = args.runs
     else:
+        ensure_models(args.config)
         base = [] if args.steps is None else [f"steps={args.steps}"]
         a, b = ROOT / "runs/semantics_shiftable", ROOT / "runs/semantics_colocated1"
         for out, extra in ((a, ["mode=shiftable", f"devices={args.devices}"]), (b, ["mode=colocated", "devices=1"])):
