@@ -58,6 +58,27 @@ next step's policy exists. Any schedule that moves instances out of the
 rollout while it runs only makes the batches larger; the ratio of a mode's
 step time to ``max(ideal step, spread_path_s)`` is the most any schedule
 could gain over it.
+
+The two floors each leave out what the other prices: the ideal packs the
+rollout into full batches, the spread path spreads its tail over every
+instance, and a schedule cannot do both at once. The joint floor chooses, at
+each decode step x of the same lock-step rollout, how many instances d_x carry
+the alive(x) responses still running (batches of ceil(alive / d_x), at most
+B): fewer instances leave GPUs free for the judge and the trainer but make
+each decode step slower. A step of any such schedule lasts at least
+
+    R(d) + after        R(d) = prefill + sum over x of decode_step(ceil(alive(x) / d_x), P + x)
+    (W_rollout(d) + W_rest) / G        W_rollout(d) = tp * sum over x of d_x * decode_step(...)
+
+with ``after`` what follows the last token on the spread path (its judgment,
+its backward, the update) and W_rest every other piece of the ideal's work at
+its ideal price. The floor is the largest value over lam in [0, 1] of the
+minimum over d of lam (R(d) + after) + (1 - lam) (W_rollout(d) + W_rest) / G,
+the Lagrangian dual of minimising the larger of the two: the minimum
+separates per decode step, and runs of steps whose alive count stays within
+2% are priced at their fewest responses, which only lowers it. lam = 1 is the
+spread path, lam = 0 the work alone with the tail packed; any schedule's step
+is at least the dual's value at every lam.
 """
 
 from __future__ import annotations
@@ -66,11 +87,14 @@ from dataclasses import dataclass
 
 from pivotrl.config import JobConfig
 from pivotrl.control.messages import Role
+from pivotrl.sim.costs import span_of
 from pivotrl.sim.driver import SimSpec
 from pivotrl.sim.run import build
 from pivotrl.sim.workload import LengthDist
 
 GRID = 4096  # quantiles of the length distribution the expectations are taken over
+MERGE = 0.98  # the joint floor prices runs of decode steps whose alive count stays within 2% as one
+GOLDEN = (5**0.5 - 1) / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +110,7 @@ class IdealStep:
     critical_path_s: float = 0.0  # the longest response generated and judged alone
     spread_path_s: float = 0.0  # ... generated beside its even share of the others, judged, trained, and the update
     spread_rollout_s: float = 0.0  # of which its generation
+    joint_floor_s: float = 0.0  # the step time no schedule beats, the rollout's tail and all the work together
 
     @property
     def total(self) -> float:
@@ -110,8 +135,8 @@ class IdealStep:
 
     @property
     def floor_seconds(self) -> float:
-        """The shortest a step can be: the longer of the ideal step and the spread path."""
-        return max(self.step_seconds, self.spread_path_s)
+        """The shortest a step can be: the longest of the ideal step, the spread path and the joint floor."""
+        return max(self.step_seconds, self.spread_path_s, self.joint_floor_s)
 
     def split(self, devices: int) -> dict[str, int]:
         """``devices`` divided between the roles in proportion to their work, at least one each: the
@@ -134,6 +159,7 @@ class IdealStep:
             "critical_path_s": self.critical_path_s,
             "spread_path_s": self.spread_path_s,
             "spread_rollout_s": self.spread_rollout_s,
+            "joint_floor_s": self.joint_floor_s,
             "floor_seconds": self.floor_seconds,
         }
 
@@ -178,7 +204,9 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     rollout = spread_rollout_s(spec, n, rollout_tokens)
     update = costs.train_tokens(spec.policy, p + longest, tp, p + longest) + costs.optimizer_step(spec.policy, tp)
     spread = rollout + judge_alone + update
-    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical + judge_alone, spread, rollout)
+    rest = sum(gpu_seconds.values()) - gpu_seconds["rollout_decode"]
+    joint = joint_floor_s(spec, n, rollout_tokens, rest, judge_alone + update)
+    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical + judge_alone, spread, rollout, joint)
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:
@@ -204,3 +232,64 @@ def ideal_for_job(cfg: JobConfig) -> IdealStep:
     spec = build(cfg).spec
     r = cfg.rollout
     return ideal_step(spec, r.prompts_per_step * r.group_size, r.max_new_tokens, cfg.judge.max_new_tokens)
+
+
+def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: float, after_s: float) -> float:
+    """The shortest step any schedule of the rollout's instances allows, the tail and the work together
+    (the module docstring's joint floor): the Lagrangian dual of choosing, at each decode step of the
+    lock-step rollout, how many instances carry the responses still running. ``rest_gpu_s`` is the
+    step's GPU-seconds besides the rollout's decode (at their ideal prices), ``after_s`` what must follow
+    the last token (its judgment, its backward, the update)."""
+    costs, tp, p, d = spec.costs, spec.tp, spec.prompt_len, spec.devices
+    b_max, gpus = spec.capacity(Role.ROLLOUT), spec.devices * spec.tp
+    span = span_of(costs, spec.policy, tp)
+    lengths = sorted(min(spec.lengths.quantile((i + 0.5) / samples), rollout_tokens) for i in range(samples))
+    # runs of decode steps: [alive at the run's first step, alive at its last, first step, steps]
+    segments: list[list[int]] = []
+    x = 1
+    for i, length in enumerate(lengths):
+        if length <= x:
+            continue
+        alive = samples - i
+        if segments and alive >= MERGE * segments[-1][0]:
+            segments[-1][1] = alive  # the run priced at its fewest: a relaxation, so still a floor
+            segments[-1][3] += length - x
+        else:
+            segments.append([alive, alive, x, length - x])
+        x = length
+    fronts: list[list[tuple[float, float]]] = []  # per run: (seconds, GPU-seconds), Pareto-efficient only
+    for _, alive, start, steps in segments:
+        options = []
+        for batch in range(min(b_max, max(1, -(-alive // d))), min(b_max, alive) + 1):
+            seconds = span(batch, p + start, steps)
+            options.append((seconds, tp * -(-alive // batch) * seconds))
+        if alive > d * b_max:  # more than the cluster holds at once: the time of full batches, as on the
+            seconds = span(b_max, p + start, steps)  # spread path, and every response's tokens at their price
+            options = [(seconds, tp * alive / b_max * seconds)]
+        options.sort()
+        front = [options[0]]
+        for o in options[1:]:
+            if o[1] < front[-1][1]:
+                front.append(o)
+        fronts.append(front)
+    prefill_s = costs.prefill(spec.policy, tp, min(b_max, -(-samples // d)) * p, p)
+
+    def dual(lam: float) -> float:
+        total = lam * (prefill_s + after_s) + (1 - lam) * rest_gpu_s / gpus
+        for front in fronts:
+            total += min(lam * s + (1 - lam) * w / gpus for s, w in front)
+        return total
+
+    lo, hi = 0.0, 1.0  # the dual is concave in lam: golden-section search for its peak
+    a, c = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
+    fa, fc = dual(a), dual(c)
+    for _ in range(40):
+        if fa < fc:
+            lo, a, fa = a, c, fc
+            c = lo + GOLDEN * (hi - lo)
+            fc = dual(c)
+        else:
+            hi, c, fc = c, a, fa
+            a = hi - GOLDEN * (hi - lo)
+            fa = dual(a)
+    return max(fa, fc, dual(0.0), dual(1.0))

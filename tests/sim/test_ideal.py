@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 
 from pivotrl.config import load_config
@@ -83,7 +86,43 @@ def test_the_spread_path_by_hand():
     assert step.spread_path_s == pytest.approx(rollout + judged + update)
     assert step.spread_rollout_s == pytest.approx(rollout)
     assert step.critical_path_s == pytest.approx(0.005 + 15 * 0.101 + judged)
-    assert step.floor_seconds == max(step.step_seconds, step.spread_path_s)
+    assert step.floor_seconds == max(step.step_seconds, step.spread_path_s, step.joint_floor_s)
+
+
+def primal(costs: LinearCosts, lengths: list[int], instances: int, tp: int, rest: float, after: float) -> float:
+    """The joint floor's own problem by brute force: every choice of instances at every decode step."""
+    alive = [sum(1 for n in lengths if n > x) for x in range(1, max(lengths))]
+    gpus, best = instances * tp, math.inf
+    prefill = 0.001 * 5 * -(-len(lengths) // instances)
+    for ds in itertools.product(*[range(-(-a // 8), instances + 1) for a in alive]):
+        times = [0.1 + 0.001 * -(-a // d) for a, d in zip(alive, ds, strict=True)]
+        work = tp * sum(d * t for d, t in zip(ds, times, strict=True))
+        best = min(best, max(prefill + sum(times) + after, (work + rest) / gpus))
+    return best
+
+
+@pytest.mark.parametrize("samples", [6, 8])
+def test_the_joint_floor_is_below_every_schedule_and_above_both_ends(samples):
+    costs = LinearCosts()
+    step = ideal_step(spec(costs, LengthDist.uniform(1, samples)), samples, rollout_tokens=100, judge_tokens=100)
+    rest = step.total - step.gpu_seconds["rollout_decode"]
+    after = step.spread_path_s - step.spread_rollout_s
+    brute = primal(costs, list(range(1, samples + 1)), instances=4, tp=2, rest=rest, after=after)
+    # the dual of the brute-force minimum: never above it, and here (a convex-enough problem) close to it
+    assert step.joint_floor_s <= brute + 1e-9
+    assert step.joint_floor_s >= 0.97 * brute
+    # lam = 1 is the spread path; lam = 0 the work alone, the tail packed into full batches
+    assert step.joint_floor_s >= step.spread_path_s - 1e-9
+    packed = 2 * sum(0.1 + 0.001 * a for a in range(1, samples))  # one instance holds every alive response
+    assert step.joint_floor_s >= (packed + rest) / 8 - 1e-9
+
+
+def test_the_joint_floor_binds_where_a_long_tail_meets_much_work():
+    # the step's work and its spread path about equal: neither floor alone sees that the tail either
+    # keeps every instance (the other work waits) or packs into few (the tail slows)
+    costs = LinearCosts()
+    step = ideal_step(spec(costs, LengthDist.lognormal(20, 0.6, 90)), 128, rollout_tokens=90, judge_tokens=100)
+    assert step.joint_floor_s > max(step.step_seconds, step.spread_path_s) * 1.05
 
 
 @pytest.mark.parametrize(("samples", "batch"), [(2, 1), (16, 4), (64, 8)])  # 4 instances; 8 at most to one
@@ -138,7 +177,8 @@ def test_an_instance_without_room_is_refused():
 def test_no_simulated_mode_beats_the_ideal(tmp_path, mode):
     cfg = load_config(EXAMPLE, [*SMALL, f"mode={mode}", "steps=3"])
     summary = run_simulation(cfg, tmp_path)
-    assert 0 < summary["steady_samples_per_s"] < ideal_for_job(cfg).samples_per_s
+    ideal = ideal_for_job(cfg)
+    assert 0 < summary["steady_samples_per_s"] < ideal.samples / ideal.floor_seconds <= ideal.samples_per_s
 
 
 def test_imports_neither_torch_nor_ray_nor_numpy():
