@@ -27,6 +27,7 @@ turn they would load a few devices with every group's longest.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -97,6 +98,7 @@ class Scheduler:
         self.judge_weight = judge_weight or (lambda uid: 1.0)  # the work of a judgment, from its uid
         self._weights: dict[int, float] = {}  # judgment uid in flight -> its weight
         self._work: dict[int, float] = {}  # device -> weight of the judgments it runs
+        self._queued_work = 0.0  # weight of the judgments queued
         self.gen_queue: deque[GenRequest] = deque()
         self.judge_queue = JudgeQueue()
         # device -> uids it is working on; a list, not a dict: the loads of a thousand devices are
@@ -135,6 +137,7 @@ class Scheduler:
             self.gen_queue.extend(reqs)
 
     def submit_judge(self, reqs: list[JudgeRequest], front: bool = False) -> None:
+        self._queued_work += sum(self.judge_weight(r.uid) for r in reqs)
         if front:  # (migrated requests: they ran before any still queued)
             self.judge_queue.push_front(reqs)
         else:
@@ -183,7 +186,15 @@ class Scheduler:
 
         ``joining`` devices are taking the role (shifting into it) and not ready yet: the
         ready ones get no more than an even share of the work, so the first device to
-        arrive does not take the whole batch while the others find an empty queue."""
+        arrive does not take the whole batch while the others find an empty queue.
+
+        Judgments (``weighed``) also stop at an even share of the role's work, queued and in
+        flight, over the ready and joining devices: at a step's end the last judgments are the
+        longest responses' (a prefill several times a short one's), and devices that free up
+        first would otherwise take all of them in full batches, one long pass each, while
+        the devices freeing a few seconds later find the queue empty. The device with the
+        least work is always below the share while anything is queued, so work never waits
+        on the cap alone."""
         batches: dict[int, list] = {}
         if not queue or not devices:
             return batches
@@ -192,13 +203,28 @@ class Scheduler:
             share = -(-(len(queue) + sum(loads)) // (len(devices) + joining))
             cap = min(cap, max(1, share))
         work = self._work
+        limit = math.inf  # (judgments: the most work a device takes on)
+        if weighed:
+            limit = (self._queued_work + sum(work.get(d, 0.0) for d in devices)) / (len(devices) + joining)
         # least loaded first, ties to the lowest id; a device with no room leaves the heap
-        heap = [(work.get(d, 0.0) if weighed else n, n, d) for n, d in zip(loads, devices, strict=True) if n < cap]
+        heap = [
+            (w, n, d)
+            for n, d in zip(loads, devices, strict=True)
+            if n < cap and (w := work.get(d, 0.0) if weighed else n) < limit
+        ]
         heapq.heapify(heap)
         if weighed:  # the requests that go now, in queue order; placed heaviest first (longest processing time)
-            room = sum(cap - n for _, n, _ in heap)
-            going = [queue.popleft() for _ in range(min(room, len(queue)))]
-            weights = {r.uid: self.judge_weight(r.uid) for r in going}
+            room, room_work = sum(cap - n for _, n, _ in heap), sum(limit - w for w, _, _ in heap)
+            going: list[JudgeRequest] = []
+            weights: dict[int, float] = {}
+            taken = 0.0
+            while queue and len(going) < room and taken < room_work:
+                r = queue.popleft()
+                going.append(r)
+                weights[r.uid] = weight = self.judge_weight(r.uid)
+                taken += weight
+            self._queued_work = self._queued_work - taken if queue else 0.0
+            order = list(going)
             going.sort(key=lambda r: -weights[r.uid])
             pending: deque | JudgeQueue = deque(going)
         else:
@@ -213,8 +239,13 @@ class Scheduler:
                 work[d] = w = work.get(d, 0.0) + weight
             else:
                 w += 1
-            if n + 1 < cap:
+            if n + 1 < cap and w < limit:
                 heapq.heapreplace(heap, (w, n + 1, d))
             else:
                 heapq.heappop(heap)
+        if weighed and pending:  # past every device's share: back to the queue's front, in their order
+            left = {r.uid for r in pending}
+            back = [r for r in order if r.uid in left]
+            queue.push_front(back)
+            self._queued_work += sum(weights[r.uid] for r in back)
         return batches

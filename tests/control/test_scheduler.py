@@ -198,8 +198,26 @@ def test_judgments_go_to_the_device_with_the_least_work_in_flight():
     assert [r.uid for r in s.judge_queue] == [6, 7] and s._work == {0: 12.0, 1: 10.0}
     s.finished(0, 0)  # device 0: 2 left in flight, device 1: 9
     s.finished(1, 1)
-    assert placed(s.dispatch_judge([0, 1])) == {0: [7], 1: [6]}  # 7 (5) first, to device 0 (2); 6 to device 1
-    assert s._work == {0: 7.0, 1: 10.0}
+    # 17 of work for 2 devices: device 1 (9) is past its share, device 0 (2) takes 6 and is full (3 in flight)
+    assert placed(s.dispatch_judge([0, 1])) == {0: [6]}
+    assert [r.uid for r in s.judge_queue] == [7] and s._work == {0: 3.0, 1: 9.0}
+    s.finished(1, 4)  # device 1 down to 1 of work: 7 goes there
+    assert placed(s.dispatch_judge([0, 1])) == {1: [7]}
+    assert s._work == {0: 3.0, 1: 6.0} and not s.judge_queue and s._queued_work == 0.0
+
+
+def test_judgments_stop_at_an_even_share_of_the_work_so_late_devices_get_some():
+    # the step's end: devices 0 and 1 are free, 2 and 3 busy with 10 each; eight long judgments of 5 arrive
+    s = Scheduler(per_device=10, judge_weight=lambda uid: 5.0 if uid >= 100 else 1.0)
+    s.submit_judge(judge(*range(20)))
+    placed(s.dispatch_judge([2, 3]))
+    assert s._work == {2: 10.0, 3: 10.0}
+    s.submit_judge(judge(*range(100, 108)))  # 40 queued, 20 in flight: 15 a device
+    assert placed(s.dispatch_judge([0, 1, 2, 3])) == {0: [100, 102, 104], 1: [101, 103, 105]}
+    assert [r.uid for r in s.judge_queue] == [106, 107] and s._queued_work == 10.0  # kept for 2 and 3
+    for uid in range(10, 20):
+        s.finished(3, uid)
+    assert placed(s.dispatch_judge([0, 1, 2, 3])) == {3: [106, 107]}
 
 
 def test_the_judge_queue_sends_groups_first_at_the_cost_of_the_group():
