@@ -198,7 +198,7 @@ class Progress:
 class Accumulated:
     device: int
     samples: int
-    tokens: int
+    tokens: int  # through the forward and backward: prompts and responses, the units the planner prices
     seconds: float
 
 

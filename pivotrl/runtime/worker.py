@@ -252,7 +252,9 @@ class Worker:
                 self.device, "train", f"accumulate {len(samples)}", t0, t1, {"samples": len(samples), "tokens": tokens}
             )
         )
-        return Accumulated(self.device, len(samples), tokens, t1 - t0)
+        # the span logs the tokens the loss saw (responses); the planner prices whole sequences
+        processed = sum(len(p) + len(r) for p, r in zip(shard.prompt_ids, shard.response_ids, strict=True))
+        return Accumulated(self.device, len(samples), processed, t1 - t0)
 
     def step(self, cmd: Step, rank: int, port: int) -> Trained | None:
         """This device's part of the data-parallel optimizer step; rank 0 publishes the new version."""

@@ -277,7 +277,7 @@ class SimDriver:
 
         def done() -> list[Event]:
             self._record(dev.id, "train", f"accumulate {samples}", t0, t1, tokens=tokens)
-            return [Accumulated(dev.id, samples, response, seconds)]
+            return [Accumulated(dev.id, samples, tokens, seconds)]
 
         self._at(t1, done)
 

@@ -167,7 +167,9 @@ def test_messages_have_the_same_shapes(answers):
             assert r.prompt_ids and 1 <= len(r.output_ids) < LONG.max_new_tokens
             assert len(r.logprobs) == len(r.output_ids) and r.params == LONG and r.seed in (20, 21)
         acc = seen["accumulated"]
-        assert (acc.device, acc.samples) == (0, 3) and acc.tokens == sum(len(r.output_ids) for r in seen["gen"])
+        # the tokens through the forward and backward: prompts and responses (the loss sees the responses)
+        processed = sum(len(r.prompt_ids) + len(r.output_ids) for r in seen["gen"])
+        assert (acc.device, acc.samples) == (0, 3) and acc.tokens == processed
         assert acc.seconds > 0
         trained = seen["trained"]
         assert isinstance(trained, Trained) and (trained.devices, trained.version) == ((0,), 1)
