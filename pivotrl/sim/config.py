@@ -60,6 +60,9 @@ class LengthsConfig:
         return LengthDist(self.kind, cap, **params)
 
 
+KV_CACHES = ("paged", "reserved")
+
+
 @dataclass(slots=True)
 class SimConfig:
     gpu: str = "H100"  # modeled accelerator, a name in pivotrl.sim.hardware.GPUS
@@ -77,6 +80,9 @@ class SimConfig:
     react_s: float = 0.1  # the control plane's reaction time: completions this close are handled together
     # (at most half a slice)
     costs: str = "roofline"  # "roofline" (from the GPU's datasheet) or a MeasuredCosts JSON file
+    # "paged": sequences share an instance's KV cache as they grow (vLLM, SGLang); "reserved": each holds
+    # a slot of its longest context. Measured costs always have the fixed slots of the engine they measured
+    kv_cache: str = "paged"
 
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
@@ -97,6 +103,8 @@ class SimConfig:
             raise ValueError(f"slice_s: expected a number > 0, got {self.slice_s!r}")
         if not (isinstance(self.react_s, float | int) and 0 <= self.react_s < math.inf):
             raise ValueError(f"react_s: expected a number >= 0, got {self.react_s!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache: expected one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
         if not isinstance(self.costs, str) or not self.costs:
             raise ValueError(f"costs: expected 'roofline' or a measured-costs JSON file, got {self.costs!r}")
 

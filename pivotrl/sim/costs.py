@@ -56,6 +56,11 @@ class CostModel(Protocol):
         """Most sequences of ``context_len`` tokens one instance holds at once (0: it cannot run)."""
         ...
 
+    def kv_tokens(self, model: ModelSpec, tp: int) -> int | None:
+        """Tokens of KV cache one instance holds, shared by its sequences as they grow (a paged
+        engine); None where the engine has fixed slots and ``max_batch`` alone limits it."""
+        ...
+
     def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
         """Forward and backward over ``tokens`` tokens split over ``n_gpus`` data-parallel devices."""
         ...
@@ -95,8 +100,8 @@ def _check_tp(tp: int, name: str = "tp") -> None:
         raise ValueError(f"{name}: got {tp!r}, must be an int >= 1")
 
 
-def max_batch(model: ModelSpec, tp: int, gpu: GPU, context_len: int, mem_fraction: float = 0.9) -> int:
-    """Sequences of ``context_len`` tokens whose KV cache fits in an instance of ``tp`` GPUs.
+def kv_tokens(model: ModelSpec, tp: int, gpu: GPU, mem_fraction: float = 0.9) -> int:
+    """Tokens whose KV cache fits in an instance of ``tp`` GPUs.
 
     The engine claims ``mem_fraction`` of HBM (vLLM's ``gpu_memory_utilization``; the rest is the
     activations, CUDA graphs and allocator slack); weights take theirs, the KV cache the rest. KV
@@ -104,12 +109,17 @@ def max_batch(model: ModelSpec, tp: int, gpu: GPU, context_len: int, mem_fractio
     replicated on ``tp / kv_heads`` GPUs.
     """
     _check_tp(tp)
-    _check("context_len", context_len, 1)
     if not 0 < mem_fraction <= 1:
         raise ValueError(f"mem_fraction: got {mem_fraction!r}, must be in (0, 1]")
     free = tp * gpu.hbm_bytes * mem_fraction - model.weight_bytes
-    per_seq = context_len * model.kv_bytes_per_token * tp / min(tp, model.kv_heads)
-    return max(0, math.floor(free / per_seq))
+    return max(0, math.floor(free / (model.kv_bytes_per_token * tp / min(tp, model.kv_heads))))
+
+
+def max_batch(model: ModelSpec, tp: int, gpu: GPU, context_len: int, mem_fraction: float = 0.9) -> int:
+    """Sequences of ``context_len`` tokens whose KV cache fits in an instance of ``tp`` GPUs: what an
+    engine that reserves every sequence's longest context can run (``kv_tokens`` in slots)."""
+    _check("context_len", context_len, 1)
+    return kv_tokens(model, tp, gpu, mem_fraction) // context_len
 
 
 def _series(line: tuple[float, float], start: int, count: int) -> float:
@@ -365,6 +375,9 @@ class RooflineCosts:
 
     def max_batch(self, model: ModelSpec, tp: int, context_len: int) -> int:
         return max_batch(model, tp, self.gpu, context_len, self.mem_fraction)
+
+    def kv_tokens(self, model: ModelSpec, tp: int) -> int:
+        return kv_tokens(model, tp, self.gpu, self.mem_fraction)
 
     def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
         """Forward + backward is 3 forward passes' FLOPs (6 per active weight per token), plus causal

@@ -107,13 +107,30 @@ class SimSpec:
     verdicts: tuple[str, str]  # judgment of a wrong and of a right response (parsed by the job's GenRM)
     slice_s: float = 5.0
     react_s: float = 0.0  # events within this long of the first are handled together, at the last one's time
+    paged: bool = False  # engines page their KV cache (``sim.kv_cache``); else each sequence reserves its longest
+    # the mean context of a decode step of each role: what a sequence holds in a paged cache on average
+    rollout_decode_context: float = 0.0
+    judge_decode_context: float = 0.0
+
+    def kv_tokens(self, role: Role) -> int | None:
+        """Tokens of paged KV cache an instance of ``role`` holds; None where sequences hold fixed slots."""
+        if not self.paged:
+            return None
+        return self.costs.kv_tokens(self.policy if role is Role.ROLLOUT else self.genrm, self.tp)
 
     def capacity(self, role: Role) -> int:
-        """Sequences one instance of ``role`` runs at once: the engine's slots, or fewer if KV memory says so."""
-        model, context = (
-            (self.policy, self.rollout_context) if role is Role.ROLLOUT else (self.genrm, self.judge_context)
-        )
-        return min(self.max_batch, self.costs.max_batch(model, self.tp, context))
+        """Sequences one instance of ``role`` runs at once: the engine's slots, or fewer if KV memory says
+        so. A paged cache holds as many as fit at the role's mean decode context, or none if its longest
+        sequence does not fit alone."""
+        rollout = role is Role.ROLLOUT
+        model, context = (self.policy, self.rollout_context) if rollout else (self.genrm, self.judge_context)
+        kv = self.kv_tokens(role)
+        if kv is None:
+            return min(self.max_batch, self.costs.max_batch(model, self.tp, context))
+        if kv < context:
+            return 0
+        typical = self.rollout_decode_context if rollout else self.judge_decode_context
+        return min(self.max_batch, max(1, math.floor(kv / max(typical, 1.0))))
 
 
 @dataclass(slots=True)
@@ -251,7 +268,9 @@ class SimDriver:
             if cmd.role is Role.TRAIN:
                 dev.engine = None
             elif src is not cmd.role or dev.engine is None:
-                dev.engine = ModeledEngine(spec.costs, model, spec.tp, spec.capacity(cmd.role), t1)
+                kv = spec.kv_tokens(cmd.role)  # paged: as many sequences as the engine's slots and its cache allow
+                slots = spec.max_batch if kv is not None else spec.capacity(cmd.role)
+                dev.engine = ModeledEngine(spec.costs, model, spec.tp, slots, t1, kv)
             name = f"{src.value if src else 'none'}->{cmd.role.value}"
             self._record(dev.id, "shift", name, t0, t1, bytes=nbytes, version=cmd.version)
             return [ShiftDone(dev.id, cmd.role, cmd.version, seconds, nbytes)]

@@ -1,7 +1,14 @@
 """A modeled generation engine: continuous batching on one instance, on a virtual clock.
 
-It holds what a real engine holds (running sequences, a waiting queue, as many
-slots as its KV memory allows) but never steps token by token. A step is
+It holds what a real engine holds (running sequences, a waiting queue, at most
+``capacity`` sequences at once) but never steps token by token. With
+``kv_tokens`` its KV cache is paged, as in vLLM or SGLang: sequences share
+that many tokens as they grow, a waiting one is admitted when its context fits
+beside the others' (less a small watermark), and when a decode step would not
+fit, the sequence admitted last is preempted: it goes back to the head of the
+queue with its tokens so far and re-prefills them when admitted again
+(recompute preemption). Without it every sequence holds one of ``capacity``
+fixed slots (the runtime's CPU engine). A step is
 either a prefill of newly admitted sequences (each samples its first token) or
 a decode step of every running sequence, as in ``pivotrl.engine``. Between two
 things that change the batch (a sequence finishing, waiting ones admitted) the
@@ -39,11 +46,21 @@ class SimSeq:
     k0: int = 0  # the engine's decode-step count when its prefill completed (running sequences)
 
 
+KV_WATERMARK = 0.01  # share of a paged cache kept free when admitting (vLLM's default), so that a
+# sequence just admitted is not preempted by the next step's growth
+
+
 class ModeledEngine:
-    def __init__(self, costs: CostModel, model: ModelSpec, tp: int, capacity: int, now: float = 0.0) -> None:
+    def __init__(
+        self, costs: CostModel, model: ModelSpec, tp: int, capacity: int, now: float = 0.0,
+        kv_tokens: int | None = None,
+    ) -> None:  # fmt: skip
         if capacity < 1:
             raise ValueError(f"capacity: got {capacity}, must be >= 1 (the KV memory holds no sequence)")
-        self.costs, self.model, self.tp, self.capacity = costs, model, tp, capacity
+        if kv_tokens is not None and kv_tokens < 1:
+            raise ValueError(f"kv_tokens: got {kv_tokens}, must be >= 1 or None (fixed slots)")
+        self.costs, self.model, self.tp, self.capacity, self.kv_tokens = costs, model, tp, capacity, kv_tokens
+        self.preempted = 0  # sequences sent back to the queue because the paged cache was full
         self._span = span_of(costs, model, tp)  # decode_span of this instance: (batch, context, steps) -> seconds
         self.t = now  # end of the last completed step
         self.k = 0  # decode steps completed
@@ -105,11 +122,11 @@ class ModeledEngine:
 
     def snapshot(self) -> tuple:
         return (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.peak, self._ctx,
-                dict(self.running), deque(self.waiting), list(self._finish))  # fmt: skip
+                self.preempted, dict(self.running), deque(self.waiting), list(self._finish))  # fmt: skip
 
     def restore(self, snap: tuple) -> None:
         (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.peak, self._ctx,
-         running, waiting, finish) = snap  # fmt: skip
+         self.preempted, running, waiting, finish) = snap  # fmt: skip
         self.running, self.waiting, self._finish = dict(running), deque(waiting), list(finish)
 
     def advance(self, until: float) -> list[SimSeq]:
@@ -117,9 +134,11 @@ class ModeledEngine:
         finished: list[SimSeq] = []
         span = self._span
         while True:
-            free = self.capacity - len(self.running)
-            if self.waiting and free > 0:  # a prefill step admits as many as there are free slots
-                batch = [self.waiting[i] for i in range(min(free, len(self.waiting)))]
+            free = min(self.capacity - len(self.running), len(self.waiting))
+            if free > 0 and self.kv_tokens is not None:
+                free = self._fits(free)
+            if free > 0:  # a prefill step admits as many as there are free slots
+                batch = [self.waiting[i] for i in range(free)]
                 seconds = self._prefill_seconds(batch)
                 if self.t + seconds > until:
                     break
@@ -143,6 +162,14 @@ class ModeledEngine:
             if not n:
                 break
             steps = self._finish[0][0] - self.k
+            full = False  # the paged cache fills before the next finish: a preemption ends the run
+            if self.kv_tokens is not None:
+                room = (self.kv_tokens - self._ctx - n * self.k) // n  # decode steps the cache has room for
+                if room < steps:
+                    steps, full = room, True
+                    if not steps:
+                        self._preempt()
+                        continue
             context = self._ctx / n + self.k
             seconds = span(n, context, steps)
             if self.t + seconds > until:  # the next finish is past ``until``: go as far as it allows
@@ -155,11 +182,38 @@ class ModeledEngine:
             self.t += seconds
             self.k += steps
             self.tokens += steps * n
+            if full:
+                self._preempt()
+                continue
             while self._finish and self._finish[0][0] == self.k:
                 s = self.running.pop(heapq.heappop(self._finish)[1])
                 self._ctx -= s.prompt + s.base + 1 - s.k0
                 finished.append(s)
         return finished
+
+    def _fits(self, most: int) -> int:
+        """How many of the first ``most`` waiting sequences the paged cache admits now: their contexts
+        after the prefill beside the running ones', less the watermark. One always fits in an empty
+        engine (the job checks that the longest sequence fits alone)."""
+        room = self.kv_tokens * (1 - KV_WATERMARK) - (self._ctx + len(self.running) * self.k)
+        k = 0
+        while k < most:
+            s = self.waiting[k]
+            room -= s.prompt + s.base + 1
+            if room < 0:
+                break
+            k += 1
+        return k if k or self.running else 1
+
+    def _preempt(self) -> None:
+        """The sequence admitted last goes back to the head of the queue with its tokens so far."""
+        uid = next(reversed(self.running))
+        s = self.running.pop(uid)
+        self._ctx -= s.prompt + s.base + 1 - s.k0
+        self._finish = [f for f in self._finish if f[1] != uid]
+        heapq.heapify(self._finish)
+        self.waiting.appendleft(SimSeq(uid, s.prompt, self.generated(s), s.target, s.request))
+        self.preempted += 1
 
     def _prefill_seconds(self, batch: list[SimSeq]) -> float:
         """New prompts in one prefill pass; a migrated sequence re-prefills its prompt and tokens so far."""

@@ -12,7 +12,8 @@ with, for N responses of length L (drawn from the job's capped distribution),
 prompts of P tokens, judge prompts of J = P + L + T tokens and judgments of O
 tokens (``sim.judge_output_len`` capped at ``judge.max_new_tokens``), on
 instances of ``tp`` GPUs holding at most B (policy) and Bj (judge) sequences
-(``SimSpec.capacity``: ``rollout.max_batch`` or fewer if the KV cache says so):
+(``SimSpec.capacity``: ``rollout.max_batch`` or fewer if the KV cache says so; a
+paged cache is counted at the role's mean decode context):
 
     W_rollout = tp * N * [prefill(B prompts of P) / B + E[L - 1] * decode_step(B, c) / B]
     W_genrm   = tp * N * [prefill(Bj prompts of E[J]) / Bj + (O - 1) * decode_step(Bj, cj) / Bj]
@@ -90,9 +91,8 @@ from pivotrl.control.messages import Role
 from pivotrl.sim.costs import span_of
 from pivotrl.sim.driver import SimSpec
 from pivotrl.sim.run import build
-from pivotrl.sim.workload import LengthDist
+from pivotrl.sim.workload import GRID, length_moments
 
-GRID = 4096  # quantiles of the length distribution the expectations are taken over
 MERGE = 0.98  # the joint floor prices runs of decode steps whose alive count stays within 2% as one
 GOLDEN = (5**0.5 - 1) / 2
 
@@ -162,14 +162,6 @@ class IdealStep:
             "joint_floor_s": self.joint_floor_s,
             "floor_seconds": self.floor_seconds,
         }
-
-
-def length_moments(dist: LengthDist, cap: int, grid: int = GRID) -> tuple[float, float]:
-    """``E[L]`` and ``E[L (L - 1) / 2]`` of ``min(L, cap)``, over ``grid`` evenly spaced quantiles."""
-    if grid < 1:
-        raise ValueError(f"grid: got {grid!r}, must be >= 1")
-    lengths = [min(dist.quantile((i + 0.5) / grid), cap) for i in range(grid)]
-    return sum(lengths) / grid, sum(n * (n - 1) / 2 for n in lengths) / grid
 
 
 def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: int, grid: int = GRID) -> IdealStep:

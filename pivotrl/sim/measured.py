@@ -230,6 +230,9 @@ class MeasuredCosts:
         m = self._gen(model, tp)
         return m.max_batch if context_len <= m.max_len else 0
 
+    def kv_tokens(self, model: ModelSpec, tp: int) -> None:
+        return None  # the measured engine has fixed slots (rollout.max_batch)
+
     def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
         if model.name != self.rollout.model:
             raise ValueError(f"model {model.name!r}: only the policy {self.rollout.model!r} is trained")

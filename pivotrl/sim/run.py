@@ -35,7 +35,7 @@ from pivotrl.sim.driver import SimDriver, SimSpec
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.measured import MeasuredCosts
 from pivotrl.sim.models import MODELS, ModelSpec
-from pivotrl.sim.workload import LengthDist
+from pivotrl.sim.workload import LengthDist, decode_context, length_moments
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.arithmetic import Problem
 from pivotrl.telemetry import RunWriter
@@ -100,13 +100,14 @@ def build(cfg: JobConfig) -> Simulation:
                 f"judge.verdict_pattern: the simulator cannot write a judgment that {j.verdict_pattern!r} "
                 f"parses to {label!r}"
             )
+    lengths = _lengths(cfg)
     spec = SimSpec(
         devices=sim.devices,
         tp=sim.instance_gpus,
         costs=costs,
         policy=policy_model,
         genrm=genrm_model,
-        lengths=_lengths(cfg),
+        lengths=lengths,
         seed=cfg.seed,
         prompt_len=sim.prompt_len,
         max_batch=r.max_batch,
@@ -118,6 +119,12 @@ def build(cfg: JobConfig) -> Simulation:
         verdicts=(verdicts[0] or "", verdicts[1] or ""),
         slice_s=float(sim.slice_s),
         react_s=float(sim.react_s),
+        paged=sim.kv_cache == "paged",
+        rollout_decode_context=decode_context(sim.prompt_len, lengths, r.max_new_tokens),
+        judge_decode_context=sim.prompt_len
+        + length_moments(lengths, r.max_new_tokens)[0]
+        + sim.judge_template_len
+        + min(sim.judge_output_len, j.max_new_tokens) / 2,
     )
     for role, name, context in ((Role.ROLLOUT, sim.policy_model, spec.rollout_context),
                                 (Role.GENRM, sim.genrm_model, spec.judge_context)):  # fmt: skip

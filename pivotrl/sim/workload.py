@@ -299,3 +299,21 @@ class SimWorkload:
     def judge_prompt_len(self, response_len: int) -> int:
         """Tokens the GenRM prefills for one judgment: the question, the response, its template."""
         return self.prompt_len + response_len + self.judge_template_len
+
+
+GRID = 4096  # quantiles of the length distribution the expectations are taken over
+
+
+def length_moments(dist: LengthDist, cap: int, grid: int = GRID) -> tuple[float, float]:
+    """``E[L]`` and ``E[L (L - 1) / 2]`` of ``min(L, cap)``, over ``grid`` evenly spaced quantiles."""
+    if grid < 1:
+        raise ValueError(f"grid: got {grid!r}, must be >= 1")
+    lengths = [min(dist.quantile((i + 0.5) / grid), cap) for i in range(grid)]
+    return sum(lengths) / grid, sum(n * (n - 1) / 2 for n in lengths) / grid
+
+
+def decode_context(prompt: int, dist: LengthDist, cap: int) -> float:
+    """The mean context of a decode step of responses of ``dist`` after ``prompt`` tokens: a response
+    decodes L - 1 steps at contexts prompt + 1 .. prompt + L - 1, so steps weigh by length."""
+    mean, pairs = length_moments(dist, cap)
+    return prompt + pairs / (mean - 1) if mean > 1 else float(prompt)

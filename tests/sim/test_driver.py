@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pivotrl.config import load_config
+from pivotrl.config import ConfigError, load_config
 from pivotrl.control.messages import (
     Abort,
     Aborted,
@@ -144,7 +144,8 @@ def test_lengths_differ_by_job_seed_and_follow_the_distribution():
 
 def test_kv_memory_limits_the_batch():
     """Qwen2.5-32B on one A100: ~9 GB of HBM left for 8.7k-token slots, a handful of sequences."""
-    d = driver("sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "rollout.max_new_tokens=8192", "rollout.max_batch=64")
+    d = driver("sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "rollout.max_new_tokens=8192", "rollout.max_batch=64",
+               "sim.kv_cache=reserved")  # fmt: skip
     cap = d.spec.capacity(Role.ROLLOUT)
     assert 0 < cap < 8 and cap == RooflineCosts(GPUS["A100"]).max_batch(MODELS["Qwen2.5-32B"], 1, 512 + 8192)
     shifted(d, Role.ROLLOUT, 0)
@@ -239,6 +240,68 @@ def test_the_engine_jumps_from_event_to_event():
     finished = e.advance(1e9)
     assert len(finished) == 32 and e.tokens == sum(s.target for s in finished) and not e.has_work
     assert len(calls) < 40
+
+
+def test_paged_cache_admits_what_fits_and_preempts_the_last_admitted():
+    # 10 sequences of 500 prompt tokens in 4,000 tokens of cache: 7 fit at once (3,960 with the 1%
+    # watermark); as they grow the cache fills, the last admitted goes back to the queue with its tokens
+    e = ModeledEngine(H100, QWEN7, 1, capacity=64, kv_tokens=4000)
+    for uid in range(10):
+        e.add(SimSeq(uid, 500, 0, 300 + 10 * uid, None), 0.0)
+    e.advance(1e-9)
+    assert len(e.running) == 0  # nothing commits before its step ends
+    e.advance(0.5)
+    assert 0 < len(e.running) <= 7 and e.k > 0
+    assert e._ctx + len(e.running) * e.k <= 4000  # never more tokens than the cache holds
+    done = e.advance(1e9)
+    assert sorted(s.uid for s in done) == list(range(10)) and not e.has_work
+    assert e.preempted > 0
+    assert e.tokens == sum(300 + 10 * uid for uid in range(10))  # a preempted sequence loses no token
+    assert e.prefill_tokens > 10 * 500  # but re-reads the ones it had made
+
+
+def test_an_ample_paged_cache_runs_as_fixed_slots():
+    def run(**kw) -> tuple[float, list[int]]:
+        e = ModeledEngine(H100, QWEN7, 1, capacity=8, **kw)
+        for uid in range(20):
+            e.add(SimSeq(uid, 256, 0, 100 + 37 * uid, None), 0.0)
+        done = e.advance(1e9)
+        return e.t, [s.uid for s in done]
+
+    assert run() == run(kv_tokens=10**7)
+
+
+def test_paged_snapshot_and_restore_replay_preemptions():
+    e = ModeledEngine(H100, QWEN7, 1, capacity=64, kv_tokens=3000)
+    for uid in range(12):
+        e.add(SimSeq(uid, 256, 0, 200 + 37 * uid, None), 0.0)
+    snap = e.snapshot()
+    a = [s.uid for s in e.advance(30.0)], e.t, e.tokens, e.preempted
+    e.restore(snap)
+    b = [s.uid for s in e.advance(2.0)] + [s.uid for s in e.advance(30.0)], e.t, e.tokens, e.preempted
+    assert a == b and a[3] > 0
+
+
+def test_paged_capacity_counts_the_mean_context_not_the_longest():
+    job = ("sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "rollout.max_new_tokens=8192", "rollout.max_batch=64")
+    paged, reserved = driver(*job), driver(*job, "sim.kv_cache=reserved")
+    kv = RooflineCosts(GPUS["A100"]).kv_tokens(MODELS["Qwen2.5-32B"], 1)
+    spec = paged.spec
+    assert spec.kv_tokens(Role.ROLLOUT) == kv and reserved.spec.kv_tokens(Role.ROLLOUT) is None
+    assert spec.capacity(Role.ROLLOUT) == kv // spec.rollout_decode_context > reserved.spec.capacity(Role.ROLLOUT)
+    shifted(paged, Role.ROLLOUT, 0)
+    paged.submit(Generate(0, requests(40, GenParams(8192)), 0))
+    assert len(drain(paged)) == 40
+
+
+def test_a_paged_instance_must_hold_its_longest_sequence_alone():
+    with pytest.raises(UserError, match="does not fit"):
+        build(load_config(None, ["sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "rollout.max_new_tokens=64000"]))
+
+
+def test_kv_cache_names_what_is_allowed():
+    with pytest.raises(ConfigError, match="kv_cache: expected one of paged, reserved, got .virtual."):
+        load_config(None, ["sim.kv_cache=virtual"])
 
 
 def test_engine_snapshot_and_restore_replay_the_same_plan():
