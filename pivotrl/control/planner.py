@@ -542,6 +542,7 @@ class Planner:
         _positive("cooldown_s", cooldown_s, strict=False)
         self.devices, self.hysteresis, self.min_gain_s, self.cooldown_s = devices, hysteresis, min_gain_s, cooldown_s
         self.log: list[Decision] = []
+        self._better_since: float | None = None  # since when some move has beaten keeping by its overhead
         self._left: dict[int, tuple[float, Role | None]] = {}  # device -> (when it last moved, role it left)
 
     def plan(
@@ -604,7 +605,7 @@ class Planner:
                 if any(s is not None for s, _ in c.flows) and (c.picked or _pick(c, scene)):
                     alt = c
                     break
-        chosen, reason = self._choose(alt, stay, w)
+        chosen, reason = self._choose(alt, stay, w, now)
         moves = _moves(chosen, scene)
         lendable = _lendable(moves, current, pinned, w)
         needed = _train_needed(chosen, len(lendable), w, profiles, max_batch) if lendable else 0.0
@@ -639,23 +640,40 @@ class Planner:
         shift = max((at for _, at in late), default=0.0)
         return _Candidate(est.total, sum(flows.values()), alloc, flows, est, shift)
 
-    def _choose(self, alt: _Candidate | None, stay: _Candidate, w: _Work) -> tuple[_Candidate, str]:
+    def _choose(self, alt: _Candidate | None, stay: _Candidate, w: _Work, now: float) -> tuple[_Candidate, str]:
         """Move to ``alt`` (the best allocation that moves a device holding a role) only if
-        it beats keeping ``stay`` by its overhead plus the margin; say why either way."""
+        it beats keeping ``stay`` by its overhead plus the margin; say why either way.
+
+        The margin guards against the estimate's noise, which makes the best alternative flicker
+        between plans; a gain that lasts is no noise. So while some move keeps beating its overhead,
+        plan after plan, the margin shrinks: it is gone once such gains have lasted as many seconds
+        as the margin is long (a tenth of the step's rest, by default), and a move that wins by
+        half the margin is taken after half that wait."""
         why = _situation(stay.est, w)
         base = stay.total
         if alt is None:
+            self._better_since = None
             return stay, f"{why}: keep {fmt_alloc(stay.alloc)}, est {_s(base)}; no device can move"
         gain = base - alt.est.total
         margin = max(self.hysteresis * base, self.min_gain_s) if base < INF else 0.0
+        held = ""
+        if base < INF and alt.total < INF and gain > alt.overhead + self.min_gain_s:
+            since = now if self._better_since is None else self._better_since
+            self._better_since = since
+            if now > since:
+                margin = max(self.min_gain_s, margin * (1 - (now - since) / margin))
+                held = f" (held {_s(now - since)})"
+        else:
+            self._better_since = None
         if alt.total < INF and (base == INF or gain > alt.overhead + margin):
+            self._better_since = None
             return alt, (
                 f"{why}: est {_s(base)} -> {_s(alt.est.total)} with {_delta(stay.alloc, alt.alloc)}; "
-                f"gain {_s(gain)} > migration {_s(alt.overhead)} + margin {_s(margin)}"
+                f"gain {_s(gain)} > migration {_s(alt.overhead)} + margin {_s(margin)}{held}"
             )
         return stay, (
             f"{why}: keep {fmt_alloc(stay.alloc)}, est {_s(base)}; best move {fmt_alloc(alt.alloc)} "
-            f"est {_s(alt.est.total)}, gain {_s(gain)} <= migration {_s(alt.overhead)} + margin {_s(margin)}"
+            f"est {_s(alt.est.total)}, gain {_s(gain)} <= migration {_s(alt.overhead)} + margin {_s(margin)}{held}"
         )
 
     def _barred(self, device: int, now: float) -> Role | None:
