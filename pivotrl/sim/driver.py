@@ -166,6 +166,7 @@ class SimDriver:
         self.spec = spec
         self.now = 0.0
         self.devices = [_Device(d) for d in range(spec.devices)]
+        self._preempted = 0  # of engines already replaced (``preemptions`` adds those in service)
         self._heap: list[tuple[float, int, Callable[[], list[Event]]]] = []
         self._seq = 0  # tie-break: same-time completions come out in the order they were scheduled
         self._to_start: set[int] = set()  # devices whose engine has work and no slice in flight
@@ -183,6 +184,10 @@ class SimDriver:
 
     def start_clock(self, origin: float) -> None:
         """Virtual time starts at 0 whatever the wall clock says."""
+
+    def preemptions(self) -> int:
+        """Sequences sent back to their engine's queue because its paged cache was full, so far."""
+        return self._preempted + sum(d.engine.preempted for d in self.devices if d.engine is not None)
 
     def slices(self) -> list[Slice]:
         out, self._slices, self._last = self._slices, [], {}
@@ -265,6 +270,8 @@ class SimDriver:
 
         def done() -> list[Event]:
             dev.role, dev.version = cmd.role, cmd.version
+            if dev.engine is not None and (cmd.role is Role.TRAIN or src is not cmd.role):
+                self._preempted += dev.engine.preempted
             if cmd.role is Role.TRAIN:
                 dev.engine = None
             elif src is not cmd.role or dev.engine is None:

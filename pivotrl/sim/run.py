@@ -235,7 +235,8 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     summary["gps_bytes"] = gps_bytes(spec)
     summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
                       "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,
-                      "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events}  # fmt: skip
+                      "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events,
+                      "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions()}  # fmt: skip
     summary["sim_seconds"] = driver.clock()
     title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
     writer.write_events(slices, title=title)
@@ -256,5 +257,6 @@ def format_sim(summary: dict[str, Any]) -> str:
     return (
         f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
         f"({summary['devices']} instances of {sim['instance_gpus']} GPU), {sim['policy_model']} policy, "
-        f"{sim['genrm_model']} judge; {summary['wall_seconds']:.1f} s of wall time"
+        f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions); "
+        f"{summary['wall_seconds']:.1f} s of wall time"
     )

@@ -185,3 +185,16 @@ def test_the_pump_looking_at_touched_devices_decides_as_one_looking_at_all(tmp_p
         seen[name] = (made[0].sent, (tmp_path / name / "events.jsonl").read_text(), summary["sim_seconds"])
     assert seen["touched"] == seen["every"]
     assert len(seen["every"][0]) > 100 and sum(type(c).__name__ == "Shift" for c in seen["every"][0]) > 40
+
+
+def test_a_full_paged_cache_preempts_and_loses_no_sample(tmp_path):
+    # Qwen2.5-32B on one A100 keeps ~47k tokens of KV: 32 responses of up to 8,192 tokens overflow it
+    job = ["sim.gpus=1", "sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "sim.genrm_model=Qwen2.5-1.5B",
+           "rollout.max_new_tokens=8192", "eval.max_new_tokens=8192", "sim.lengths.median=3000",
+           "rollout.max_batch=64", "mode=colocated"]  # fmt: skip
+    paged = simulate(tmp_path / "paged", *job)
+    reserved = simulate(tmp_path / "reserved", *job, "sim.kv_cache=reserved")
+    assert paged["sim"]["kv_cache"] == "paged" and paged["sim"]["preemptions"] > 0
+    assert reserved["sim"]["preemptions"] == 0
+    assert paged["samples"] == reserved["samples"] == 2 * 8 * 4
+    assert rows(tmp_path / "paged" / "samples.jsonl") == rows(tmp_path / "reserved" / "samples.jsonl")
