@@ -661,7 +661,7 @@ class Planner:
             since = now if self._better_since is None else self._better_since
             self._better_since = since
             if now > since:
-                margin = max(self.min_gain_s, margin * (1 - (now - since) / margin))
+                margin = max(self.min_gain_s, margin - (now - since))
                 held = f" (held {_s(now - since)})"
         else:
             self._better_since = None

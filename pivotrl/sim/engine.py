@@ -164,7 +164,7 @@ class ModeledEngine:
             steps = self._finish[0][0] - self.k
             full = False  # the paged cache fills before the next finish: a preemption ends the run
             if self.kv_tokens is not None:
-                room = (self.kv_tokens - self._ctx - n * self.k) // n  # decode steps the cache has room for
+                room = max(0, (self.kv_tokens - self._ctx - n * self.k) // n)  # decode steps it has room for
                 if room < steps:
                     steps, full = room, True
                     if not steps:
