@@ -269,15 +269,15 @@ class SimDriver:
         dev.free_at = t1 = t0 + seconds
 
         def done() -> list[Event]:
-            dev.role, dev.version = cmd.role, cmd.version
-            if dev.engine is not None and (cmd.role is Role.TRAIN or src is not cmd.role):
-                self._preempted += dev.engine.preempted
+            dev.role, dev.version, old = cmd.role, cmd.version, dev.engine
             if cmd.role is Role.TRAIN:
                 dev.engine = None
             elif src is not cmd.role or dev.engine is None:
                 kv = spec.kv_tokens(cmd.role)  # paged: as many sequences as the engine's slots and its cache allow
                 slots = spec.max_batch if kv is not None else spec.capacity(cmd.role)
                 dev.engine = ModeledEngine(spec.costs, model, spec.tp, slots, t1, kv)
+            if old is not None and dev.engine is not old:  # its preemptions outlive it
+                self._preempted += old.preempted
             name = f"{src.value if src else 'none'}->{cmd.role.value}"
             self._record(dev.id, "shift", name, t0, t1, bytes=nbytes, version=cmd.version)
             return [ShiftDone(dev.id, cmd.role, cmd.version, seconds, nbytes)]

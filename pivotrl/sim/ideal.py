@@ -91,7 +91,7 @@ from pivotrl.control.messages import Role
 from pivotrl.sim.costs import span_of
 from pivotrl.sim.driver import SimSpec
 from pivotrl.sim.run import build
-from pivotrl.sim.workload import GRID, length_moments
+from pivotrl.sim.workload import GRID, decode_context, length_moments
 
 MERGE = 0.98  # the joint floor prices runs of decode steps whose alive count stays within 2% as one
 GOLDEN = (5**0.5 - 1) / 2
@@ -173,9 +173,9 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     b, bj = spec.capacity(Role.ROLLOUT), spec.capacity(Role.GENRM)
     if b < 1 or bj < 1:
         raise ValueError(f"an instance of {tp} GPU(s) holds no sequence (rollout {b}, judge {bj})")
-    mean_len, pairs = length_moments(spec.lengths, rollout_tokens, grid)
+    mean_len, _ = length_moments(spec.lengths, rollout_tokens, grid)
     decode_steps = mean_len - 1  # E[L - 1]: the first token comes from the prefill
-    context = p + pairs / decode_steps if decode_steps > 0 else float(p)
+    context = decode_context(p, spec.lengths, rollout_tokens, grid)
     judge_prompt = p + mean_len + spec.judge_template_len
     out_len = min(spec.judge_output_len, judge_tokens)
     n = samples

@@ -312,8 +312,8 @@ def length_moments(dist: LengthDist, cap: int, grid: int = GRID) -> tuple[float,
     return sum(lengths) / grid, sum(n * (n - 1) / 2 for n in lengths) / grid
 
 
-def decode_context(prompt: int, dist: LengthDist, cap: int) -> float:
+def decode_context(prompt: int, dist: LengthDist, cap: int, grid: int = GRID) -> float:
     """The mean context of a decode step of responses of ``dist`` after ``prompt`` tokens: a response
     decodes L - 1 steps at contexts prompt + 1 .. prompt + L - 1, so steps weigh by length."""
-    mean, pairs = length_moments(dist, cap)
+    mean, pairs = length_moments(dist, cap, grid)
     return prompt + pairs / (mean - 1) if mean > 1 else float(prompt)
