@@ -40,6 +40,7 @@ class Sample:
     policy_version: int = 0
     reward: float = 0.0
     judge_text: str = ""
+    judge_tokens: int = 0  # tokens of the judgment
     verdict: str | None = None  # parsed verdict label; None when unparsable
     correct: bool | None = None  # rule-based checker, for measurement only
     truncated: bool = False  # the response hit the length limit

@@ -49,6 +49,7 @@ def sample_rows(records: list[StepRecord], token_ids: bool = True) -> Iterator[d
                 response=s.response_text,
                 reward=s.reward,
                 verdict=s.verdict,
+                judge_tokens=s.judge_tokens,
                 correct=s.correct,
                 truncated=s.truncated,
                 migrations=s.migrations,

@@ -2,7 +2,7 @@
 
 * ``metrics.jsonl`` - one line per step.
 * ``samples.jsonl`` - one line per sample: step, uid, response tokens and text,
-  reward, verdict, whether the checker agrees, migrations. Two runs of the same
+  reward, verdict, judgment tokens, whether the checker agrees, migrations. Two runs of the same
   job can be compared sample by sample (``pivotrl compare``).
 * ``summary.json`` - the run's headline numbers.
 * ``events.jsonl`` - one line per activity slice: device, role, name, start, end.

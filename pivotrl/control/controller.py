@@ -477,9 +477,12 @@ class Controller:
             self.scheduler.judge_first({samples[i].uid for i in range(p * g, (p + 1) * g)})
 
     def _judge_weight(self, uid: int) -> float:
-        """The work of judging a sample: the tokens its judgment reads (the prompt and the response)."""
+        """The work of judging a sample: the tokens its judgment reads (the prompt and the response) and
+        writes (the mean judgment so far). Every judgment sits in its device's decode batch for the whole
+        verdict, whatever it read: weighed by its reading alone, a judgment of a short response looks
+        nearly free, and the device handed the short ones takes twice the others' judgments and ends last."""
         s = self.by_uid[uid]
-        return float(len(s.prompt_ids) + len(s.response_ids))
+        return len(s.prompt_ids) + len(s.response_ids) + self.measured["judge_tokens"]
 
     def _on_evaluated(self, uid: int, text: str) -> None:
         after_step, index = divmod(uid - EVAL_UID, EVAL_STRIDE)
@@ -499,7 +502,8 @@ class Controller:
             s = self.by_uid[r.uid]
             j = self.genrm.score(r.text, truncated=r.truncated)
             self.step.judge_stats.add(j)
-            s.judge_text, s.reward, s.verdict, s.status = r.text, j.reward, j.label, Status.JUDGED
+            s.judge_text, s.judge_tokens, s.reward, s.verdict = r.text, r.tokens, j.reward, j.label
+            s.status = Status.JUDGED
             self.step.judged += 1
             self.step.judge_tokens += r.tokens
             done = self.step.group_judged.get(s.prompt_index, 0) + 1

@@ -65,7 +65,9 @@ def test_every_mode_completes_and_writes_a_runs_files(runs, mode):
     assert summary["genrm_parse_failures"] == 0 and summary["genrm_agreement"] == 1.0
     metrics = rows(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2] and all(m["step_seconds"] > 0 for m in metrics)
-    assert len(rows(run / "samples.jsonl")) == 2 * 8 * 4
+    samples = rows(run / "samples.jsonl")
+    assert len(samples) == 2 * 8 * 4
+    assert all(r["judge_tokens"] > 0 for r in samples)  # every sample judged, its judgment's length kept
     roles = {e["role"] for e in rows(run / "events.jsonl")}
     assert {"rollout", "genrm", "train", "shift"} <= roles
     trace = json.loads((run / "trace.json").read_text())
