@@ -81,6 +81,18 @@ class CostModel(Protocol):
         """A rollout instance taking the next policy version: new weights into its running engine."""
         ...
 
+    def spread(self, kind: str) -> float:
+        """How much one operation of ``kind`` (one of ``SPREAD_KINDS``) varies about the seconds above:
+        the coefficient of variation of its duration, 0 where every one takes exactly that long."""
+        ...
+
+
+# Operations whose durations a cost model may say vary (``CostModel.spread``): a shift, one backward
+# call, one optimizer step. Where devices wait for each other (every device's shift before the
+# colocated step goes on, every rank's backward before the optimizer step), the wait is for the
+# slowest of them, not the mean.
+SPREAD_KINDS = ("shift", "accumulate", "optimizer")
+
 
 _REALS = (int, float)
 
@@ -88,6 +100,11 @@ _REALS = (int, float)
 def _check(name: str, value: float, minimum: float = 0.0) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (minimum <= value < math.inf):
         raise ValueError(f"{name}: got {value!r}, must be a finite number >= {minimum:g}")
+
+
+def check_spread_kind(kind: str) -> None:
+    if kind not in SPREAD_KINDS:
+        raise ValueError(f"spread: unknown kind {kind!r}; allowed: {', '.join(SPREAD_KINDS)}")
 
 
 def _check_count(name: str, value: int) -> None:
@@ -425,3 +442,8 @@ class RooflineCosts:
         """The weights over PCIe, ``1/tp`` per GPU; the engine keeps running (no start-up)."""
         _check_tp(tp)
         return model.weight_bytes / tp / (self.gpu.h2d_bw * self.h2d_eff)
+
+    def spread(self, kind: str) -> float:
+        """0: the datasheet gives no spread, and every operation takes its modeled time."""
+        check_spread_kind(kind)
+        return 0.0

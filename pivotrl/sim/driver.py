@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -66,7 +67,7 @@ from pivotrl.control.messages import (
     Trained,
 )
 from pivotrl.sim import synthetic
-from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel
+from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, SPREAD_KINDS, CostModel
 from pivotrl.sim.engine import ModeledEngine, SimSeq
 from pivotrl.sim.models import ModelSpec
 from pivotrl.sim.workload import LengthDist
@@ -177,6 +178,8 @@ class SimDriver:
         self._placeholders: dict[tuple[int, type], list] = {}  # placeholder ids and logprobs, shared per length
         # (seed, uid) -> the draw of a response to judge (evaluation responses are not judged: a few hundred stay)
         self._judged_right: dict[tuple[int, int], bool] = {}
+        self._spreads = {kind: spec.costs.spread(kind) for kind in SPREAD_KINDS}
+        self._rng = random.Random(spec.seed)  # the spread's draws: one stream, in the order operations start
 
     # -- the driver interface -------------------------------------------------------
     def clock(self) -> float:
@@ -249,6 +252,15 @@ class SimDriver:
         self._last[device] = s
         return s
 
+    def _drawn(self, seconds: float, kind: str) -> float:
+        """The seconds one operation of ``kind`` takes: drawn about ``seconds`` with the cost model's
+        spread for it (lognormal, of mean ``seconds``), or exactly ``seconds`` where it has none."""
+        cv = self._spreads[kind]
+        if not cv or seconds <= 0:
+            return seconds
+        var = math.log1p(cv * cv)
+        return seconds * math.exp(self._rng.gauss(-var / 2, math.sqrt(var)))
+
     # -- shifts and training --------------------------------------------------------
     def _shift(self, cmd: Shift) -> None:
         dev, spec = self.devices[cmd.device], self.spec
@@ -262,6 +274,7 @@ class SimDriver:
             seconds = spec.costs.shift(model, None, Role.TRAIN, spec.tp)
         else:
             seconds = spec.costs.shift(model, src, cmd.role, spec.tp)
+        seconds = self._drawn(seconds, "shift")
         nbytes = 0 if src is cmd.role is Role.GENRM else int(model.weight_bytes)
         if cmd.role is Role.TRAIN and src is not Role.TRAIN:
             nbytes += int(model.total_params * OPTIMIZER_BYTES_PER_PARAM)
@@ -298,6 +311,7 @@ class SimDriver:
         response = sum(len(r) for r in shard.response_ids)
         tokens = response + sum(len(p) for p in shard.prompt_ids)
         seconds = spec.costs.train_tokens(spec.policy, tokens, spec.tp, round(tokens / max(samples, 1)))
+        seconds = self._drawn(seconds, "accumulate")
         t0 = max(self.now, dev.free_at)
         dev.free_at = t1 = t0 + seconds
 
@@ -309,7 +323,7 @@ class SimDriver:
 
     def _step(self, cmd: Step) -> None:
         devs, spec = [self._train_device(d, cmd.version) for d in cmd.devices], self.spec
-        seconds = spec.costs.optimizer_step(spec.policy, len(devs) * spec.tp)
+        seconds = self._drawn(spec.costs.optimizer_step(spec.policy, len(devs) * spec.tp), "optimizer")
         t0 = max([self.now] + [d.free_at for d in devs])
         t1 = t0 + seconds
         for d in devs:

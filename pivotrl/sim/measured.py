@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from statistics import fmean, median
+from statistics import fmean, median, pstdev
 from typing import Any
 
 from pivotrl.control.messages import ROLES, Role
-from pivotrl.sim.costs import _check, _check_count, _check_tp
+from pivotrl.sim.costs import SPREAD_KINDS, _check, _check_count, _check_tp, check_spread_kind
 from pivotrl.sim.models import ModelSpec
 
 
@@ -118,14 +118,17 @@ class MeasuredCosts:
                      "prefill_per_token_s": ..., "max_batch": 64, "max_len": 256},
          "genrm":   {"model": "genrm", ...the same keys...},
          "train":   {"per_token_s": ..., "optimizer_step_s": ..., "per_call_s": ...},
-         "shift":   {"rollout->genrm": 0.4, "rollout->train": ..., ...every ordered pair of roles...}}
+         "shift":   {"rollout->genrm": 0.4, "rollout->train": ..., ...every ordered pair of roles...},
+         "spread":  {"shift": 0.8, "accumulate": 0.4, "optimizer": 0.9}}
 
     The model arguments of the protocol pick the role by name (``rollout.model`` or
     ``genrm.model``); their shapes are ignored. Instances are one device (``tp`` 1). A
     ``"none->role"`` shift (first load) is optional: unmeasured, it costs the mean of the
     measured shifts into that role. So is ``"rollout->rollout"``, a rollout device taking
     the next policy version in its running engine (``refresh``): unmeasured, it costs a
-    first load into rollout. So is ``train.per_call_s`` (0 when left out).
+    first load into rollout. So is ``train.per_call_s`` (0 when left out). So is ``spread``:
+    the coefficient of variation of each kind of operation in ``SPREAD_KINDS`` about its
+    seconds (a kind left out, or the whole object, is 0: every one takes exactly its seconds).
     """
 
     rollout: GenMeasure
@@ -133,6 +136,8 @@ class MeasuredCosts:
     train: TrainMeasure
     shifts: dict[str, float]
     device: str = "unspecified"  # where it was measured, for reports
+    # kind (SPREAD_KINDS) -> coefficient of variation of one operation's seconds about the above; 0 if absent
+    spreads: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_field("device", "str", self.device)
@@ -148,16 +153,22 @@ class MeasuredCosts:
         for key in REQUIRED_SHIFTS:
             if key not in self.shifts:
                 raise ValueError(f"shift.{key}: missing key (every ordered pair of roles is required)")
+        if not isinstance(self.spreads, dict):
+            raise ValueError(f"spread: expected an object, got {type(self.spreads).__name__}")
+        for key, cv in self.spreads.items():
+            if key not in SPREAD_KINDS:
+                raise ValueError(f"spread.{key}: unknown key; allowed: {', '.join(SPREAD_KINDS)}")
+            _check_field(f"spread.{key}", "float", cv)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MeasuredCosts:
         if not isinstance(data, dict):
             raise ValueError(f"measured costs: expected an object, got {type(data).__name__}")
-        allowed = ("device", "rollout", "genrm", "train", "shift")
+        allowed = ("device", "rollout", "genrm", "train", "shift", "spread")
         for key in data:
             if key not in allowed:
                 raise ValueError(f"{key}: unknown key; allowed: {', '.join(allowed)}")
-        for key in allowed[1:]:
+        for key in allowed[1:5]:
             if key not in data:
                 raise ValueError(f"{key}: missing key")
         if not isinstance(data["shift"], dict):
@@ -168,6 +179,7 @@ class MeasuredCosts:
             train=_parse(TrainMeasure, data["train"], "train"),
             shifts=dict(data["shift"]),
             device=data.get("device", "unspecified"),
+            spreads=data.get("spread", {}),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,6 +189,7 @@ class MeasuredCosts:
             "genrm": _as_dict(self.genrm),
             "train": _as_dict(self.train),
             "shift": dict(self.shifts),
+            **({"spread": dict(self.spreads)} if self.spreads else {}),
         }
 
     @classmethod
@@ -257,6 +270,10 @@ class MeasuredCosts:
 
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
         return self.prefill(model, tp, tokens)
+
+    def spread(self, kind: str) -> float:
+        check_spread_kind(kind)
+        return self.spreads.get(kind, 0.0)
 
     def refresh(self, model: ModelSpec, tp: int) -> float:
         """``rollout->rollout`` as measured; else a first load into rollout (``none->rollout``, else the
@@ -502,6 +519,25 @@ def _steady_start(events: list[dict[str, Any]]) -> float:
     return max(e["end"] for e in steps if e["name"] == first)
 
 
+def _cv(ratios: list[float]) -> float:
+    """Coefficient of variation of durations given as ratios to their own expected seconds (0 for fewer
+    than two)."""
+    if len(ratios) < 2:
+        return 0.0
+    mean = fmean(ratios)
+    return pstdev(ratios) / mean if mean > 0 else 0.0
+
+
+def _shift_spread(events: list[dict[str, Any]], steady: float, shifts: dict[str, float]) -> float:
+    """The spread of the steady shifts (first loads aside), each against the mean of its own pair."""
+    ratios = [
+        (e["end"] - e["start"]) / shifts[e["name"]]
+        for e in events
+        if e["role"] == "shift" and e["start"] >= steady and shifts.get(e["name"], 0) > 0
+    ]
+    return _cv(ratios)
+
+
 def _shift_seconds(events: list[dict[str, Any]], steady: float) -> tuple[dict[str, float], list[str]]:
     """Every ordered pair of roles and the refresh, each the mean of its spans after ``steady``.
 
@@ -542,12 +578,16 @@ def _shift_seconds(events: list[dict[str, Any]], steady: float) -> tuple[dict[st
     return out, fallbacks
 
 
-def _fit_train(events: list[dict[str, Any]], steady: float, prompt: float) -> tuple[TrainMeasure, dict[str, Any]]:
+def _fit_train(
+    events: list[dict[str, Any]], steady: float, prompt: float
+) -> tuple[TrainMeasure, dict[str, float], dict[str, Any]]:
     """Accumulate spans give ``seconds = per_call + per_token * tokens`` (least squares; tokens count
-    each sample's prompt, as the simulator does, though the spans log response tokens only). The call
-    term is fitted only when the calls' sizes differ at least twofold; else it cannot be told from the
-    token term and is 0 (seconds over tokens). The optimizer step is the mean over steps of the time
-    from the last device joining it to the last one leaving."""
+    each sample's prompt, as the simulator does, though the spans log response tokens only), scaled
+    so that the line adds up to the measured time of all the spans. The call term is fitted only
+    when the calls' sizes differ at least twofold; else it cannot be told from the token term and is
+    0 (seconds over tokens). The optimizer step is the mean over steps of the time from the last
+    device joining it to the last one leaving. Also the spread of each (``SPREAD_KINDS``): of the
+    spans about the line, and of the optimizer steps about their mean."""
     acc = [e for e in events if e["role"] == "train" and e["name"].startswith("accumulate")]
     acc = [e for e in acc if e["start"] >= steady] or acc
     if not acc or any("tokens" not in e["args"] or "samples" not in e["args"] for e in acc):
@@ -557,6 +597,11 @@ def _fit_train(events: list[dict[str, Any]], steady: float, prompt: float) -> tu
     per_call, per_token = 0.0, sum(seconds) / sum(tokens)
     if max(tokens) >= 2 * min(tokens):
         per_call, per_token = nonneg_least_squares([(1.0, t) for t in tokens], seconds)
+        # least squares weighs every call alike, so the line need not add up: a few big calls that
+        # ran slow (devices sharing their cores) are under-read by the many small ones
+        scale = sum(seconds) / sum(per_call + per_token * t for t in tokens)
+        per_call, per_token = per_call * scale, per_token * scale
+    ratios = [sec / (per_call + per_token * t) for sec, t in zip(seconds, tokens, strict=True)]
     steps: dict[str, list[dict[str, Any]]] = {}
     for e in events:
         if e["role"] == "train" and e["name"].startswith("step "):
@@ -564,8 +609,11 @@ def _fit_train(events: list[dict[str, Any]], steady: float, prompt: float) -> tu
     groups = [g for g in steps.values() if min(e["start"] for e in g) >= steady] or list(steps.values())
     if not groups:
         raise ValueError("no optimizer step spans in events.jsonl")
-    optimizer = fmean([max(e["end"] for e in g) - max(e["start"] for e in g) for g in groups])
-    return TrainMeasure(per_token, optimizer, per_call), {"accumulates": len(acc), "optimizer_steps": len(groups)}
+    spans = [max(e["end"] for e in g) - max(e["start"] for e in g) for g in groups]
+    optimizer = fmean(spans)
+    spreads = {"accumulate": _cv(ratios), "optimizer": _cv(spans)}
+    report = {"accumulates": len(acc), "optimizer_steps": len(groups)}
+    return TrainMeasure(per_token, optimizer, per_call), spreads, report
 
 
 def fit_run(run_dir: str | Path) -> RunFit:
@@ -574,11 +622,13 @@ def fit_run(run_dir: str | Path) -> RunFit:
 
     Only the steady state counts: the spans after the end of the first optimizer step (the first
     step pays the first loads, cold engines and the start-of-run evaluation). Every cost is a mean
-    over it (time-weighted for the decode line), so that the simulated step compares with the mean
-    measured step. Decode: the line above (``_fit_generation``). Prefill: seconds over tokens of
-    the timed prefills. Training and the optimizer step: ``_fit_train``. Shifts:
-    ``_shift_seconds``. Raises ``ValueError`` naming the run directory and what is missing or
-    wrong.
+    over it (adding up to the measured time of the spans it is fitted to), so that the simulated
+    step compares with the mean measured step. Decode: the line above (``_fit_generation``).
+    Prefill: seconds over tokens of the timed prefills. Training and the optimizer step:
+    ``_fit_train``. Shifts: ``_shift_seconds``. The spread of shifts, backward calls and optimizer
+    steps about those means (``MeasuredCosts.spreads``): the simulator draws each one's seconds
+    with it, so that a step waiting on the slowest of several pays what the run paid. Raises
+    ``ValueError`` naming the run directory and what is missing or wrong.
     """
     try:
         return _fit_run(run_dir)
@@ -611,11 +661,12 @@ def _fit_run(run_dir: str | Path) -> RunFit:
         prompt[role] = report[role]["prompt_tokens"] = sum(g.prefill_tokens for g in fresh) / admitted
         # the KV slot the runtime sizes: prompt plus the output limits (ContextSpec)
         gen[role] = GenMeasure(name, **line, max_batch=max_batch, max_len=math.ceil(prompt[role]) + longest)
-    train, report["train"] = _fit_train(events, steady, prompt["rollout"])
+    train, spreads, report["train"] = _fit_train(events, steady, prompt["rollout"])
     shifts, report["fallbacks"] = _shift_seconds(events, steady)
+    spreads["shift"] = _shift_spread(events, steady, shifts)
     mode, devices = config.get("mode", "?"), config.get("devices", "?")
     device = f"fitted to {Path(run_dir).name}: {mode} on {devices} device(s)"
-    costs = MeasuredCosts(gen["rollout"], gen["genrm"], train, shifts, device)
+    costs = MeasuredCosts(gen["rollout"], gen["genrm"], train, shifts, device, {k: spreads[k] for k in SPREAD_KINDS})
     period = [g.end - g.start + g.gap_s for g in slices if g.gap_s is not None and g.start >= steady]
     slice_s = median(period) if period else median([g.end - g.start for g in slices])
     return RunFit(costs, slice_s, report)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import statistics
 
 import pytest
 
@@ -19,6 +21,7 @@ from pivotrl.control.messages import (
     Progress,
     Role,
     Shift,
+    ShiftDone,
 )
 from pivotrl.errors import UserError
 from pivotrl.sim.costs import RooflineCosts, steps_within
@@ -359,3 +362,27 @@ def test_completions_within_the_reaction_time_are_handled_together(react):
     else:
         assert sorted(e.device for e in first) == [0, 1]  # one batch, handled when the later lands
     assert d.clock() == pytest.approx(max(e.seconds for e in first))
+
+
+def shift_seconds(spread: dict[str, float], seed: int = 0, devices: int = 400) -> list[float]:
+    """Seconds of a first load into train on each of ``devices`` devices under a measured profile."""
+    spec = driver().spec
+    costs = MeasuredCosts.from_dict({**PROFILE, "spread": spread})
+    d = SimDriver(dataclasses.replace(spec, costs=costs, devices=devices, tp=1, seed=seed))
+    for dev in range(devices):
+        d.submit(Shift(dev, Role.TRAIN, 0))
+    done: dict[int, float] = {}
+    while len(done) < devices:
+        done |= {e.device: e.seconds for e in d.next_events() if isinstance(e, ShiftDone)}
+    return [done[dev] for dev in range(devices)]
+
+
+def test_a_spread_draws_each_operation_about_its_cost_by_the_jobs_seed():
+    flat = shift_seconds({})
+    assert len(set(flat)) == 1
+    drawn = shift_seconds({"shift": 0.5})
+    mean = statistics.fmean(drawn)
+    assert mean == pytest.approx(flat[0], rel=0.1)  # about the cost, not above it
+    assert statistics.pstdev(drawn) / mean == pytest.approx(0.5, rel=0.2)
+    assert shift_seconds({"shift": 0.5}) == drawn and shift_seconds({"shift": 0.5}, seed=1) != drawn
+    assert shift_seconds({"accumulate": 0.5, "optimizer": 0.5}) == flat  # other kinds leave shifts alone

@@ -1,5 +1,6 @@
 import copy
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from pivotrl.cli import main
 from pivotrl.config import load_config
 from pivotrl.control.messages import Role
-from pivotrl.sim.costs import CostModel
+from pivotrl.sim.costs import SPREAD_KINDS, CostModel
 from pivotrl.sim.measured import REQUIRED_SHIFTS, MeasuredCosts, fit_run, nonneg_least_squares
 from pivotrl.sim.models import ModelSpec
 from pivotrl.sim.run import run_simulation
@@ -116,6 +117,23 @@ def test_shifts_by_role_pair_and_first_loads():
     assert measured.shift(POLICY, None, Role.TRAIN, 1) == 9.0
 
 
+def test_the_spread_is_optional_and_checked():
+    assert costs().spreads == {} and "spread" not in costs().to_dict()
+    assert [costs().spread(kind) for kind in SPREAD_KINDS] == [0.0, 0.0, 0.0]
+    some = costs(spread={"shift": 0.5, "optimizer": 1.2})
+    assert (some.spread("shift"), some.spread("accumulate"), some.spread("optimizer")) == (0.5, 0.0, 1.2)
+    assert some.to_dict()["spread"] == {"shift": 0.5, "optimizer": 1.2}
+    assert MeasuredCosts.from_dict(some.to_dict()) == some
+    with pytest.raises(ValueError, match=r"spread: unknown kind 'decode'; allowed: shift, accumulate, optimizer"):
+        some.spread("decode")
+    with pytest.raises(ValueError, match=r"spread.decode: unknown key; allowed: shift, accumulate, optimizer"):
+        costs(spread={"decode": 0.1})
+    with pytest.raises(ValueError, match=r"spread.shift: got -0.5, must be a finite number >= 0"):
+        costs(spread={"shift": -0.5})
+    with pytest.raises(ValueError, match=r"spread: expected an object, got list"):
+        costs(spread=[0.5])
+
+
 def test_a_refresh_is_priced_as_measured_else_as_a_first_load():
     assert costs().refresh(POLICY, 1) == costs().shift(POLICY, None, Role.ROLLOUT, 1)
     c = costs(shift={**PROFILE["shift"], "rollout->rollout": 0.02})
@@ -205,9 +223,12 @@ def train_and_shift(trace: Trace, version: int, samples: int = 16, tokens: int =
     trace.span("shift", "train->rollout", 0.1, bytes=1, version=version + 1)
 
 
-def steady_run(gap: float = 0.0, slow_first_step: float = 3.0, line: tuple = ROLLOUT_LINE, **burst) -> Trace:
+def steady_run(
+    gap: float = 0.0, slow_first_step: float = 3.0, line: tuple = ROLLOUT_LINE, to_genrm: tuple = (0.3,) * 3, **burst
+) -> Trace:
     """A first step at ``slow_first_step`` times the costs, after a 5 s first load; then three steady
-    steps at the known costs, batches of 1 to 8, each ending with a rollout refresh."""
+    steps at the known costs, batches of 1 to 8, each ending with a rollout refresh; the steady
+    steps' rollout->genrm shifts take ``to_genrm`` seconds."""
     tr = Trace()
     tr.span("shift", "none->rollout", 5.0, bytes=1, version=0)
     slow = tuple(c * slow_first_step for c in ROLLOUT_LINE)
@@ -218,7 +239,7 @@ def steady_run(gap: float = 0.0, slow_first_step: float = 3.0, line: tuple = ROL
     for v, batches in enumerate(([8, 3], [5, 1], [2, 6, 4]), start=1):
         for b in batches:
             tr.burst("rollout", line, b, 6, 3, gap, **burst)
-        tr.span("shift", "rollout->genrm", 0.3, bytes=1, version=v)
+        tr.span("shift", "rollout->genrm", to_genrm[v - 1], bytes=1, version=v)
         for b in batches:
             tr.burst("genrm", GENRM_LINE, b, 4, 2, gap)
         train_and_shift(tr, v)
@@ -374,3 +395,32 @@ def test_a_fitted_profile_drives_a_simulation_of_its_job(tmp_path):
            f"sim.costs={tmp_path / 'costs.json'}"]  # fmt: skip
     summary = run_simulation(load_config(Path(__file__).parents[2] / "examples/default.yaml", job), tmp_path / "sim")
     assert summary["steps"] == 2 and summary["sim_seconds"] > 0
+
+
+def test_an_exact_run_has_no_spread_and_a_varied_one_is_measured(tmp_path):
+    exact = fit_run(steady_run().write(tmp_path / "exact")).costs
+    assert exact.spreads == pytest.approx({"shift": 0.0, "accumulate": 0.0, "optimizer": 0.0}, abs=1e-9)
+    varied = fit_run(steady_run(to_genrm=(0.2, 0.3, 0.4)).write(tmp_path / "varied")).costs
+    assert varied.shifts["rollout->genrm"] == pytest.approx(0.3)
+    # three of the 13 steady shifts (four a step, and the first step's last) are 2/3, 1 and 4/3 of
+    # their pair's mean, the rest exactly it
+    ratios = [2 / 3, 1, 4 / 3] + [1.0] * 10
+    assert varied.spread("shift") == pytest.approx(statistics.pstdev(ratios))
+    assert (varied.spread("accumulate"), varied.spread("optimizer")) == pytest.approx((0.0, 0.0), abs=1e-9)
+
+
+def test_the_training_line_adds_up_to_the_measured_calls(tmp_path):
+    """Calls of different sizes running slower or faster than any line: least squares alone would weigh
+    the small ones like the big one; the fitted line adds up to the time they took, and their scatter
+    about it is the accumulate spread."""
+    tr = steady_run()
+    acc = [e for e in tr.events if e["name"].startswith("accumulate")][1:]
+    for e, samples, slow in zip(acc, (8, 16, 64), (1.0, 0.8, 1.5), strict=True):
+        tokens = samples * (12 + PROMPT["rollout"])
+        e["args"] = {"samples": samples, "tokens": samples * 12}
+        e["end"] = e["start"] + slow * (0.02 + tokens * TRAIN_PER_TOKEN)
+    train = fit_run(tr.write(tmp_path / "run")).costs
+    line = [train.train.per_call_s + train.train.per_token_s * e["args"]["samples"] * (12 + PROMPT["rollout"])
+            for e in acc]  # fmt: skip
+    assert sum(line) == pytest.approx(sum(e["end"] - e["start"] for e in acc))
+    assert train.spread("accumulate") > 0.1
