@@ -5,9 +5,11 @@ fixed --split that benchmarks/modes.py measured best) and shiftable on
 --devices (Ray), as modes.py runs them. Each case runs the job for real, fits a
 cost profile to the run (``pivotrl.sim.measured.fit_run``: decode line,
 prefill, training, optimizer step and shifts from its events.jsonl, after the
-first step), and simulates the same job with those costs and the run's
-workload: a trace of the run's response lengths, prompt and judge-prompt
-lengths from its tokenizers, its mean judgment length and its slice cadence.
+first step, and how much shifts, backward calls and optimizer steps vary about
+those costs, which the simulator draws them with), and simulates the same job with those costs and the run's
+workload: the run's response lengths replayed, each sample's own (so a
+group's lengths correlate as they did), prompt and judge-prompt lengths from
+its tokenizers, its mean judgment length and its slice cadence.
 Step time is the mean over the steps after the first (which pays first loads,
 cold engines and the start-of-run evaluation), measured against predicted.
 
@@ -39,8 +41,10 @@ from pivotrl.config import load_config
 from pivotrl.log import setup_logging
 from pivotrl.model.tokenizer import Tokenizer
 from pivotrl.runtime.job import run_job
+from pivotrl.sim.costs import SPREAD_KINDS
 from pivotrl.sim.measured import RunFit, fit_run
 from pivotrl.sim.run import run_simulation
+from pivotrl.sim.workload import group_correlation
 
 ROOT = Path(__file__).resolve().parents[1]
 BEST_SPLIT = "rollout:1,genrm:2,train:1"  # benchmarks/modes.py's best static split of 4 devices
@@ -72,7 +76,8 @@ def workload(run: Path, fit: RunFit) -> list[str]:
     samples = steady(read_jsonl(run / "samples.jsonl"))
     metrics = steady(read_jsonl(run / "metrics.jsonl"))
     trace = run / "lengths.jsonl"
-    trace.write_text("".join(f"{len(s['response_ids'])}\n" for s in samples))
+    trace.write_text("".join(json.dumps({"step": s["step"], "uid": s["uid"], "length": len(s["response_ids"])}) + "\n"
+                             for s in read_jsonl(run / "samples.jsonl")))  # fmt: skip
     policy, judge = Tokenizer.load(cfg["policy"]["path"]), Tokenizer.load(cfg["judge"]["path"])
     references = {p["question"]: p["reference"] for p in read_jsonl(Path(cfg["task"]["train_file"]))}
     prompts = [len(policy.encode(cfg["task"]["prompt_template"].format(question=s["question"]))) for s in samples]
@@ -85,11 +90,16 @@ def workload(run: Path, fit: RunFit) -> list[str]:
     ]  # fmt: skip
     per_step = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]
     judgment = sum(m["judge_tokens"] for m in metrics) / (per_step * len(metrics))
+    groups: dict[tuple[int, str], list[int]] = {}
+    for s in samples:
+        groups.setdefault((s["step"], s["question"]), []).append(len(s["response_ids"]))
     return [
         f"sim.lengths_file={trace}",
+        "sim.lengths_replay=true",
         f"sim.prompt_len={prompt_len}",
         f"sim.judge_template_len={max(0, round(sum(extra) / len(extra)))}",
         f"sim.judge_output_len={max(1, round(judgment))}",
+        f"sim.group_correlation={group_correlation(list(groups.values())):.4f}",
         f"sim.yes_probability={sum(s['reward'] for s in samples) / len(samples):.4f}",
         f"sim.slice_s={fit.slice_s:.4f}",
     ]
@@ -189,6 +199,10 @@ def main() -> int:
     print(
         "(judge: first to last judgment of a step; simulated judgments all have the mean length, so they end together)"
     )
+    print(f"\n{'fitted spread (cv)':<18} " + " ".join(f"{k:>10}" for k in SPREAD_KINDS))
+    for r in rows:
+        spread = r["costs"].get("spread", {})
+        print(f"{r['case']:<18} " + " ".join(f"{spread.get(k, 0.0):>10.2f}" for k in SPREAD_KINDS))
     for f in failed:
         print(f"failed: {f}")
     report = {"steps": args.steps, "devices": args.devices, "split": args.split, "rows": rows, "failed": failed}

@@ -72,6 +72,12 @@ class SimConfig:
     genrm_model: str = "Qwen2.5-7B"  # judge shape, a name in MODELS
     lengths: LengthsConfig = field(default_factory=LengthsConfig)  # response length distribution
     lengths_file: str = ""  # JSONL trace of response lengths (an int or {"length": int} per line); overrides lengths
+    # replay the trace: a response gets the length of the row with its step and uid ({"step", "uid",
+    # "length"}, as samples.jsonl numbers them), drawn only where the trace has none
+    lengths_replay: bool = False
+    # correlation of a group's response lengths (one prompt's responses), on the normal scale of their
+    # quantiles: 0 draws each alone, 1 gives the whole group one length; the distribution stays the same
+    group_correlation: float = 0.0
     prompt_len: int = 512  # tokens of a policy prompt
     judge_template_len: int = 256  # tokens the judge prompt adds to the question and the response
     judge_output_len: int = 512  # tokens of a judgment (capped at judge.max_new_tokens; a capped one has no verdict)
@@ -99,6 +105,12 @@ class SimConfig:
             )
         if not (isinstance(self.yes_probability, float | int) and 0 <= self.yes_probability <= 1):
             raise ValueError(f"yes_probability: expected a number in [0, 1], got {self.yes_probability!r}")
+        if not isinstance(self.lengths_replay, bool):
+            raise ValueError(f"lengths_replay: expected true or false, got {self.lengths_replay!r}")
+        if self.lengths_replay and not self.lengths_file:
+            raise ValueError("lengths_replay: needs a trace to replay (sim.lengths_file)")
+        if not (isinstance(self.group_correlation, float | int) and 0 <= self.group_correlation <= 1):
+            raise ValueError(f"group_correlation: expected a number in [0, 1], got {self.group_correlation!r}")
         if not (isinstance(self.slice_s, float | int) and 0 < self.slice_s < math.inf):
             raise ValueError(f"slice_s: expected a number > 0, got {self.slice_s!r}")
         if not (isinstance(self.react_s, float | int) and 0 <= self.react_s < math.inf):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -70,7 +71,7 @@ from pivotrl.sim import synthetic
 from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, SPREAD_KINDS, CostModel
 from pivotrl.sim.engine import ModeledEngine, SimSeq
 from pivotrl.sim.models import ModelSpec
-from pivotrl.sim.workload import LengthDist
+from pivotrl.sim.workload import LengthDist, correlated
 from pivotrl.telemetry import Slice
 
 
@@ -107,6 +108,8 @@ class SimSpec:
     yes_probability: float  # chance that a response is right (and is judged right)
     verdicts: tuple[str, str]  # judgment of a wrong and of a right response (parsed by the job's GenRM)
     slice_s: float = 5.0
+    group_correlation: float = 0.0  # of the lengths of one prompt's responses (``workload.correlated``)
+    replay: dict[tuple[int, int], int] | None = None  # (step, uid) -> a recorded length, replayed where given
     react_s: float = 0.0  # events within this long of the first are handled together, at the last one's time
     paged: bool = False  # engines page their KV cache (``sim.kv_cache``); else each sequence reserves its longest
     # the mean context of a decode step of each role: what a sequence holds in a paged cache on average
@@ -207,7 +210,7 @@ class SimDriver:
             dev = self._generation_device(cmd.device, Role.ROLLOUT)
             if dev.version != cmd.version:
                 raise RuntimeError(f"device {dev.id} holds policy v{dev.version}, requests need v{cmd.version}")
-            self._add(dev, [self._gen_seq(r) for r in cmd.requests])
+            self._add(dev, [self._gen_seq(r, cmd.version) for r in cmd.requests])
         elif isinstance(cmd, Judge):
             self._add(self._generation_device(cmd.device, Role.GENRM), [self._judge_seq(r) for r in cmd.requests])
         elif isinstance(cmd, Abort):
@@ -347,9 +350,16 @@ class SimDriver:
             raise RuntimeError(f"device {device} holds {have}, cannot serve {role.value} requests")
         return dev
 
-    def _gen_seq(self, r: GenRequest) -> SimSeq:
-        u = synthetic.unit(self.spec.seed, r.seed, r.uid, synthetic.LENGTH)
-        target = min(self.spec.lengths.quantile(u), r.params.max_new_tokens)
+    def _gen_seq(self, r: GenRequest, version: int) -> SimSeq:
+        spec = self.spec
+        u = synthetic.unit(spec.seed, r.seed, r.uid, synthetic.LENGTH)
+        if spec.group_correlation:  # a group is the responses to one prompt for one policy version
+            group = synthetic.unit(spec.seed, version, zlib.crc32(r.prompt.encode()), synthetic.GROUP_LENGTH)
+            u = correlated(group, u, spec.group_correlation)
+        target = spec.lengths.quantile(u)
+        if spec.replay is not None:  # a step's requests carry the version before its update: step - 1
+            target = max(1, spec.replay.get((version + 1, r.uid), target))
+        target = min(target, r.params.max_new_tokens)
         prompt = len(r.prompt_ids) or self.spec.prompt_len
         return SimSeq(r.uid, prompt, len(r.output_ids), target, r)
 

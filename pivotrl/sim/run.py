@@ -35,7 +35,7 @@ from pivotrl.sim.driver import SimDriver, SimSpec
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.measured import MeasuredCosts
 from pivotrl.sim.models import MODELS, ModelSpec
-from pivotrl.sim.workload import LengthDist, decode_context, length_moments
+from pivotrl.sim.workload import LengthDist, decode_context, length_moments, replay_table
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.arithmetic import Problem
 from pivotrl.telemetry import RunWriter
@@ -82,6 +82,15 @@ def _lengths(cfg: JobConfig) -> LengthDist:
         raise UserError(f"sim.lengths_file: {e}") from None
 
 
+def _replay(cfg: JobConfig) -> dict[tuple[int, int], int] | None:
+    if not cfg.sim.lengths_replay:
+        return None
+    try:
+        return replay_table(cfg.sim.lengths_file)
+    except ValueError as e:
+        raise UserError(f"sim.lengths_replay: {e}") from None
+
+
 def build(cfg: JobConfig) -> Simulation:
     """Check the job and set up its simulation; a mistake raises ``UserError`` naming the key."""
     sim = cfg.sim
@@ -100,7 +109,7 @@ def build(cfg: JobConfig) -> Simulation:
                 f"judge.verdict_pattern: the simulator cannot write a judgment that {j.verdict_pattern!r} "
                 f"parses to {label!r}"
             )
-    lengths = _lengths(cfg)
+    lengths, replay = _lengths(cfg), _replay(cfg)
     spec = SimSpec(
         devices=sim.devices,
         tp=sim.instance_gpus,
@@ -108,6 +117,8 @@ def build(cfg: JobConfig) -> Simulation:
         policy=policy_model,
         genrm=genrm_model,
         lengths=lengths,
+        group_correlation=float(sim.group_correlation),
+        replay=replay,
         seed=cfg.seed,
         prompt_len=sim.prompt_len,
         max_batch=r.max_batch,

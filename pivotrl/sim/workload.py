@@ -248,6 +248,57 @@ class LengthDist:
         return f"{self.kind.value}({args}, cap={self.cap})"
 
 
+def replay_table(path: str | Path) -> dict[tuple[int, int], int]:
+    """(step, uid) -> length from the rows of a length trace that carry all three as ints (a run's
+    samples.jsonl numbering; other rows are ignored here). Raises ValueError if none does."""
+    table: dict[tuple[int, int], int] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # (``from_trace`` names the line)
+            if isinstance(row, dict) and all(_is_int(row.get(k)) for k in ("step", "uid", "length")):
+                table[(row["step"], row["uid"])] = row["length"]
+    if not table:
+        raise ValueError(f'{path}: no rows to replay (each needs int "step", "uid" and "length")')
+    return table
+
+
+def correlated(group: float, own: float, rho: float) -> float:
+    """A draw's quantile in [0, 1) from a uniform shared by its group and its own: their normal scores
+    mixed so that two draws of one group correlate ``rho`` on the normal scale (a Gaussian copula).
+    Every draw keeps the distribution it is fed to; 0 gives ``own``, 1 gives ``group``."""
+    if not 0 <= rho <= 1:
+        raise ValueError(f"rho: got {rho!r}, must be in [0, 1]")
+    if rho == 0 or rho == 1:
+        return own if rho == 0 else group
+    z = lambda u: _STANDARD_NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))  # noqa: E731
+    return min(_normal_cdf(math.sqrt(rho) * z(group) + math.sqrt(1 - rho) * z(own)), math.nextafter(1.0, 0.0))
+
+
+def group_correlation(groups: list[list[int]]) -> float:
+    """The correlation of lengths within groups, as ``correlated`` draws them: on the normal scores of
+    their ranks (ties share a mid-rank), one minus the within-group variance over the total (both
+    unbiased, so that lengths drawn alone give about 0), in [0, 1]. Groups of one say nothing and
+    are left out; 0 when no two lengths differ."""
+    groups = [g for g in groups if len(g) > 1]
+    flat = sorted(x for g in groups for x in g)
+    if not flat or flat[0] == flat[-1]:
+        return 0.0
+    first: dict[int, int] = {}
+    for i, x in enumerate(flat):
+        first.setdefault(x, i)
+    last = {x: i for i, x in enumerate(flat)}
+    n = len(flat)
+    score = {x: _STANDARD_NORMAL.inv_cdf((first[x] + last[x] + 1) / 2 / n) for x in first}
+    scores = [[score[x] for x in g] for g in groups]
+    mean = sum(map(sum, scores)) / n
+    total = sum((v - mean) ** 2 for g in scores for v in g) / (n - 1)
+    within = sum(sum((v - sum(g) / len(g)) ** 2 for v in g) for g in scores) / (n - len(scores))
+    return min(1.0, max(0.0, 1 - within / total)) if total > 0 else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class SimWorkload:
     """The work of one simulated RL step; validated when built (``validate``)."""

@@ -123,6 +123,8 @@ def test_measured_costs_drive_a_simulation(tmp_path):
         (["sim.yes_probability=2"], "sim.yes_probability: expected a number in [0, 1], got 2"),
         (["sim.costs=/nonexistent.json"], "sim.costs: expected 'roofline' or a measured-costs JSON file"),
         (["sim.lengths_file=/nonexistent.jsonl"], "sim.lengths_file: file '/nonexistent.jsonl' not found"),
+        (["sim.group_correlation=1.5"], "sim.group_correlation: expected a number in [0, 1], got 1.5"),
+        (["sim.lengths_replay=true"], "sim.lengths_replay: needs a trace to replay (sim.lengths_file)"),
         (["sim.policy_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with"),
         (["mode=disaggregated", "split=rollout:2,genrm:1,train:1"], "uses 4 devices, but devices=128"),
     ],
@@ -139,6 +141,32 @@ def test_cli_prints_the_summary_and_virtual_time(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "colocated on 4 device(s), 2 steps" in out and "timeline:" in out
     assert "on 4 x H100 (4 instances of 1 GPU)" in out and "s of wall time" in out
+
+
+def test_a_trace_replays_each_samples_length_by_step_and_uid(tmp_path):
+    """Replayed, a run's lengths come back per sample (a group's together, as the run had them);
+    a sample the trace lacks gets a drawn length."""
+    trace = tmp_path / "lengths.jsonl"
+    table = {(step, uid): 10 + 7 * uid + step for step in (1, 2) for uid in range(32) if (step, uid) != (2, 5)}
+    trace.write_text("".join(json.dumps({"step": s, "uid": u, "length": n}) + "\n" for (s, u), n in table.items()))
+    simulate(tmp_path / "run", f"sim.lengths_file={trace}", "sim.lengths_replay=true", "mode=shiftable")
+    got = {(r["step"], r["uid"]): r["response_tokens"] for r in rows(tmp_path / "run/samples.jsonl")}
+    assert len(got) == 64 and {k: v for k, v in got.items() if k != (2, 5)} == table
+    assert got[(2, 5)] in {n for n in table.values()}  # drawn from the trace
+    bad = tmp_path / "plain.jsonl"
+    bad.write_text("12\n40\n")
+    assert main(["simulate", EXAMPLE, *SMALL, f"sim.lengths_file={bad}", "sim.lengths_replay=true",
+                 "--out", str(tmp_path / "bad"), "--quiet"]) == 2  # fmt: skip
+
+
+@pytest.mark.parametrize("rho", [0.0, 1.0])
+def test_group_correlation_ties_the_lengths_of_a_groups_responses(tmp_path, rho):
+    simulate(tmp_path / "run", f"sim.group_correlation={rho}", "mode=colocated")
+    groups: dict[tuple[int, int], set[int]] = {}
+    for r in rows(tmp_path / "run/samples.jsonl"):
+        groups.setdefault((r["step"], r["uid"] // 4), set()).add(r["response_tokens"])
+    alike = sum(len(g) == 1 for g in groups.values())
+    assert alike == len(groups) if rho == 1 else alike == 0
 
 
 def test_lengths_from_a_trace_file(tmp_path):

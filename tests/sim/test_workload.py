@@ -3,7 +3,7 @@ import statistics
 
 import pytest
 
-from pivotrl.sim.workload import LengthDist, LengthKind, SimWorkload
+from pivotrl.sim.workload import LengthDist, LengthKind, SimWorkload, correlated, group_correlation, replay_table
 
 DISTS = {
     "fixed": LengthDist.fixed(300, cap=256),
@@ -144,3 +144,39 @@ def test_a_workload():
 def test_a_bad_workload_says_what_is_wrong(change, message):
     with pytest.raises(ValueError, match=message):
         workload(**change)
+
+
+def test_correlated_draws_keep_their_distribution_and_share_their_groups():
+    rng = random.Random(3)
+    assert correlated(0.2, 0.7, 0.0) == 0.7 and correlated(0.2, 0.7, 1.0) == 0.2
+    draws = [correlated(rng.random(), rng.random(), 0.5) for _ in range(20_000)]
+    assert all(0 <= u < 1 for u in draws)
+    assert statistics.fmean(draws) == pytest.approx(0.5, abs=0.01)  # still uniform
+    assert statistics.fmean(u < 0.1 for u in draws) == pytest.approx(0.1, abs=0.01)
+    with pytest.raises(ValueError, match=r"rho: got 1.5, must be in \[0, 1\]"):
+        correlated(0.5, 0.5, 1.5)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.3, 0.7, 1.0])
+def test_group_correlation_measures_what_correlated_draws(rho):
+    rng, dist = random.Random(rho), LengthDist.lognormal(300, 0.8, cap=100_000)
+    groups = []
+    for _ in range(500):
+        shared = rng.random()
+        groups.append([dist.quantile(correlated(shared, rng.random(), rho)) for _ in range(8)])
+    assert group_correlation(groups) == pytest.approx(rho, abs=0.06)
+
+
+def test_group_correlation_of_degenerate_groups():
+    assert group_correlation([[5, 5], [7, 7]]) == 1.0
+    assert group_correlation([[5, 5], [5, 5]]) == 0.0  # no two lengths differ: nothing to correlate
+    assert group_correlation([[5], [7]]) == 0.0  # groups of one say nothing
+
+
+def test_a_replay_table_reads_rows_with_step_uid_and_length(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"step": 1, "uid": 0, "length": 12}\n17\n{"step": 2, "uid": 3, "length": 40, "x": 1}\n')
+    assert replay_table(path) == {(1, 0): 12, (2, 3): 40}
+    path.write_text("17\n")
+    with pytest.raises(ValueError, match='no rows to replay \\(each needs int "step", "uid" and "length"\\)'):
+        replay_table(path)
