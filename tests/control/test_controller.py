@@ -469,16 +469,14 @@ def test_a_group_generated_whole_is_judged_first():
     assert ctl.by_uid[0].judge_tokens == 5  # the judgment's length stays with its sample (samples.jsonl)
 
 
-def test_a_judgment_weighs_what_it_reads_and_the_verdict_it_writes():
-    """A judgment decodes its whole verdict whatever it read: weighed by its reading alone, the
-    judgments of short responses look free and pile up on one device."""
+def test_a_judgment_weighs_the_context_it_reads():
+    """On a GPU a judgment's decode steps cost about its context: a long response's judgment weighs more."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
     in_roles(ctl)
     short, long = ctl.step.samples[:2]
     short.prompt_ids, short.response_ids = [1] * 8, [2] * 2
     long.prompt_ids, long.response_ids = [1] * 8, [2] * 80
-    ctl.measured["judge_tokens"] = 50.0
-    assert ctl._judge_weight(short.uid) == 8 + 2 + 50 and ctl._judge_weight(long.uid) == 8 + 80 + 50
+    assert ctl._judge_weight(short.uid) == 8 + 2 and ctl._judge_weight(long.uid) == 8 + 80
 
 
 @pytest.mark.parametrize("rebalance", [True, False])
