@@ -24,6 +24,12 @@ the same situations:
     Step       -> one Trained after the optimizer step, data parallel over all the GPUs
                   of its devices; the new version is the old + 1
 
+A shift, a backward and an optimizer step take the cost model's seconds, drawn
+about them where it gives a spread (``CostModel.spread``: a measured profile's
+variation; the roofline has none). A response's length is drawn from the
+job's distribution by its seed and uid (with its group's draw where
+``group_correlation`` ties them), or replayed from a recorded run.
+
 Generation runs on a ``ModeledEngine`` per instance. A slice is planned when
 it starts (the engine advanced to its end); a command reaching a device in the
 middle of a slice takes the plan back to that moment and plans the rest again.
