@@ -477,13 +477,12 @@ class Controller:
             self.scheduler.judge_first({samples[i].uid for i in range(p * g, (p + 1) * g)})
 
     def _judge_weight(self, uid: int) -> float:
-        """The work of judging a sample: the tokens its judgment reads (the prompt and the response).
-        Where a decode step is bound by reading KV caches (a GPU's large batches), a judgment costs
-        about its context at every step of its verdict and holds that much of the paged cache. (On a
-        CPU a step's per-sequence cost barely depends on context, and every judgment costs about
-        the same: weighed by context there, the device handed the short ones takes up to twice the
-        others' judgments. Weighing by the mean judgment too evens that out, and costs the 128-GPU
-        judge-32b job 4% of its throughput.)"""
+        """The work of judging a sample: the tokens its judgment reads (the prompt and the response),
+        fixed once it is generated. Where a decode step is bound by reading KV caches (a GPU's large
+        batches), a judgment costs about its context at every step of its verdict and holds that much
+        of the paged cache. (On a CPU every judgment costs about the same, and the device handed the
+        short ones takes up to twice the others'; adding the mean judgment length evens that out but
+        cost the simulated 128-GPU judge-32b job 3.7%, 66.8 to 64.3 samples/s.)"""
         s = self.by_uid[uid]
         return float(len(s.prompt_ids) + len(s.response_ids))
 

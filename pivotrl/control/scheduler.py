@@ -95,9 +95,10 @@ class Scheduler:
                 raise ValueError(f"{name} must be >= 1, got {n}")
         self.per_device = per_device
         self.judge_per_device = judge_per_device or per_device
-        self.judge_weight = judge_weight or (lambda uid: 1.0)  # the work of a judgment, from its uid
+        # the work of a judgment, from its uid: fixed once it is queued, since the queued work is counted
+        # when it joins and taken off again at dispatch
+        self.judge_weight = judge_weight or (lambda uid: 1.0)
         self._weights: dict[int, float] = {}  # judgment uid in flight -> its weight
-        self._queued_weights: dict[int, float] = {}  # judgment uid queued -> its weight
         self._work: dict[int, float] = {}  # device -> weight of the judgments it runs
         self._queued_work = 0.0  # weight of the judgments queued
         self.gen_queue: deque[GenRequest] = deque()
@@ -138,10 +139,7 @@ class Scheduler:
             self.gen_queue.extend(reqs)
 
     def submit_judge(self, reqs: list[JudgeRequest], front: bool = False) -> None:
-        weights = self._queued_weights  # fixed when queued: the queued work adds up to what dispatch takes off
-        for r in reqs:
-            weights[r.uid] = w = self.judge_weight(r.uid)
-            self._queued_work += w
+        self._queued_work += sum(self.judge_weight(r.uid) for r in reqs)
         if front:  # (migrated requests: they ran before any still queued)
             self.judge_queue.push_front(reqs)
         else:
@@ -225,7 +223,7 @@ class Scheduler:
             while queue and len(going) < room and taken < room_work:
                 r = queue.popleft()
                 going.append(r)
-                weights[r.uid] = weight = self._queued_weights.pop(r.uid)
+                weights[r.uid] = weight = self.judge_weight(r.uid)
                 taken += weight
             self._queued_work = self._queued_work - taken if queue else 0.0
             order = list(going)
@@ -251,7 +249,5 @@ class Scheduler:
             left = {r.uid for r in pending}
             back = [r for r in order if r.uid in left]
             queue.push_front(back)
-            for r in back:
-                self._queued_weights[r.uid] = weights[r.uid]
-                self._queued_work += weights[r.uid]
+            self._queued_work += sum(weights[r.uid] for r in back)
         return batches

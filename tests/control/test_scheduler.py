@@ -206,23 +206,6 @@ def test_judgments_go_to_the_device_with_the_least_work_in_flight():
     assert s._work == {0: 3.0, 1: 6.0} and not s.judge_queue and s._queued_work == 0.0
 
 
-def test_a_judgment_keeps_the_weight_it_was_queued_with():
-    """The weight of a judgment follows running means that move while it waits: what the queue
-    counts must be what dispatch takes off it, or the queued work drifts and the shares with it."""
-    mean = [1.0]
-    s = Scheduler(per_device=2, judge_weight=lambda uid: mean[0])
-    s.submit_judge(judge(0, 1, 2))
-    mean[0] = 4.0  # the measured judgment grows while they wait
-    s.submit_judge(judge(3))
-    assert s._queued_work == 7.0
-    assert placed(s.dispatch_judge([0])) == {0: [0, 1]}
-    assert s._work == {0: 2.0} and s._queued_work == 5.0
-    s.finished(0, 0)
-    s.finished(0, 1)
-    assert placed(s.dispatch_judge([0])) == {0: [3, 2]}  # heaviest first
-    assert s._work == {0: 5.0} and s._queued_work == 0.0 and not s._queued_weights
-
-
 def test_judgments_stop_at_an_even_share_of_the_work_so_late_devices_get_some():
     # the step's end: devices 0 and 1 are free, 2 and 3 busy with 10 each; eight long judgments of 5 arrive
     s = Scheduler(per_device=10, judge_weight=lambda uid: 5.0 if uid >= 100 else 1.0)
