@@ -164,11 +164,12 @@ class MeasuredCosts:
     def from_dict(cls, data: dict[str, Any]) -> MeasuredCosts:
         if not isinstance(data, dict):
             raise ValueError(f"measured costs: expected an object, got {type(data).__name__}")
-        allowed = ("device", "rollout", "genrm", "train", "shift", "spread")
+        required = ("rollout", "genrm", "train", "shift")
+        allowed = ("device", *required, "spread")
         for key in data:
             if key not in allowed:
                 raise ValueError(f"{key}: unknown key; allowed: {', '.join(allowed)}")
-        for key in allowed[1:5]:
+        for key in required:
             if key not in data:
                 raise ValueError(f"{key}: missing key")
         if not isinstance(data["shift"], dict):

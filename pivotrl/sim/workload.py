@@ -41,6 +41,11 @@ _ALL_PARAMS = tuple(p for ps in _PARAMS.values() for p in ps)
 _STANDARD_NORMAL = NormalDist()
 
 
+def normal_score(u: float) -> float:
+    """The standard normal quantile of ``u``, kept off the infinite ends of [0, 1)."""
+    return _STANDARD_NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
+
+
 def _normal_cdf(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
@@ -206,7 +211,7 @@ class LengthDist:
         if k is LengthKind.TRACE:
             return max(1, min(self.lengths[math.floor(u * len(self.lengths))], cap))
         if k is LengthKind.LOGNORMAL:
-            z = _STANDARD_NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
+            z = normal_score(u)
             return max(1, min(cap, round(self.median * math.exp(min(self.sigma * z, math.log(cap) + 1.0)))))
         excess = -math.log(1.0 - u) / self.alpha  # Pareto: log(x / minimum) is exponential
         log_cap = math.log(cap / self.minimum) if cap > self.minimum else 0.0
@@ -271,10 +276,12 @@ def correlated(group: float, own: float, rho: float) -> float:
     Every draw keeps the distribution it is fed to; 0 gives ``own``, 1 gives ``group``."""
     if not 0 <= rho <= 1:
         raise ValueError(f"rho: got {rho!r}, must be in [0, 1]")
-    if rho == 0 or rho == 1:
-        return own if rho == 0 else group
-    z = lambda u: _STANDARD_NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))  # noqa: E731
-    return min(_normal_cdf(math.sqrt(rho) * z(group) + math.sqrt(1 - rho) * z(own)), math.nextafter(1.0, 0.0))
+    if rho == 0:
+        return own
+    if rho == 1:
+        return group
+    z = math.sqrt(rho) * normal_score(group) + math.sqrt(1 - rho) * normal_score(own)
+    return min(_normal_cdf(z), math.nextafter(1.0, 0.0))
 
 
 def group_correlation(groups: list[list[int]]) -> float:
