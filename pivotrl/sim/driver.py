@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -77,7 +76,7 @@ from pivotrl.sim import synthetic
 from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, SPREAD_KINDS, CostModel
 from pivotrl.sim.engine import ModeledEngine, SimSeq
 from pivotrl.sim.models import ModelSpec
-from pivotrl.sim.workload import LengthDist, correlated
+from pivotrl.sim.workload import LengthDist, correlated, normal_score
 from pivotrl.telemetry import Slice
 
 
@@ -188,7 +187,7 @@ class SimDriver:
         # (seed, uid) -> the draw of a response to judge (evaluation responses are not judged: a few hundred stay)
         self._judged_right: dict[tuple[int, int], bool] = {}
         self._spreads = {kind: spec.costs.spread(kind) for kind in SPREAD_KINDS}
-        self._rng = random.Random(spec.seed)  # the spread's draws: one stream, in the order operations start
+        self._drawn_count: dict[tuple[str, int], int] = {}  # (kind, device) -> operations of the kind drawn on it
 
     # -- the driver interface -------------------------------------------------------
     def clock(self) -> float:
@@ -261,14 +260,19 @@ class SimDriver:
         self._last[device] = s
         return s
 
-    def _drawn(self, seconds: float, kind: str) -> float:
-        """The seconds one operation of ``kind`` takes: drawn about ``seconds`` with the cost model's
-        spread for it (lognormal, of mean ``seconds``), or exactly ``seconds`` where it has none."""
+    def _drawn(self, seconds: float, kind: str, device: int) -> float:
+        """The seconds one operation of ``kind`` on ``device`` takes: drawn about ``seconds`` with the
+        cost model's spread for it (lognormal, of mean ``seconds``), or exactly ``seconds`` where it has
+        none. The draw is fixed by the job's seed, the device and how many of the kind it ran before, so
+        a change elsewhere in the job does not reshuffle every later operation's draw."""
         cv = self._spreads[kind]
         if not cv or seconds <= 0:
             return seconds
+        key = (kind, device)
+        n = self._drawn_count[key] = self._drawn_count.get(key, 0) + 1
+        u = synthetic.unit(self.spec.seed, device, n, SPREAD_KINDS.index(kind), synthetic.SPREAD)
         var = math.log1p(cv * cv)
-        return seconds * math.exp(self._rng.gauss(-var / 2, math.sqrt(var)))
+        return seconds * math.exp(math.sqrt(var) * normal_score(u) - var / 2)
 
     # -- shifts and training --------------------------------------------------------
     def _shift(self, cmd: Shift) -> None:
@@ -283,7 +287,7 @@ class SimDriver:
             seconds = spec.costs.shift(model, None, Role.TRAIN, spec.tp)
         else:
             seconds = spec.costs.shift(model, src, cmd.role, spec.tp)
-        seconds = self._drawn(seconds, "shift")
+        seconds = self._drawn(seconds, "shift", dev.id)
         nbytes = 0 if src is cmd.role is Role.GENRM else int(model.weight_bytes)
         if cmd.role is Role.TRAIN and src is not Role.TRAIN:
             nbytes += int(model.total_params * OPTIMIZER_BYTES_PER_PARAM)
@@ -320,7 +324,7 @@ class SimDriver:
         response = sum(len(r) for r in shard.response_ids)
         tokens = response + sum(len(p) for p in shard.prompt_ids)
         seconds = spec.costs.train_tokens(spec.policy, tokens, spec.tp, round(tokens / max(samples, 1)))
-        seconds = self._drawn(seconds, "accumulate")
+        seconds = self._drawn(seconds, "accumulate", dev.id)
         t0 = max(self.now, dev.free_at)
         dev.free_at = t1 = t0 + seconds
 
@@ -332,7 +336,7 @@ class SimDriver:
 
     def _step(self, cmd: Step) -> None:
         devs, spec = [self._train_device(d, cmd.version) for d in cmd.devices], self.spec
-        seconds = self._drawn(spec.costs.optimizer_step(spec.policy, len(devs) * spec.tp), "optimizer")
+        seconds = self._drawn(spec.costs.optimizer_step(spec.policy, len(devs) * spec.tp), "optimizer", devs[0].id)
         t0 = max([self.now] + [d.free_at for d in devs])
         t1 = t0 + seconds
         for d in devs:
