@@ -11,7 +11,10 @@ workload: the run's response lengths replayed, each sample's own (so a
 group's lengths correlate as they did), prompt and judge-prompt lengths from
 its tokenizers, its mean judgment length and its slice cadence.
 Step time is the mean over the steps after the first (which pays first loads,
-cold engines and the start-of-run evaluation), measured against predicted.
+cold engines and the start-of-run evaluation), measured against predicted:
+the mean of --sim-seeds simulations, each with its own seed (verdicts and
+operation times are drawn; a 12-step shiftable job's step time moves by 10%
+from one seed to the next), the range printed beside it.
 
 Each case is fitted to its own run: the profile of the machine as that layout
 uses it. Here a device is one CPU thread and 4 devices share 2 cores with the
@@ -32,6 +35,7 @@ import os
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,25 +94,36 @@ def workload(run: Path, fit: RunFit) -> list[str]:
     ]  # fmt: skip
     per_step = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]
     judgment = sum(m["judge_tokens"] for m in metrics) / (per_step * len(metrics))
-    groups: dict[tuple[int, str], list[int]] = {}
-    for s in samples:
-        groups.setdefault((s["step"], s["question"]), []).append(len(s["response_ids"]))
     return [
         f"sim.lengths_file={trace}",
         "sim.lengths_replay=true",
         f"sim.prompt_len={prompt_len}",
         f"sim.judge_template_len={max(0, round(sum(extra) / len(extra)))}",
         f"sim.judge_output_len={max(1, round(judgment))}",
-        f"sim.group_correlation={group_correlation(list(groups.values())):.4f}",
         f"sim.yes_probability={sum(s['reward'] for s in samples) / len(samples):.4f}",
         f"sim.slice_s={fit.slice_s:.4f}",
     ]
 
 
-def simulate(config: Path, job: list[str], devices: int, costs: Path, out: Path) -> dict[str, float]:
+def length_correlation(run: Path) -> float:
+    """How alike a group's response lengths were in the run (``workload.group_correlation``): replayed,
+    the simulated groups are as alike; reported beside the error."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    for s in steady(read_jsonl(run / "samples.jsonl")):
+        groups.setdefault((s["step"], s["question"]), []).append(len(s["response_ids"]))
+    return group_correlation(list(groups.values()))
+
+
+def simulate(config: Path, job: list[str], devices: int, costs: Path, out: Path, seeds: int) -> dict[str, Any]:
+    """Phases of the simulated job, the mean over ``seeds`` simulations (the job's seed and the next
+    ones: each draws its own verdicts and operation times), and each one's step seconds."""
     cfg = load_config(config, [*job, f"sim.gpus={devices}", "sim.instance_gpus=1", f"sim.costs={costs}"])
-    run_simulation(cfg, out, progress=False)
-    return phases(read_jsonl(out / "metrics.jsonl"))
+    runs = []
+    for k in range(seeds):
+        run_simulation(replace(cfg, seed=cfg.seed + k), out / f"seed{k}", progress=False)
+        runs.append(phases(read_jsonl(out / f"seed{k}" / "metrics.jsonl")))
+    mean: dict[str, Any] = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
+    return {**mean, "step_by_seed": [r["step"] for r in runs]}
 
 
 def phases(metrics: list[dict[str, Any]]) -> dict[str, float]:
@@ -141,13 +156,14 @@ def run_case(args: argparse.Namespace, work: Path, name: str, overrides: list[st
     fit.costs.save(costs)
     job += workload(real, fit)
     measured = phases(read_jsonl(real / "metrics.jsonl"))
-    predicted = simulate(args.config, job, cfg.devices, costs, work / f"{slug}_sim")
+    predicted = simulate(args.config, job, cfg.devices, costs, work / f"{slug}_sim", args.sim_seeds)
     row = {"case": name, "mode": cfg.mode, "devices": cfg.devices, "split": cfg.split, "measured": measured,
            "predicted": predicted, "error_pct": error(predicted["step"], measured["step"]),
            "costs": fit.costs.to_dict(), "fit": fit.report, "job": job, "real_seconds": real_s,
+           "length_group_correlation": length_correlation(real),
            "load_average_1min": load}  # fmt: skip
     if x1 is not None and x1 != costs:
-        cross = simulate(args.config, job, cfg.devices, x1, work / f"{slug}_sim_x1")
+        cross = simulate(args.config, job, cfg.devices, x1, work / f"{slug}_sim_x1", args.sim_seeds)
         row["x1_profile"] = {"predicted": cross, "error_pct": error(cross["step"], measured["step"])}
     return row
 
@@ -159,6 +175,7 @@ def main() -> int:
     p.add_argument("--split", default=BEST_SPLIT, help="disaggregated layout")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--modes", default="colocated,disaggregated,shiftable")
+    p.add_argument("--sim-seeds", type=int, default=5, help="simulations per case, a seed each; predicted: their mean")
     p.add_argument("--keep", type=Path, help="keep the real and simulated run directories here")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/fidelity.json")
     args = p.parse_args()
@@ -184,13 +201,15 @@ def main() -> int:
                   flush=True)  # fmt: skip
 
     print(
-        f"\n{'case':<18} {'measured':>9} {'predicted':>10} {'error':>7} {'median':>13} {'x1 profile':>11} {'load':>9}"
+        f"\n{'case':<18} {'measured':>9} {'predicted':>10} {'error':>7} {'seeds':>13} {'median':>13} {'x1 profile':>11}"
+        f" {'load':>9}"
     )
     for r in rows:
         m, q = r["measured"], r["predicted"]
         x1_err = f"{r['x1_profile']['error_pct']:+.0f}%" if "x1_profile" in r else "-"
         load = "-".join(f"{v:.1f}" for v in r["load_average_1min"])
-        print(f"{r['case']:<18} {m['step']:>8.2f}s {q['step']:>9.2f}s {r['error_pct']:>+6.1f}% "
+        seeds = f"{min(q['step_by_seed']):.2f}-{max(q['step_by_seed']):.2f}s"
+        print(f"{r['case']:<18} {m['step']:>8.2f}s {q['step']:>9.2f}s {r['error_pct']:>+6.1f}% {seeds:>13} "
               f"{m['median']:>5.2f}/{q['median']:<5.2f}s  {x1_err:>10} {load:>9}")  # fmt: skip
     print(f"\n{'phase s/step, measured/predicted':<18} " + " ".join(f"{k:>13}" for k in PHASES))
     for r in rows:
