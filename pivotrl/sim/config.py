@@ -81,6 +81,9 @@ class SimConfig:
     prompt_len: int = 512  # tokens of a policy prompt
     judge_template_len: int = 256  # tokens the judge prompt adds to the question and the response
     judge_output_len: int = 512  # tokens of a judgment (capped at judge.max_new_tokens; a capped one has no verdict)
+    # spread of log(judgment length): > 0 makes judgments lognormal with median judge_output_len, as a
+    # judge that reasons before its verdict writes them; 0 gives every judgment judge_output_len tokens
+    judge_output_sigma: float = 0.0
     yes_probability: float = 0.5  # chance a response is right (and judged so); accuracy is not meaningful here
     slice_s: float = 5.0  # virtual seconds between two reports of a generating device
     react_s: float = 0.1  # the control plane's reaction time: completions this close are handled together
@@ -103,6 +106,8 @@ class SimConfig:
                 f"gpus: expected a multiple of instance_gpus ({self.instance_gpus}), got {self.gpus} "
                 f"(a device is one instance of instance_gpus GPUs)"
             )
+        if not (isinstance(self.judge_output_sigma, float | int) and 0 <= self.judge_output_sigma < math.inf):
+            raise ValueError(f"judge_output_sigma: expected a number >= 0, got {self.judge_output_sigma!r}")
         if not (isinstance(self.yes_probability, float | int) and 0 <= self.yes_probability <= 1):
             raise ValueError(f"yes_probability: expected a number in [0, 1], got {self.yes_probability!r}")
         if not isinstance(self.lengths_replay, bool):
@@ -119,6 +124,12 @@ class SimConfig:
             raise ValueError(f"kv_cache: expected one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
         if not isinstance(self.costs, str) or not self.costs:
             raise ValueError(f"costs: expected 'roofline' or a measured-costs JSON file, got {self.costs!r}")
+
+    def judge_lengths(self, cap: int) -> LengthDist:
+        """Tokens of a judgment, capped at ``cap`` (``judge.max_new_tokens``)."""
+        if not self.judge_output_sigma:
+            return LengthDist.fixed(self.judge_output_len, cap)
+        return LengthDist.lognormal(self.judge_output_len, float(self.judge_output_sigma), cap)
 
     @property
     def devices(self) -> int:

@@ -109,7 +109,7 @@ class SimSpec:
     rollout_context: int  # the longest policy sequence, prompt and response: the size of a KV slot
     judge_context: int  # the longest judge sequence
     judge_template_len: int  # judge prompt tokens beside the question and the response
-    judge_output_len: int  # tokens of a judgment
+    judge_lengths: LengthDist  # tokens of a judgment, capped at judge.max_new_tokens
     yes_probability: float  # chance that a response is right (and is judged right)
     verdicts: tuple[str, str]  # judgment of a wrong and of a right response (parsed by the job's GenRM)
     slice_s: float = 5.0
@@ -379,7 +379,8 @@ class SimDriver:
             prompt = len(r.prompt_ids)
         else:
             prompt = spec.prompt_len + synthetic.response_tokens(r.response) + spec.judge_template_len
-        return SimSeq(r.uid, prompt, len(r.output_ids), min(spec.judge_output_len, r.params.max_new_tokens), r)
+        u = synthetic.unit(spec.seed, r.seed, r.uid, synthetic.JUDGE_LENGTH)
+        return SimSeq(r.uid, prompt, len(r.output_ids), min(spec.judge_lengths.quantile(u), r.params.max_new_tokens), r)
 
     def _add(self, dev: _Device, seqs: list[SimSeq]) -> None:
         engine = dev.engine

@@ -10,20 +10,21 @@ it over every GPU with no idle time and no shift cost:
 
 with, for N responses of length L (drawn from the job's capped distribution),
 prompts of P tokens, judge prompts of J = P + L + T tokens and judgments of O
-tokens (``sim.judge_output_len`` capped at ``judge.max_new_tokens``), on
+tokens (``sim.judge_output_len``, lognormal about it with ``sim.judge_output_sigma``,
+capped at ``judge.max_new_tokens``), on
 instances of ``tp`` GPUs holding at most B (policy) and Bj (judge) sequences
 (``SimSpec.capacity``: ``rollout.max_batch`` or fewer if the KV cache says so; a
 paged cache is counted at the role's mean decode context):
 
     W_rollout = tp * N * [prefill(B prompts of P) / B + E[L - 1] * decode_step(B, c) / B]
-    W_genrm   = tp * N * [prefill(Bj prompts of E[J]) / Bj + (O - 1) * decode_step(Bj, cj) / Bj]
+    W_genrm   = tp * N * [prefill(Bj prompts of E[J]) / Bj + E[O - 1] * decode_step(Bj, cj) / Bj]
     W_train   = train_tokens(N * (P + E[L]) tokens on 1 GPU, sequences of P + E[L])
                 + tp * optimizer_step(tp GPUs)
 
 The first token of a response comes from its prefill, as in the modeled
 engine, so a response decodes L - 1 steps at contexts P + 1 .. P + L - 1; the
 decode step is priced at the token-weighted mean context
-c = P + E[L (L - 1) / 2] / E[L - 1] (cj = E[J] + O / 2 for the judge). E is
+c = P + E[L (L - 1) / 2] / E[L - 1] (cj = E[J] + E[O (O - 1) / 2] / E[O - 1] for the judge). E is
 taken over a grid of quantiles of the length distribution, the same
 inverse-transform draws the simulator makes. Left out, as no mode can avoid
 them less than this: idle time (the tail of a step waiting for its longest
@@ -36,7 +37,9 @@ cluster it wastes.
 The ideal also ignores latency. A step of on-policy RL cannot end before its
 longest response is generated and judged, one token after the other, so its
 ``critical_path_s`` (the longest of N responses, the ``1 - 1/2N`` quantile,
-decoded at batch 1, then judged at batch 1) is a floor under any mode's step
+decoded at batch 1, then judged at batch 1, in a judgment of the mean length:
+the step's expected time is at least that, since the larger of two times is
+convex in them) is a floor under any mode's step
 time; where it exceeds the ideal step time, no synchronous schedule reaches
 the ideal.
 
@@ -177,20 +180,21 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     decode_steps = mean_len - 1  # E[L - 1]: the first token comes from the prefill
     context = decode_context(p, spec.lengths, rollout_tokens, grid)
     judge_prompt = p + mean_len + spec.judge_template_len
-    out_len = min(spec.judge_output_len, judge_tokens)
+    out_len, _ = length_moments(spec.judge_lengths, judge_tokens, grid)  # E[O]
+    judge_context = decode_context(judge_prompt, spec.judge_lengths, judge_tokens, grid)
     n = samples
     gpu_seconds = {
         "rollout_prefill": tp * n * costs.prefill(spec.policy, tp, b * p, p) / b,
         "rollout_decode": tp * n * decode_steps * costs.decode_step(spec.policy, tp, b, context) / b,
         "genrm_prefill": tp * n * costs.prefill(spec.genrm, tp, round(bj * judge_prompt), round(judge_prompt)) / bj,
-        "genrm_decode": tp * n * (out_len - 1) * costs.decode_step(spec.genrm, tp, bj, judge_prompt + out_len / 2) / bj,
+        "genrm_decode": tp * n * (out_len - 1) * costs.decode_step(spec.genrm, tp, bj, judge_context) / bj,
         "train": costs.train_tokens(spec.policy, round(n * (p + mean_len)), 1, round(p + mean_len)),
         "optimizer": tp * costs.optimizer_step(spec.policy, tp),
     }
     longest = min(spec.lengths.quantile(1 - 1 / (2 * n)), rollout_tokens)
     judged = p + longest + spec.judge_template_len
     judge_alone = costs.prefill(spec.genrm, tp, judged, judged) + costs.decode_span(
-        spec.genrm, tp, 1, judged + 1, out_len - 1
+        spec.genrm, tp, 1, judged + 1, max(0, round(out_len) - 1)
     )
     critical = costs.prefill(spec.policy, tp, p, p) + costs.decode_span(spec.policy, tp, 1, p + 1, longest - 1)
     rollout = spread_rollout_s(spec, n, rollout_tokens)

@@ -109,7 +109,7 @@ def build(cfg: JobConfig) -> Simulation:
                 f"judge.verdict_pattern: the simulator cannot write a judgment that {j.verdict_pattern!r} "
                 f"parses to {label!r}"
             )
-    lengths, replay = _lengths(cfg), _replay(cfg)
+    lengths, replay, judge_lengths = _lengths(cfg), _replay(cfg), sim.judge_lengths(j.max_new_tokens)
     spec = SimSpec(
         devices=sim.devices,
         tp=sim.instance_gpus,
@@ -125,17 +125,18 @@ def build(cfg: JobConfig) -> Simulation:
         rollout_context=sim.prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens),
         judge_context=sim.prompt_len + r.max_new_tokens + sim.judge_template_len + j.max_new_tokens,
         judge_template_len=sim.judge_template_len,
-        judge_output_len=sim.judge_output_len,
+        judge_lengths=judge_lengths,
         yes_probability=float(sim.yes_probability),
         verdicts=(verdicts[0] or "", verdicts[1] or ""),
         slice_s=float(sim.slice_s),
         react_s=float(sim.react_s),
         paged=sim.kv_cache == "paged",
         rollout_decode_context=decode_context(sim.prompt_len, lengths, r.max_new_tokens),
-        judge_decode_context=sim.prompt_len
-        + length_moments(lengths, r.max_new_tokens)[0]
-        + sim.judge_template_len
-        + min(sim.judge_output_len, j.max_new_tokens) / 2,
+        judge_decode_context=decode_context(
+            sim.prompt_len + length_moments(lengths, r.max_new_tokens)[0] + sim.judge_template_len,
+            judge_lengths,
+            j.max_new_tokens,
+        ),
     )
     for role, name, context in ((Role.ROLLOUT, sim.policy_model, spec.rollout_context),
                                 (Role.GENRM, sim.genrm_model, spec.judge_context)):  # fmt: skip
@@ -181,7 +182,8 @@ def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
 
     judge_prompt = spec.prompt_len + response + spec.judge_template_len
     profiles.rollout = profile(spec.policy, spec.prompt_len + response, spec.capacity(Role.ROLLOUT))
-    profiles.judge = profile(spec.genrm, judge_prompt + spec.judge_output_len // 2, spec.capacity(Role.GENRM))
+    judgment = spec.judge_lengths.quantile(0.5)
+    profiles.judge = profile(spec.genrm, judge_prompt + judgment // 2, spec.capacity(Role.GENRM))
     tokens = 16 * (spec.prompt_len + response)
     profiles.train = TrainProfile(device_rate=tokens / c.train_tokens(spec.policy, tokens, tp))
     profiles.rollout.prefill_rate = 4096 / c.prefill(spec.policy, tp, 4096, spec.prompt_len + response)

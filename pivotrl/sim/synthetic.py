@@ -23,7 +23,7 @@ from pivotrl.reward.genrm import GenRM
 from pivotrl.task.arithmetic import Problem
 
 _MASK = (1 << 64) - 1
-LENGTH, VERDICT, GROUP_LENGTH, SPREAD = 1, 2, 3, 4  # purposes of a draw: independent streams
+LENGTH, VERDICT, GROUP_LENGTH, SPREAD, JUDGE_LENGTH = 1, 2, 3, 4, 5  # purposes of a draw: independent streams
 REFERENCE, RIGHT, WRONG = "1", "1", "0"  # the synthetic problems' answer; a response ends with one of these
 _TOKENS = re.compile(r"^\[(\d+) tokens\] ")
 

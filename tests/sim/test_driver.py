@@ -208,11 +208,34 @@ def test_judgments_parse_with_the_jobs_genrm_and_a_capped_one_has_no_verdict():
     [_, judged] = d.next_events()
     [r] = judged.results
     assert r.truncated and r.text == "" and r.tokens == 48
-    d2 = driver("sim.yes_probability=1", "sim.slice_s=30")
+    d2 = driver("sim.yes_probability=1", "sim.slice_s=30", "judge.max_new_tokens=1024")
     shifted(d2, Role.GENRM, 0)
     d2.submit(Judge(0, (JudgeRequest(1, "q", "1", "[10 tokens] answer 1", 5, GenParams(1024)),)))
     [_, judged] = d2.next_events()
     assert judged.results[0].text == "VERDICT: yes" and judged.results[0].tokens == 512
+
+
+def test_a_reasoning_judge_writes_lognormal_judgments_fixed_by_the_request():
+    """sim.judge_output_sigma spreads the judgments' lengths about judge_output_len; each is drawn from the
+    request's seed, so the same judgment has the same length wherever it runs."""
+
+    def lengths(*overrides: str) -> list[int]:
+        d = driver("sim.slice_s=1000", "judge.max_new_tokens=4096", *overrides)
+        shifted(d, Role.GENRM, 0)
+        reqs = tuple(JudgeRequest(uid, "q", "1", "[10 tokens] answer 1", 7 + uid, GenParams(4096)) for uid in range(64))
+        d.submit(Judge(0, reqs))
+        got: dict[int, int] = {}
+        while len(got) < len(reqs):
+            for e in d.next_events():
+                got.update((r.uid, r.tokens) for r in getattr(e, "results", ()))
+        return [got[uid] for uid in range(64)]
+
+    assert set(lengths()) == {512}
+    spread = lengths("sim.judge_output_sigma=0.9")
+    assert spread == lengths("sim.judge_output_sigma=0.9")
+    assert 300 < statistics.median(spread) < 850 and min(spread) < 256 and max(spread) > 1024
+    with pytest.raises(ConfigError, match="judge_output_sigma: expected a number >= 0, got -1"):
+        driver("sim.judge_output_sigma=-1")
 
 
 def test_commands_for_the_wrong_role_or_version_are_refused():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -47,8 +48,8 @@ class LinearCosts:
 def spec(costs: LinearCosts, lengths: LengthDist) -> SimSpec:
     qwen = MODELS["Qwen2.5-7B"]
     return SimSpec(devices=4, tp=2, costs=costs, policy=qwen, genrm=qwen, lengths=lengths, seed=0, prompt_len=5,
-                   max_batch=8, rollout_context=100, judge_context=200, judge_template_len=3, judge_output_len=4,
-                   yes_probability=0.5, verdicts=("no", "yes"))  # fmt: skip
+                   max_batch=8, rollout_context=100, judge_context=200, judge_template_len=3,
+                   judge_lengths=LengthDist.fixed(4), yes_probability=0.5, verdicts=("no", "yes"))  # fmt: skip
 
 
 def test_a_hand_computed_step():
@@ -72,6 +73,20 @@ def test_a_hand_computed_step():
     assert step.by_role["rollout"] == pytest.approx(expected["rollout_prefill"] + expected["rollout_decode"])
     # the longest response alone: its prefill, 10 decode steps at batch 1, its judge prefill, 3 judge steps
     assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 3 * 0.101)
+
+
+def test_judgments_of_spread_lengths_are_priced_at_their_mean():
+    """A reasoning judge (judgments of 1..7 tokens, mean 4): E[O - 1] = 3 decode steps a judgment, at the
+    token-weighted mean context J + E[O (O - 1) / 2] / E[O - 1] = 19 + 8 / 3; judged alone at E[O]."""
+    costs = LinearCosts()
+    base = spec(costs, LengthDist.fixed(11))
+    step = ideal_step(dataclasses.replace(base, judge_lengths=LengthDist.uniform(1, 7)), 16, 100, 100)
+    assert step.gpu_seconds["genrm_decode"] == pytest.approx(16 * 3 * 2 * (0.1 + 0.001 * 8) / 8)
+    assert costs.contexts == pytest.approx([10.5, 19 + 8 / 3], rel=1e-4)  # (a grid of quantiles)
+    assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 3 * 0.101)
+    capped = ideal_step(dataclasses.replace(base, judge_lengths=LengthDist.uniform(1, 7)), 16, 100, judge_tokens=2)
+    # capped at 2 tokens: E[min(O, 2) - 1] = 6 / 7 decode steps a judgment
+    assert capped.gpu_seconds["genrm_decode"] == pytest.approx(16 * 6 / 7 * 2 * (0.1 + 0.001 * 8) / 8, rel=1e-3)
 
 
 def test_the_spread_path_by_hand():
