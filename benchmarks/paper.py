@@ -65,8 +65,10 @@ the markdown the table with its assumptions, the PNG the bar chart.
 
 ``--sweep`` instead runs the dense-7b job across the length tail (uniform,
 lognormal sigma 0.5 / 0.9 / 1.3 and a Pareto tail, all at the mean length of
-sim128.yaml's), the judge size (1.5B, 14B, 32B beside the 7B policy) and the
-cluster size (``--sweep-gpus``, 32 to 1024), and writes
+sim128.yaml's), the judge size (1.5B, 14B, 32B beside the 7B policy), the
+judgment length (a judge that reasons: lognormal judgments, median 512 and
+1200 tokens) and the cluster size (``--sweep-gpus``, 32 to 1024; ``--axes``
+picks axes), and writes
 ``paper_sweep.{json,md,png}`` (the JSON after every point, so a long sweep
 keeps what it finished).
 
@@ -579,6 +581,18 @@ def tail_points(cap: int = 8192) -> list[tuple[str, list[str]]]:
     return out
 
 
+def reasoning_points() -> list[tuple[str, list[str]]]:
+    """Judges that reason before their verdict: judgments lognormal about sim128.yaml's 512 tokens, and
+    about as long as the responses, each cap raised so that about 1% run into it."""
+    return [
+        ("median 512 s=0.9", ["sim.judge_output_sigma=0.9", "judge.max_new_tokens=4096"]),
+        ("median 1200 s=0.9", ["sim.judge_output_len=1200", "sim.judge_output_sigma=0.9", "judge.max_new_tokens=8192"]),
+    ]
+
+
+AXES = {"length tail": "tail", "judge size": "judge", "judgment length": "reasoning", "cluster": "cluster"}
+
+
 def sweep(args: argparse.Namespace, save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Every sweep point benched like a group; ``save`` gets the points so far after each one."""
     base = GROUPS["dense-7b"]
@@ -589,9 +603,15 @@ def sweep(args: argparse.Namespace, save: Callable[[list[dict[str, Any]]], None]
     for judge in ("Qwen2.5-1.5B", "Qwen2.5-14B", "Qwen2.5-32B"):
         group = Group(f"judge-{_short(judge)}", base.policy, judge, "judge size")
         points.append(("judge size", _short(judge), group, args.gpus))
+    for label, extra in reasoning_points():
+        slug = "reasoning-" + label.split(" ")[0]
+        points.append(
+            ("judgment length", label, Group(slug, base.policy, base.genrm, base.what, tuple(extra)), args.gpus)
+        )
     for gpus in args.sweep_gpus:
         if gpus != args.gpus:
             points.append(("cluster", f"{gpus} GPUs", Group(f"gpus-{gpus}", base.policy, base.genrm, base.what), gpus))
+    points = [p for p in points if AXES[p[0]] in args.axes]
     results: list[dict[str, Any]] = []
     for axis, label, group, gpus in points:
         g = bench(group, gpus, args)
@@ -619,7 +639,7 @@ def report_text(report: dict[str, Any]) -> tuple[list[list[str]], list[str], str
         items = report["points"]
         notes = [f"{g['sweep']} {g['point']}: {speedups(g)}" for g in items]
         gpus = report["settings"]["gpus"]
-        title = f"dense-7b sensitivity (base {gpus} GPUs): tail, judge size, cluster size"
+        title = f"dense-7b sensitivity (base {gpus} GPUs): tail, judge size, judgment length, cluster size"
         return sweep_rows(items), notes, title, "point"
     items = report["groups"]
     notes = [f"{g['name']} ({g['policy']} + {g['genrm']} judge): {speedups(g)}" for g in items]
@@ -668,7 +688,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="wall seconds one run may take")
     p.add_argument("--quick", action="store_true", help="smoke run: 32 GPUs, 3 steps, a short search")
     p.add_argument("--sweep", action="store_true", help="the sensitivity sweep of dense-7b instead of the groups")
-    p.add_argument("--sweep-gpus", type=int, nargs="+", default=[32, 128, 512, 1024])
+    p.add_argument("--sweep-gpus", type=int, nargs="+", default=[32, 64, 128, 512, 1024])
+    p.add_argument("--axes", nargs="+", default=list(AXES.values()), choices=list(AXES.values()),
+                   help="the sweep's axes to run (default: all)")  # fmt: skip
     p.add_argument("--runs", type=Path, help="keep the measured runs' directories under this folder")
     p.add_argument("--out", type=Path, help="path prefix of the reports (default benchmarks/results/paper[_sweep])")
     p.add_argument("--rerender", type=Path, metavar="JSON",
@@ -684,7 +706,7 @@ def main() -> None:
     name = "paper_sweep" if args.sweep else "paper"
     prefix = args.out or (Path(tempfile.gettempdir()) / "pivotrl-paper-quick" if args.quick else RESULTS) / name
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    keys = ("gpus", "tp", "steps", "search_steps", "search_levels", "search_budget", "sweep_gpus")
+    keys = ("gpus", "tp", "steps", "search_steps", "search_levels", "search_budget", "sweep_gpus", "axes")
     report: dict[str, Any] = {"machine": machine(list(os.getloadavg())), "config": str(EXAMPLE), "code": code(),
                               "settings": {k: getattr(args, k) for k in keys}}  # fmt: skip
     t0 = time.perf_counter()

@@ -411,28 +411,33 @@ class RooflineCosts:
         reduce-scattered, each GPU updates its shard (memory-bound), the updated bf16 weights all-gathered.
         Each collective moves ``(g-1)/g`` of its buffer per GPU, over the network once the group leaves a
         node. Counted after the backward, not overlapped with it: an upper bound. A model-parallel
-        trainer (TP/EP inside the node) would sync only its shard and pay far less for a 235B model."""
+        trainer (TP/EP inside the node) would sync only its shard and pay far less for a 235B model.
+        The shards live in the GPS between steps (the group changes from step to step): each GPU loads
+        its ``1/n_gpus`` of the optimizer state over PCIe before the update and stores it back after."""
         _check_tp(n_gpus, "n_gpus")
         p = model.total_params
         update = p * ADAM_BYTES_PER_PARAM / n_gpus / (self.gpu.hbm_bw * self.bw_eff)
+        shard = 2 * p * OPTIMIZER_BYTES_PER_PARAM / n_gpus / (self.gpu.h2d_bw * self.h2d_eff)
         if n_gpus == 1:
-            return update
+            return update + shard
         sync = (n_gpus - 1) / n_gpus * p * (GRAD_BYTES_PER_PARAM + model.dtype_bytes) / self.gpu.link_bw(n_gpus)
-        return update + sync + 2 * self.allreduce_latency_s
+        return update + shard + sync + 2 * self.allreduce_latency_s
 
     def shift(self, model: ModelSpec, src: Role | None, dst: Role, tp: int) -> float:
         """Loading ``dst``'s state from host memory (the GPS) over PCIe, then starting its engine.
 
         Leaving a role copies nothing: the GPS already holds every weight version and, once the
         trainer has published, the optimizer state (``pivotrl.runtime.contexts``: release drops).
-        A generation role loads its weights, ``1/tp`` per GPU; the trainer also loads its shard of
-        the optimizer state (``OPTIMIZER_BYTES_PER_PARAM``), split over ``tp`` training devices.
+        Every role loads its weights, ``1/tp`` per GPU. The trainer's optimizer state is sharded over
+        the whole train group (ZeRO-1, as ``optimizer_step`` prices it) and each GPU's shard is loaded
+        at the optimizer step, not here: a shard depends on the group, known only once the step's
+        backward is done. (A replicated trainer, each device holding the full AdamW state, would load
+        12 bytes a parameter here, 91 GB for a 7B model: more than an 80 GB GPU holds beside it.)
         """
         _check_tp(tp)
         if src is dst:
             return 0.0
-        per_param = model.dtype_bytes + (OPTIMIZER_BYTES_PER_PARAM if dst is Role.TRAIN else 0)
-        load = model.total_params * per_param / tp / (self.gpu.h2d_bw * self.h2d_eff)
+        load = model.weight_bytes / tp / (self.gpu.h2d_bw * self.h2d_eff)
         return load + (self.train_start_s if dst is Role.TRAIN else self.engine_start_s)
 
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:

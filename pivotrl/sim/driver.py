@@ -73,7 +73,7 @@ from pivotrl.control.messages import (
     Trained,
 )
 from pivotrl.sim import synthetic
-from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, SPREAD_KINDS, CostModel
+from pivotrl.sim.costs import SPREAD_KINDS, CostModel
 from pivotrl.sim.engine import ModeledEngine, SimSeq
 from pivotrl.sim.models import ModelSpec
 from pivotrl.sim.workload import LengthDist, correlated, normal_score
@@ -288,9 +288,8 @@ class SimDriver:
         else:
             seconds = spec.costs.shift(model, src, cmd.role, spec.tp)
         seconds = self._drawn(seconds, "shift", dev.id)
+        # the weights; a trainer's optimizer shard comes at its optimizer step (``CostModel.optimizer_step``)
         nbytes = 0 if src is cmd.role is Role.GENRM else int(model.weight_bytes)
-        if cmd.role is Role.TRAIN and src is not Role.TRAIN:
-            nbytes += int(model.total_params * OPTIMIZER_BYTES_PER_PARAM)
         t0 = max(self.now, dev.free_at)
         dev.free_at = t1 = t0 + seconds
 

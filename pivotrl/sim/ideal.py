@@ -57,7 +57,7 @@ step's time grows linearly with its batch. So the longest response takes
 
 on D instances, then it is judged alone as above, its group's backward runs
 on one instance (its own sample, the longest), and the optimizer step
-follows, on one instance: what must happen after the last token before the
+follows, on as many instances as make it shortest: what must happen after the last token before the
 next step's policy exists. Any schedule that moves instances out of the
 rollout while it runs only makes the batches larger; the ratio of a mode's
 step time to ``max(ideal step, spread_path_s)`` is the most any schedule
@@ -198,7 +198,10 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     )
     critical = costs.prefill(spec.policy, tp, p, p) + costs.decode_span(spec.policy, tp, 1, p + 1, longest - 1)
     rollout = spread_rollout_s(spec, n, rollout_tokens)
-    update = costs.train_tokens(spec.policy, p + longest, tp, p + longest) + costs.optimizer_step(spec.policy, tp)
+    # the optimizer step on the group that makes it shortest: one instance syncs nothing but moves the
+    # whole optimizer state to and from the host, the whole cluster a sliver of it over the network
+    optimizer = min(costs.optimizer_step(spec.policy, tp * k) for k in range(1, spec.devices + 1))
+    update = costs.train_tokens(spec.policy, p + longest, tp, p + longest) + optimizer
     spread = rollout + judge_alone + update
     rest = sum(gpu_seconds.values()) - gpu_seconds["rollout_decode"]
     joint = joint_floor_s(spec, n, rollout_tokens, rest, judge_alone + update)

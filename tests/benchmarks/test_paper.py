@@ -130,6 +130,15 @@ def test_tail_points_keep_the_mean_length():
     assert all(m == pytest.approx(base, rel=0.01) for m in means.values()), means
 
 
+def test_reasoning_points_spread_the_judgments_and_leave_about_one_percent_at_the_cap():
+    for label, extra in paper.reasoning_points():
+        cfg = load_config(paper.EXAMPLE, extra)
+        dist = cfg.sim.judge_lengths(cfg.judge.max_new_tokens)
+        capped = sum(dist.quantile((i + 0.5) / 1000) >= dist.cap for i in range(1000)) / 1000
+        assert cfg.sim.judge_output_sigma > 0 and 0.002 < capped < 0.02, (label, capped)
+        assert dist.quantile(0.5) == cfg.sim.judge_output_len
+
+
 def fake_report(tmp_path: Path) -> Path:
     """A report of one group run at 32 GPUs, its ideal left out as an older report might have it."""
     modes = {m: {"samples_per_s": rate, "step_seconds": 8192 / rate, "busy_fraction": dict.fromkeys(

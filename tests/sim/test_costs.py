@@ -150,14 +150,19 @@ def test_train_time_is_six_flops_per_weight_at_the_mfu():
 
 def test_optimizer_step_syncs_over_the_group():
     alone = H100.optimizer_step(QWEN7, 1)
-    assert alone == pytest.approx(QWEN7.total_params * 30 / (GPUS["H100"].hbm_bw * H100.bw_eff))
+    update = QWEN7.total_params * 30 / (GPUS["H100"].hbm_bw * H100.bw_eff)
+    shard = 2 * QWEN7.total_params * 12 / (64e9 * 0.8)  # the whole optimizer state from the host and back
+    assert alone == pytest.approx(update + shard)
     assert H100.optimizer_step(QWEN7, 16) > H100.optimizer_step(QWEN7, 8)  # past the node: the network
+    assert H100.optimizer_step(QWEN7, 128) < 1.0 < alone  # a sliver of the state each, over the network
 
 
-def test_shifting_into_training_loads_the_optimizer_state():
+def test_shifting_into_training_loads_the_weights_and_starts_the_trainer():
     into_train = H100.shift(QWEN7, Role.ROLLOUT, Role.TRAIN, 8)
     into_rollout = H100.shift(QWEN7, Role.TRAIN, Role.ROLLOUT, 8)
     assert into_train > into_rollout > H100.engine_start_s
+    # the optimizer shard comes at the optimizer step: the same bytes, a different start
+    assert into_train - H100.train_start_s == pytest.approx(into_rollout - H100.engine_start_s)
     assert H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1) > H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 8)
     assert H100.shift(QWEN7, Role.ROLLOUT, Role.ROLLOUT, 1) == 0.0
     assert H100.shift(QWEN7, None, Role.ROLLOUT, 1) == H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1)

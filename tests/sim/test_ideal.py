@@ -97,7 +97,9 @@ def test_the_spread_path_by_hand():
     assert batches == [4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1]
     rollout = 0.001 * 4 * 5 + sum(0.1 + 0.001 * b for b in batches)  # 4 prompts of 5 prefilled together
     judged = 0.001 * (5 + 16 + 3) + 3 * 0.101  # the longest judged alone
-    update = 1e-4 * (5 + 16) / 2 + 2.0 / 2  # its backward on one instance of 2 GPUs, then the optimizer step
+    # its backward on one instance of 2 GPUs, then the optimizer step on the group that makes it shortest
+    # (every GPU, as LinearCosts' step shrinks with the group)
+    update = 1e-4 * (5 + 16) / 2 + 2.0 / 8
     assert step.spread_path_s == pytest.approx(rollout + judged + update)
     assert step.spread_rollout_s == pytest.approx(rollout)
     assert step.critical_path_s == pytest.approx(0.005 + 15 * 0.101 + judged)
@@ -146,7 +148,7 @@ def test_equal_lengths_decode_side_by_side_to_the_end(samples, batch):
     step = ideal_step(spec(costs, LengthDist.fixed(11)), samples=samples, rollout_tokens=100, judge_tokens=100)
     rollout = 0.001 * batch * 5 + 10 * (0.1 + 0.001 * batch)
     judged = 0.001 * (5 + 11 + 3) + 3 * 0.101
-    assert step.spread_path_s == pytest.approx(rollout + judged + 1e-4 * 16 / 2 + 1.0)
+    assert step.spread_path_s == pytest.approx(rollout + judged + 1e-4 * 16 / 2 + 2.0 / 8)
 
 
 def test_judgments_and_responses_are_capped():
