@@ -37,11 +37,14 @@ cluster it wastes.
 The ideal also ignores latency. A step of on-policy RL cannot end before its
 longest response is generated and judged, one token after the other, so its
 ``critical_path_s`` (the longest of N responses, the ``1 - 1/2N`` quantile,
-decoded at batch 1, then judged at batch 1, in a judgment of the mean length:
-the step's expected time is at least that, since the larger of two times is
-convex in them) is a floor under any mode's step
+decoded at batch 1, then judged at batch 1) is a floor under any mode's step
 time; where it exceeds the ideal step time, no synchronous schedule reaches
-the ideal.
+the ideal. Where judgments spread in length too (a judge that reasons), a
+shorter response may end later judged: for every length x the k = N P(L >= x)
+responses at least x long end no earlier than the x-th token, and the longest
+of their k judgments (the ``1 - 1/2k`` quantile of the judgment lengths)
+follows, so the path is the largest such sum over x. With judgments of one
+length it is the longest response's.
 
 Batch 1 is a floor no engine reaches: the longest response decodes beside the
 others of its step. ``spread_path_s`` prices that. The N responses start
@@ -55,10 +58,11 @@ step's time grows linearly with its batch. So the longest response takes
     prefill(min(B, N / D) prompts)
       + sum over x = 1 .. L_max - 1 of decode_step(min(B, max(1, ceil(alive(x) / D))), P + x)
 
-on D instances, then it is judged alone as above, its group's backward runs
-on one instance (its own sample, the longest), and the optimizer step
-follows, on as many instances as make it shortest: what must happen after the last token before the
-next step's policy exists. Any schedule that moves instances out of the
+on D instances (and a response of length x its first x tokens), then it is
+judged alone as above (the largest sum over x), its group's backward runs on
+one instance (its own sample, the longest), and the optimizer step follows,
+on as many instances as make it shortest: what must happen after the last
+token before the next step's policy exists. Any schedule that moves instances out of the
 rollout while it runs only makes the batches larger; the ratio of a mode's
 step time to ``max(ideal step, spread_path_s)`` is the most any schedule
 could gain over it.
@@ -94,7 +98,7 @@ from pivotrl.control.messages import Role
 from pivotrl.sim.costs import span_of
 from pivotrl.sim.driver import SimSpec
 from pivotrl.sim.run import build
-from pivotrl.sim.workload import GRID, decode_context, length_moments
+from pivotrl.sim.workload import GRID, LengthKind, decode_context, length_moments
 
 MERGE = 0.98  # the joint floor prices runs of decode steps whose alive count stays within 2% as one
 GOLDEN = (5**0.5 - 1) / 2
@@ -192,38 +196,62 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
         "optimizer": tp * costs.optimizer_step(spec.policy, tp),
     }
     longest = min(spec.lengths.quantile(1 - 1 / (2 * n)), rollout_tokens)
-    judged = p + longest + spec.judge_template_len
-    judge_alone = costs.prefill(spec.genrm, tp, judged, judged) + costs.decode_span(
-        spec.genrm, tp, 1, judged + 1, max(0, round(out_len) - 1)
-    )
-    critical = costs.prefill(spec.policy, tp, p, p) + costs.decode_span(spec.policy, tp, 1, p + 1, longest - 1)
-    rollout = spread_rollout_s(spec, n, rollout_tokens)
+
+    def judged_alone(length: int, company: int) -> float:
+        """A response of ``length`` judged alone: in the longest of ``company`` judgments (their 1 - 1/2k
+        quantile) where judgments spread in length, in the one length they all have where they do not."""
+        judged = p + length + spec.judge_template_len
+        out = (
+            round(out_len)
+            if spec.judge_lengths.kind is LengthKind.FIXED
+            else spec.judge_lengths.quantile(1 - 1 / (2 * company))
+        )
+        decode = costs.decode_span(spec.genrm, tp, 1, judged + 1, max(0, min(out, judge_tokens) - 1))
+        return costs.prefill(spec.genrm, tp, judged, judged) + decode
+
+    # for every length x, the k responses at least x long end no earlier than x on the path and the
+    # longest of their k judgments follows; with judgments of one length the longest response binds
+    ends = spread_ends(spec, n, rollout_tokens)
+    first = costs.prefill(spec.policy, tp, p, p)
+    critical = max(first + costs.decode_span(spec.policy, tp, 1, p + 1, length - 1) + judged_alone(length, k)
+                   for length, k, _ in ends)  # fmt: skip
+    judged_path = max(at + judged_alone(length, k) for length, k, at in ends)
+    rollout = ends[-1][2]
     # the optimizer step on the group that makes it shortest: one instance syncs nothing but moves the
     # whole optimizer state to and from the host, the whole cluster a sliver of it over the network
     optimizer = min(costs.optimizer_step(spec.policy, tp * k) for k in range(1, spec.devices + 1))
     update = costs.train_tokens(spec.policy, p + longest, tp, p + longest) + optimizer
-    spread = rollout + judge_alone + update
+    spread = judged_path + update
     rest = sum(gpu_seconds.values()) - gpu_seconds["rollout_decode"]
-    joint = joint_floor_s(spec, n, rollout_tokens, rest, judge_alone + update)
-    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical + judge_alone, spread, rollout, joint)
+    last, k_last, _ = ends[-1]
+    joint = joint_floor_s(spec, n, rollout_tokens, rest, judged_alone(last, k_last) + update)
+    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint)
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:
     """Seconds until the longest of ``samples`` responses is generated when they start together and those
     still running are spread evenly over every instance (the module docstring's ``spread_path_s``)."""
+    return spread_ends(spec, samples, rollout_tokens)[-1][2]
+
+
+def spread_ends(spec: SimSpec, samples: int, rollout_tokens: int) -> list[tuple[int, int, float]]:
+    """On the spread path, for every length the responses reach (shortest first): the length, how many
+    responses are at least that long, and when those of that length have ended."""
     costs, tp, p, d = spec.costs, spec.tp, spec.prompt_len, spec.devices
     b = spec.capacity(Role.ROLLOUT)
     lengths = sorted(min(spec.lengths.quantile((i + 0.5) / samples), rollout_tokens) for i in range(samples))
     seconds = costs.prefill(spec.policy, tp, min(b, -(-samples // d)) * p, p)
     x = 1  # the decode step at hand: the first token came from the prefill
+    ends: list[tuple[int, int, float]] = []
     for i, length in enumerate(lengths):  # responses of this length end after step length - 1
-        if length <= x:
-            continue
-        alive = samples - i  # this response and every longer one
-        batch = min(b, max(1, -(-alive // d)))
-        seconds += costs.decode_span(spec.policy, tp, batch, p + x, length - x)
-        x = length
-    return seconds
+        if length > x:
+            alive = samples - i  # this response and every longer one
+            batch = min(b, max(1, -(-alive // d)))
+            seconds += costs.decode_span(spec.policy, tp, batch, p + x, length - x)
+            x = length
+        if not ends or ends[-1][0] != length:
+            ends.append((length, samples - i, seconds))
+    return ends
 
 
 def ideal_for_job(cfg: JobConfig) -> IdealStep:

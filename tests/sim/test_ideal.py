@@ -11,7 +11,7 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.control.messages import Role
 from pivotrl.sim.driver import SimSpec
-from pivotrl.sim.ideal import IdealStep, ideal_for_job, ideal_step, length_moments
+from pivotrl.sim.ideal import IdealStep, ideal_for_job, ideal_step, length_moments, spread_ends
 from pivotrl.sim.models import MODELS
 from pivotrl.sim.run import run_simulation
 from pivotrl.sim.workload import LengthDist
@@ -77,16 +77,37 @@ def test_a_hand_computed_step():
 
 def test_judgments_of_spread_lengths_are_priced_at_their_mean():
     """A reasoning judge (judgments of 1..7 tokens, mean 4): E[O - 1] = 3 decode steps a judgment, at the
-    token-weighted mean context J + E[O (O - 1) / 2] / E[O - 1] = 19 + 8 / 3; judged alone at E[O]."""
+    token-weighted mean context J + E[O (O - 1) / 2] / E[O - 1] = 19 + 8 / 3. On the critical path the
+    16 responses end together and the longest of their 16 judgments (7 tokens) follows."""
     costs = LinearCosts()
     base = spec(costs, LengthDist.fixed(11))
     step = ideal_step(dataclasses.replace(base, judge_lengths=LengthDist.uniform(1, 7)), 16, 100, 100)
     assert step.gpu_seconds["genrm_decode"] == pytest.approx(16 * 3 * 2 * (0.1 + 0.001 * 8) / 8)
     assert costs.contexts == pytest.approx([10.5, 19 + 8 / 3], rel=1e-4)  # (a grid of quantiles)
-    assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 3 * 0.101)
+    assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 6 * 0.101)
     capped = ideal_step(dataclasses.replace(base, judge_lengths=LengthDist.uniform(1, 7)), 16, 100, judge_tokens=2)
     # capped at 2 tokens: E[min(O, 2) - 1] = 6 / 7 decode steps a judgment
     assert capped.gpu_seconds["genrm_decode"] == pytest.approx(16 * 6 / 7 * 2 * (0.1 + 0.001 * 8) / 8, rel=1e-3)
+
+
+def test_a_shorter_response_judged_at_length_can_end_the_path():
+    """Responses of 1..16 tokens, judgments of 1..64: the longest response (1 of 16) is judged in a
+    judgment of its own draw, at most the 1 - 1/2 quantile (33 tokens), while the 8 longest responses
+    (9..16 tokens) hold a judgment of about 61 (the 1 - 1/16 quantile): the path ends with those."""
+    costs = LinearCosts()
+    base = spec(costs, LengthDist.uniform(1, 16))
+    step = ideal_step(dataclasses.replace(base, judge_lengths=LengthDist.uniform(1, 64)), 16, 100, 100)
+    ends = {length: (k, at) for length, k, at in spread_ends(base, 16, 100)}
+    assert ends[16][0] == 1 and ends[9][0] == 8
+
+    def path(length: int, out: int) -> float:
+        return ends[length][1] + 0.001 * (5 + length + 3) + (out - 1) * 0.101
+
+    update = 1e-4 * (5 + 16) / 2 + 2.0 / 8
+    assert path(9, 61) > path(16, 33)
+    assert step.spread_path_s >= path(9, 61) + update - 1e-9
+    assert step.spread_path_s == pytest.approx(max(path(x, LengthDist.uniform(1, 64).quantile(1 - 1 / (2 * k)))
+                                                   for x, (k, _) in ends.items()) + update)  # fmt: skip
 
 
 def test_the_spread_path_by_hand():
