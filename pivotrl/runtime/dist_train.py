@@ -81,6 +81,15 @@ def backend_for(device: torch.device) -> str:
         ) from None
 
 
+def listen(world_size: int, master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """Rank 0's end of a train group's rendezvous, bound now to a port the system picks (``.port``):
+    the other ranks are told the port once it is taken. Hand it to :meth:`TrainGroup.join`."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2 (one rank needs no rendezvous), got {world_size!r}")
+    return dist.TCPStore(master_addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)  # fmt: skip
+
+
 class TrainGroup:
     """One membership epoch of the train role: this process's rank in a torch.distributed process group.
 
@@ -114,9 +123,13 @@ class TrainGroup:
         *,
         device: torch.device | str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        store: dist.TCPStore | None = None,
     ) -> TrainGroup:
         """Rendezvous with the other ``world_size - 1`` ranks at ``master_addr:master_port`` (rank 0 listens there).
 
+        Rank 0 may bring the end it opened with :func:`listen` (``store``; its
+        port is the one the others were told): a port chosen free and bound only
+        here could be taken in between by any other socket of the machine.
         Blocks until every rank has arrived or ``timeout_s`` passes; the same
         timeout later bounds each collective, i.e. how long the fastest rank
         waits for the slowest at :meth:`ElasticTrainer.step`.
@@ -129,8 +142,12 @@ class TrainGroup:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         device = torch.device(device)
         backend = backend_for(device)
+        if store is not None and rank != 0:
+            raise ValueError(f"store: only rank 0 brings the end it listens on, got one for rank {rank}")
         if world_size == 1:
             return cls(0, 1, device, backend, None)
+        if store is not None:
+            master_port = store.port
         if not isinstance(master_port, int) or not 0 < master_port < 65536:
             raise ValueError(f"master_port must be an int in [1, 65535] when world_size > 1, got {master_port!r}")
         if not dist.is_available():
@@ -144,14 +161,11 @@ class TrainGroup:
         address = f"tcp://{master_addr}:{master_port}"
         logger.info("train group: rank %d/%d waiting for the others at %s (%s)", rank, world_size, address, backend)
         start = time.perf_counter()
-        dist.init_process_group(
-            backend,
-            init_method=address,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-            **kwargs,
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if store is None:  # rank 0 listens now, the others connect (retrying until it does)
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                                  wait_for_workers=False)  # fmt: skip
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         logger.info("train group: rank %d/%d joined in %.2f s", rank, world_size, time.perf_counter() - start)
         return cls(rank, world_size, device, backend, address)
 

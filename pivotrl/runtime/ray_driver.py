@@ -53,6 +53,9 @@ class DeviceActor:
     def accumulate(self, cmd: Accumulate) -> Event:
         return self.worker.accumulate(cmd)
 
+    def listen(self, world_size: int) -> int:
+        return self.worker.listen(world_size)
+
     def step(self, cmd: Step, rank: int, port: int) -> Event | None:
         return self.worker.step(cmd, rank, port)
 
@@ -61,12 +64,6 @@ class DeviceActor:
 
     def set_origin(self, origin: float) -> None:
         self.worker.origin = origin
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_reachable(address: str) -> None:
@@ -138,7 +135,10 @@ class RayDriver:
         elif isinstance(cmd, Accumulate):
             self.pending[self.actors[cmd.device].accumulate.remote(cmd)] = ("event", cmd.device)
         elif isinstance(cmd, Step):
-            port = free_port()
+            # rank 0 binds its port before anyone is told it (a port found free and bound later can be taken
+            # in between); the others' calls wait for the port, Ray resolving it before they run
+            many = len(cmd.devices) > 1
+            port = self.actors[cmd.devices[0]].listen.remote(len(cmd.devices)) if many else 0
             for rank, d in enumerate(cmd.devices):
                 self.pending[self.actors[d].step.remote(cmd, rank, port)] = ("event", d)
         elif isinstance(cmd, Abort):

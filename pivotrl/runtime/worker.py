@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from pivotrl.control.messages import (
     Aborted,
@@ -37,7 +38,7 @@ from pivotrl.engine import SamplingParams, SeqState
 from pivotrl.gps import Kind, ParameterStore, VersionError
 from pivotrl.log import logger
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, publish_checkpoint
-from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup
+from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, listen
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
 from pivotrl.train.config import TrainConfig
@@ -74,6 +75,7 @@ class Worker:
         self.ctx: GenerationContext | TrainContext | None = None
         self.pending: dict[int, _Pending] = {}
         self.slices: list[Slice] = []
+        self._rendezvous: dist.TCPStore | None = None  # rank 0's end of the next step's train group (``listen``)
 
     def now(self) -> float:
         return time.time() - self.origin
@@ -256,12 +258,19 @@ class Worker:
         processed = sum(len(p) + len(r) for p, r in zip(shard.prompt_ids, shard.response_ids, strict=True))
         return Accumulated(self.device, len(samples), processed, t1 - t0)
 
+    def listen(self, world_size: int) -> int:
+        """Open rank 0's end of the next step's train group of ``world_size`` devices; its port, for the others."""
+        self._rendezvous = listen(world_size)
+        return self._rendezvous.port
+
     def step(self, cmd: Step, rank: int, port: int) -> Trained | None:
-        """This device's part of the data-parallel optimizer step; rank 0 publishes the new version."""
+        """This device's part of the data-parallel optimizer step; rank 0 publishes the new version. Rank 0
+        of a group of several devices has called ``listen`` first; the others meet it at ``port``."""
         ctx = self._train_ctx(cmd.version)
         t0 = self.now()
         trainer = ctx.trainer
-        trainer.group = TrainGroup.join(rank, len(cmd.devices), master_port=port, device=self.spec.device)
+        store, self._rendezvous = (self._rendezvous, None) if rank == 0 else (None, self._rendezvous)
+        trainer.group = TrainGroup.join(rank, len(cmd.devices), master_port=port, device=self.spec.device, store=store)
         try:
             stats = trainer.step(cmd.total_tokens)
         finally:

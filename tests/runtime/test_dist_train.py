@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
-from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, backend_for
+from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, backend_for, listen
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
@@ -324,3 +325,36 @@ def test_backend_for_names_one_backend_per_device_type():
 def test_train_group_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainGroup.join(device="cpu", **kwargs)
+
+
+def _listening(rank: int, out_dir: str) -> None:
+    """Rank 0 binds its port before telling it (a file stands in for the driver); the other meets it there."""
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    if rank == 0:
+        store = listen(2, timeout_s=TIMEOUT_S)
+        (out / "port.tmp").write_text(str(store.port))
+        (out / "port.tmp").rename(out / "port")
+        group = TrainGroup.join(0, 2, device="cpu", timeout_s=TIMEOUT_S, store=store)
+    else:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (out / "port").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        port = int((out / "port").read_text())
+        group = TrainGroup.join(1, 2, master_port=port, device="cpu", timeout_s=TIMEOUT_S)
+    with group:
+        total = group.all_reduce_(torch.tensor([rank + 1.0]))
+    (out / f"sum.{rank}").write_text(str(total.item()))
+
+
+def test_rank_zero_listens_on_a_port_it_holds_and_the_others_meet_it_there(tmp_path):
+    mp.spawn(_listening, args=(str(tmp_path),), nprocs=2, join=True)
+    assert [float((tmp_path / f"sum.{r}").read_text()) for r in range(2)] == [3.0, 3.0]
+
+
+def test_listen_and_its_store_are_checked():
+    with pytest.raises(ValueError, match="world_size must be an int >= 2"):
+        listen(1)
+    store = listen(2)
+    with pytest.raises(ValueError, match="only rank 0 brings the end it listens on"):
+        TrainGroup.join(1, 2, device="cpu", store=store)
