@@ -211,9 +211,17 @@ def test_an_instance_without_room_is_refused():
     assert spec(LinearCosts(), LengthDist.fixed(11)).capacity(Role.GENRM) == 8
 
 
+# responses of one length end together, and the longest of their 32 spread judgments (most steps hold one
+# at the 1,024-token cap) follows them: the judged path binds (11.2 s a step against 4.7 s with
+# judgments of one length), and no mode may beat it
+REASONING = ("sim.judge_output_sigma=1.5", "judge.max_new_tokens=1024",
+             "sim.lengths.kind=fixed", "sim.lengths.value=200")  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [(), REASONING], ids=["fixed judgments", "reasoning judge"])
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "shiftable"])
-def test_no_simulated_mode_beats_the_ideal(tmp_path, mode):
-    cfg = load_config(EXAMPLE, [*SMALL, f"mode={mode}", "steps=3"])
+def test_no_simulated_mode_beats_the_ideal(tmp_path, mode, extra):
+    cfg = load_config(EXAMPLE, [*SMALL, f"mode={mode}", "steps=3", *extra])
     summary = run_simulation(cfg, tmp_path)
     ideal = ideal_for_job(cfg)
     assert 0 < summary["steady_samples_per_s"] < ideal.samples / ideal.floor_seconds <= ideal.samples_per_s
