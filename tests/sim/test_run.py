@@ -228,3 +228,22 @@ def test_a_full_paged_cache_preempts_and_loses_no_sample(tmp_path):
     assert reserved["sim"]["preemptions"] == 0
     assert paged["samples"] == reserved["samples"] == 2 * 8 * 4
     assert rows(tmp_path / "paged" / "samples.jsonl") == rows(tmp_path / "reserved" / "samples.jsonl")
+
+
+def test_spread_judgments_cut_at_the_cap_are_warned_about(caplog):
+    """sigma 0.9 about 128 tokens under a 256-token cap: about a fifth of the judgments lose their verdict."""
+    from pivotrl.log import logger
+    from pivotrl.sim.run import build
+
+    if not logger.propagate:  # the CLI's logging setup stops records reaching the root's handler
+        logger.addHandler(caplog.handler)
+    try:
+        build(load_config(EXAMPLE, [*SMALL, "sim.judge_output_sigma=0.9"]))
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "22% of judgments reach judge.max_new_tokens (256, 2.0x" in warned[0]
+        caplog.clear()
+        build(load_config(EXAMPLE, [*SMALL, "sim.judge_output_sigma=0.9", "judge.max_new_tokens=1024"]))
+        build(load_config(EXAMPLE, SMALL))  # judgments of one length below the cap: nothing to say
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        logger.removeHandler(caplog.handler)
