@@ -398,11 +398,11 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             # generated whole once their judgments are done (the queue takes them first), the rest (a
             # response of theirs still generating, mostly the longest) when judging ends
             rest = w.groups - w.ready - w.judging
-            # a judgment sent now shares its device's decode steps with those running there
-            running = w.judge_tokens * p.judge.step_seconds(min(judge_batch, max(1.0, w.judge_queued / max(1, n_g))))
             chunks = [(0.0, w.ready), (min(judged_whole[0] if judged_whole else t_q, t_g), w.judging)]
             if taus:  # groups generated whole at a grid point train once their judgments are done
-                prev = 0.0
+                # (their turn in the queue, then a judgment beside those running on its device)
+                batch = min(judge_batch, max(1.0, w.judge_queued / max(1, n_g)))
+                running, prev = w.judge_tokens * p.judge.step_seconds(batch), 0.0
                 for k, whole in enumerate(w.whole):
                     chunks.append((min(t_g, max(judged_whole[k + 1], taus[k]) + running), whole - prev))
                     prev = whole

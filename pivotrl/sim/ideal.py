@@ -10,8 +10,8 @@ it over every GPU with no idle time and no shift cost:
 
 with, for N responses of length L (drawn from the job's capped distribution),
 prompts of P tokens, judge prompts of J = P + L + T tokens and judgments of O
-tokens (``sim.judge_output_len``, lognormal about it with ``sim.judge_output_sigma``,
-capped at ``judge.max_new_tokens``), on
+tokens (``sim.judge_output_len``, lognormal about it with
+``sim.judge_output_sigma``, capped at ``judge.max_new_tokens``), on
 instances of ``tp`` GPUs holding at most B (policy) and Bj (judge) sequences
 (``SimSpec.capacity``: ``rollout.max_batch`` or fewer if the KV cache says so; a
 paged cache is counted at the role's mean decode context):
@@ -24,8 +24,8 @@ paged cache is counted at the role's mean decode context):
 The first token of a response comes from its prefill, as in the modeled
 engine, so a response decodes L - 1 steps at contexts P + 1 .. P + L - 1; the
 decode step is priced at the token-weighted mean context
-c = P + E[L (L - 1) / 2] / E[L - 1] (cj = E[J] + E[O (O - 1) / 2] / E[O - 1] for the judge). E is
-taken over a grid of quantiles of the length distribution, the same
+c = P + E[L (L - 1) / 2] / E[L - 1] (cj = E[J] + E[O (O - 1) / 2] / E[O - 1]
+for the judge). E is taken over a grid of quantiles of the length distribution, the same
 inverse-transform draws the simulator makes. Left out, as no mode can avoid
 them less than this: idle time (the tail of a step waiting for its longest
 response, roles waiting for each other), shifts and weight refreshes,
@@ -62,8 +62,8 @@ on D instances (and a response of length x its first x tokens), then it is
 judged alone as above (the largest sum over x), its group's backward runs on
 one instance (its own sample, the longest), and the optimizer step follows,
 on as many instances as make it shortest: what must happen after the last
-token before the next step's policy exists. Any schedule that moves instances out of the
-rollout while it runs only makes the batches larger; the ratio of a mode's
+token before the next step's policy exists. Any schedule that moves
+instances out of the rollout while it runs only makes the batches larger; the ratio of a mode's
 step time to ``max(ideal step, spread_path_s)`` is the most any schedule
 could gain over it.
 
@@ -98,7 +98,7 @@ from pivotrl.control.messages import Role
 from pivotrl.sim.costs import span_of
 from pivotrl.sim.driver import SimSpec
 from pivotrl.sim.run import build
-from pivotrl.sim.workload import GRID, LengthKind, decode_context, length_moments
+from pivotrl.sim.workload import GRID, decode_context, length_moments
 
 MERGE = 0.98  # the joint floor prices runs of decode steps whose alive count stays within 2% as one
 GOLDEN = (5**0.5 - 1) / 2
@@ -198,14 +198,10 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     longest = min(spec.lengths.quantile(1 - 1 / (2 * n)), rollout_tokens)
 
     def judged_alone(length: int, company: int) -> float:
-        """A response of ``length`` judged alone: in the longest of ``company`` judgments (their 1 - 1/2k
-        quantile) where judgments spread in length, in the one length they all have where they do not."""
+        """A response of ``length`` judged alone, in the longest of ``company`` judgments (their 1 - 1/2k
+        quantile: the one length they all have where they do not spread)."""
         judged = p + length + spec.judge_template_len
-        out = (
-            round(out_len)
-            if spec.judge_lengths.kind is LengthKind.FIXED
-            else spec.judge_lengths.quantile(1 - 1 / (2 * company))
-        )
+        out = spec.judge_lengths.quantile(1 - 1 / (2 * company))
         decode = costs.decode_span(spec.genrm, tp, 1, judged + 1, max(0, min(out, judge_tokens) - 1))
         return costs.prefill(spec.genrm, tp, judged, judged) + decode
 

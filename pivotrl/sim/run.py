@@ -111,7 +111,7 @@ def build(cfg: JobConfig) -> Simulation:
             )
     lengths, replay, judge_lengths = _lengths(cfg), _replay(cfg), sim.judge_lengths(j.max_new_tokens)
     if sim.judge_output_sigma:
-        _warn_capped_judgments(judge_lengths, sim.judge_output_len)
+        _warn_capped_judgments(judge_lengths)
     spec = SimSpec(
         devices=sim.devices,
         tp=sim.instance_gpus,
@@ -169,7 +169,7 @@ def build(cfg: JobConfig) -> Simulation:
 CAPPED_JUDGMENTS_WARN = 0.05  # share of spread judgments reaching the cap worth a warning: they have no verdict
 
 
-def _warn_capped_judgments(judgments: LengthDist, median: int, grid: int = 1000) -> None:
+def _warn_capped_judgments(judgments: LengthDist, grid: int = 1000) -> None:
     """Spread judgments reaching ``judge.max_new_tokens`` are cut before their verdict (garbage, counted,
     the fallback reward): say so when that is more than a few, since the cap was likely left as it was."""
     share = sum(judgments.quantile((i + 0.5) / grid) >= judgments.cap for i in range(grid)) / grid
@@ -177,7 +177,7 @@ def _warn_capped_judgments(judgments: LengthDist, median: int, grid: int = 1000)
         logger.warning(
             "sim.judge_output_sigma: %.0f%% of judgments reach judge.max_new_tokens (%d, %.1fx sim.judge_output_len) "
             "and have no verdict; raise judge.max_new_tokens to keep them",
-            100 * share, judgments.cap, judgments.cap / median,
+            100 * share, judgments.cap, judgments.cap / judgments.median,
         )  # fmt: skip
 
 
