@@ -192,6 +192,8 @@ class Progress:
     prefill_tokens: int = 0  # prompt (and resumed) tokens prefilled in the slice ...
     prefill_seconds: float = 0.0  # ... and the time those prefill steps took
     steps: int = 0  # decode steps in the slice (0: not counted); tokens / steps is the mean batch
+    kv_tokens: int = 0  # context tokens its decode steps attended to, summed over steps and sequences
+    # (0: not counted); kv_tokens / tokens is the mean context
 
 
 @dataclass(slots=True, frozen=True)

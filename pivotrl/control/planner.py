@@ -82,12 +82,16 @@ class _Work:
     group_size: int  # samples per group: its backward splits over up to this many devices
     step_seconds: float
     gen_context: float  # tokens re-prefilled per migrated rollout sequence
+    bulk_context: float  # mean context of the rollout's decode steps left, weighed by their tokens
+    tail_context: float  # context of the longest sequence at the end of its expected rest
     judge_context: float  # tokens re-read per restarted judgment
-    # the rest of the rollout on a grid of decode steps (``grid``, the last one ``longest``), when the
-    # workload says which group each sequence is of (all empty otherwise): sequences still running
-    # halfway through each interval, training sequences ended and groups generated whole by each point
+    # the rest of the rollout on a grid of decode steps (``grid``, the last one ``longest``; empty when no
+    # sequence is left): sequences still running halfway through each interval and their mean context
+    # there; where the workload says which group each sequence is of (empty otherwise), training
+    # sequences ended and groups generated whole by each point
     grid: tuple[float, ...] = ()
     alive: tuple[float, ...] = ()
+    context: tuple[float, ...] = ()
     ended: tuple[float, ...] = ()
     whole: tuple[float, ...] = ()
     memo: dict = field(default_factory=dict, compare=False)  # what every allocation of a plan asks alike
@@ -100,14 +104,22 @@ BUCKET = 16  # tokens: sequences this close in progress share their completion c
 def _rollout_grid(w: Workload, lm: LengthModel, longest: float) -> dict[str, tuple[float, ...]]:
     """When the running sequences and their groups are expected to end, on ``GRID`` points of
     the decode steps left: a group is generated whole once every member has ended, each
-    member ending independently at its own ``P(L <= t + x | L > t)``."""
-    if not w.rollout_groups or longest <= 0:
+    member ending independently at its own ``P(L <= t + x | L > t)``. The sequences still
+    running at ``x`` have ``t + x`` tokens: their mean, with the prompt, is the context
+    the decode steps there read. Groups (``ended``, ``whole``) only where the workload
+    names them."""
+    if not w.rollout_remaining or longest <= 0:
         return {}
     xs = [longest * (k + 1) / GRID for k in range(GRID)]
     mids = [longest * (k + 0.5) / GRID for k in range(GRID)]
     buckets = Counter(t - t % BUCKET for t in w.rollout_remaining)
     done = {b: lm.done_by(b, xs + mids) for b in buckets}
     alive = tuple(sum(n * (1.0 - done[b][GRID + k]) for b, n in buckets.items()) for k in range(GRID))
+    held = [sum(n * (1.0 - done[b][GRID + k]) * (b + mids[k]) for b, n in buckets.items()) for k in range(GRID)]
+    context = tuple(w.prompt_tokens_mean + (held[k] / alive[k] if alive[k] > 0 else mids[k]) for k in range(GRID))
+    out = {"grid": tuple(xs), "alive": alive, "context": context}
+    if not w.rollout_groups:
+        return out
     members: dict[int, list[int]] = {}
     for t, g in zip(w.rollout_remaining, w.rollout_groups, strict=True):
         if g >= 0:
@@ -120,7 +132,7 @@ def _rollout_grid(w: Workload, lm: LengthModel, longest: float) -> dict[str, tup
                 p_all *= done[b][k]
                 ended[k] += n * done[b][k]
             whole[k] += n * p_all
-    return {"grid": tuple(xs), "alive": alive, "ended": tuple(ended), "whole": tuple(whole)}
+    return {**out, "ended": tuple(ended), "whole": tuple(whole)}
 
 
 def _summarize(w: Workload, p: Profiles) -> _Work:
@@ -128,6 +140,9 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
     exp = {t: lm.expected_remaining(t) for t in by_t}
     running = [t for t in w.rollout_remaining if t > 0]
     longest = lm.expected_longest(by_t)
+    # a sequence with t tokens and e expected to come reads t + e/2 tokens (and the prompt) on average
+    left = sum(exp[t] * n for t, n in by_t.items())
+    held = sum(exp[t] * n * (t + exp[t] / 2) for t, n in by_t.items())
     return _Work(
         seqs=len(w.rollout_remaining),
         queued=w.rollout_queued,
@@ -156,6 +171,9 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         group_size=w.train_group_size,
         step_seconds=w.step_seconds,
         gen_context=w.prompt_tokens_mean + (sum(running) / len(running) if running else 0.0),
+        bulk_context=w.prompt_tokens_mean + (held / left if left > 0 else 0.0),
+        # the longest is likely among those that ran longest so far
+        tail_context=w.prompt_tokens_mean + max(by_t, default=0) + longest,
         judge_context=w.prompt_tokens_mean + lm.mean + w.judge_tokens_mean / 2,
         **_rollout_grid(w, lm, longest),
     )
@@ -268,19 +286,21 @@ def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max
     return _estimate(_summarize(workload, profiles), profiles, tuple(alloc.get(r, 0) for r in ROLES), max_batch)
 
 
-def _gen_rate(profile: RoleProfile, items: float, n: int, max_batch: int) -> float:
-    """Tokens/s of each of ``n`` devices sharing ``items`` sequences evenly: devices beyond
-    one per sequence idle."""
+def _gen_rate(profile: RoleProfile, items: float, n: int, max_batch: int, context: float | None = None) -> float:
+    """Tokens/s of each of ``n`` devices sharing ``items`` sequences evenly, of ``context`` tokens
+    each (None: the profile's measured mean): devices beyond one per sequence idle."""
     per = items / n
-    return profile.rate(min(max_batch, per)) if per >= 1 else per * profile.rate(1)
+    return profile.rate(min(max_batch, per), context) if per >= 1 else per * profile.rate(1, context)
 
 
-def _memo_rate(w: _Work, profile: RoleProfile, items: float, n: int, max_batch: int) -> float:
+def _memo_rate(
+    w: _Work, profile: RoleProfile, items: float, n: int, max_batch: int, context: float | None = None
+) -> float:
     """``_gen_rate``, remembered for the plan: every allocation asks for the same few."""
     key = (id(profile), n)
     rate = w.memo.get(key)
     if rate is None:
-        rate = w.memo[key] = _gen_rate(profile, items, n, max_batch)
+        rate = w.memo[key] = _gen_rate(profile, items, n, max_batch, context)
     return rate
 
 
@@ -311,34 +331,28 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         # with queued sequences (a device taken from the role hands its sequences to the others)
         useful = n_r if w.queued or not w.holders else min(n_r, w.holders)
         k_late = min(late[0][0], useful)
-        rate = lambda n: _memo_rate(w, p.rollout, w.seqs, n, max_batch)  # noqa: E731
+        rate = lambda n: _memo_rate(w, p.rollout, w.seqs, n, max_batch, w.bulk_context)  # noqa: E731
         bulk = _drain(w.tokens, rate, _now_and_later(useful, (k_late, late[0][1])))
-        # the longest sequence takes one step per token, and each step also carries its batch-mates:
-        # its device's share of the others, alive on average for the share of its steps their
-        # expected rest covers
-        mates = 0.0 if w.seqs < 2 else min(-(-w.seqs // useful), max_batch) - 1
-        alone = p.rollout.step_seconds(1)
-        mates_s = 0.0
-        if mates and w.longest > 0:
-            alive = mates * min(1.0, max(0.0, w.tokens - w.longest) / (w.seqs - 1) / w.longest)
-            mates_s = w.longest * (p.rollout.step_seconds(1 + alive) - alone)
         start = late[0][1] if late[0][0] == n_r else 0.0  # every rollout device is on its way
         slots = useful * max_batch
         if w.seqs > slots:  # the last sequences wait for a slot: about until the bulk before them is done
             start += bulk * (1 - slots / w.seqs)
-        last = start + w.longest * alone + mates_s
+        # the longest sequence takes one step per token, and each step also carries its batch-mates:
+        # at each grid point the device's share of the sequences still running there, at their context
+        # (a step in the tail reads long contexts; at a step's start, short ones)
+        steps = w.memo.get(useful, [])
+        if w.grid and not steps:
+            acc, prev = 0.0, 0.0
+            for x, alive, ctx in zip(w.grid, w.alive, w.context, strict=True):
+                acc += (x - prev) * p.rollout.step_seconds(min(max_batch, max(1.0, alive / useful)), ctx)
+                prev = x
+                steps.append(acc)
+            w.memo[useful] = steps
+        last = start + (steps[-1] if steps else 0.0)
         t_r, tail = max(bulk, last), last >= bulk
-        worst = max(bulk, start + w.worst * alone + mates_s)
-        if w.grid and t_r < INF:  # when the rollout passes each grid point: the steps of the batches
-            # left on its devices, stretched to end with it
-            steps = w.memo.get(useful)
-            if steps is None:
-                acc, prev, steps = 0.0, 0.0, []
-                for x, alive in zip(w.grid, w.alive, strict=True):
-                    acc += (x - prev) * p.rollout.step_seconds(min(max_batch, max(1.0, alive / useful)))
-                    prev = x
-                    steps.append(acc)
-                w.memo[useful] = steps
+        # past the longest expected, the longest seen: alone on its device
+        worst = max(bulk, last + max(0.0, w.worst - w.longest) * p.rollout.step_seconds(1, w.tail_context))
+        if steps and t_r < INF:  # the grid points' times, stretched to end with the rollout
             end = start + steps[-1]
             taus = [(start + t) * t_r / end for t in steps] if end > 0 else []
     handoff_r = 0.0 < t_r < INF  # rollout devices free up later in the step
@@ -352,7 +366,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         per_read = judge_rate(max(1, n_g + n_r)) / p.judge.prefill_rate
         queued = w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read
         latency = w.judge_tokens / p.judge.rate(1)
-        if taus:  # the responses still generating come to be judged as they end, first in first out
+        if taus and w.whole:  # the responses still generating come to be judged as they end, first in first out
             per_future = w.judge_tokens + (w.judge_read - w.judge_read_queued) / max(1, w.judge_future) * per_read
             pieces, prev = [(0.0, queued)], 0.0
             for at, ended in zip(taus, w.ended, strict=True):
@@ -399,7 +413,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             # response of theirs still generating, mostly the longest) when judging ends
             rest = w.groups - w.ready - w.judging
             chunks = [(0.0, w.ready), (min(judged_whole[0] if judged_whole else t_q, t_g), w.judging)]
-            if taus:  # groups generated whole at a grid point train once their judgments are done
+            if taus and w.whole:  # groups generated whole at a grid point train once their judgments are done
                 # (their turn in the queue, then a judgment beside those running on its device)
                 batch = min(judge_batch, max(1.0, w.judge_queued / max(1, n_g)))
                 running, prev = w.judge_tokens * p.judge.step_seconds(batch), 0.0

@@ -152,88 +152,121 @@ class LengthModel:
 
 @dataclass(slots=True)
 class RoleProfile:
-    """How fast one device generates in a role, against its batch, learned online.
+    """How fast one device generates in a role, against its batch and their context, learned online.
 
-    A decode step of ``b`` sequences takes about ``step_base + step_per_seq * b``
-    seconds: what every step pays whatever its batch (reading the weights, launching
-    kernels, the host loop) plus each sequence's own share (reading its KV cache,
-    its FLOPs). So a device makes ``rate(b) = b / step_seconds(b)`` tokens/s: a
-    sequence alone goes at ``rate(1)``, and a device gains throughput with every
-    sequence it batches, ever more slowly. (A min(b * per-sequence rate, device
-    rate) roofline says a device saturates; on a GPU whose step is dominated by
-    reading KV caches it never does, and a planner that believes it does crams the
-    rollout onto too few devices.)
+    A decode step of ``b`` sequences whose contexts average ``c`` tokens takes about
+    ``step_base + step_per_seq * b + step_per_kv * b * c`` seconds: what every step
+    pays whatever its batch (reading the weights, launching kernels, the host loop),
+    each sequence's own share (its FLOPs, its sampling) and the KV cache it reads,
+    one token of it per token of context. So a device makes ``rate(b, c) = b /
+    step_seconds(b, c)`` tokens/s: a sequence alone goes at ``rate(1, c)``, and a
+    device gains throughput with every sequence it batches, ever more slowly. (A
+    min(b * per-sequence rate, device rate) roofline says a device saturates; on a
+    GPU whose step is dominated by reading KV caches it never does, and a planner
+    that believes it does crams the rollout onto too few devices.)
 
-    Each measured slice (tokens in seconds at batch b) is a point ``(b, seconds * b
-    / tokens)``. The line is a least-squares fit in which every slice weighs
-    ``decay`` times the one after it, and the prior line counts as two points of
-    weight ``prior_weight``, at batch 1 and ``ref_batch``: it decides alone before
-    the first slice, and where the slices say nothing (slices that all ran at one
-    batch fix the line's height there, not its tilt).
+    The context term is the rollout's own clock: a 14B model's decode step of 128
+    sequences reads 4x more at 8,700 tokens of context than at 600, so the same
+    batch that is cheap at a step's start is dear in its tail. A line in the batch
+    alone, fitted to the whole step's slices, prices every step at their mix: big
+    early batches look dearer than they are, the long tail cheaper.
 
-    Real steps are not a line. A mixture-of-experts model reads more experts as its
-    batch grows, ever fewer new ones, so its step rises steeply over the first
-    sequences and then flattens; and the few sequences of a rollout's tail carry
-    long contexts. A line fitted to a whole step's slices, most of them at large
-    batches, then says a sequence alone steps twice as slowly as it does, and that
-    packing the tail onto fewer devices costs it nothing. So the slices are also
-    kept per batch bin (powers of two, each bin's mean decaying as its own slices
-    come): ``step_seconds`` is the line times the measured-to-line ratio of the
-    bins, interpolated in log batch between them and held beyond the outer ones.
-    A bin keeps its mean while other batches are measured: the tail's small
-    batches are remembered from one step's tail to the next.
+    Each measured slice (tokens in seconds at batch b, mean context c) is a point
+    ``(b, b * c, seconds * b / tokens)``. The plane is a least-squares fit in which
+    every slice weighs ``decay`` times the one after it, and the prior counts as
+    two points of weight ``prior_weight`` (batch 1 and ``ref_batch`` at the prior
+    context) and a pull of the same weight on the context term: it decides alone
+    before the first slice, and where the slices say nothing (slices that all ran
+    at one batch and context fix the plane's height there, not its tilts). A slice
+    that names no context is taken at ``context``, the decaying mean of those that did.
+
+    Real steps are not a plane. A mixture-of-experts model reads more experts as
+    its batch grows, ever fewer new ones, so its step rises steeply over the first
+    sequences and then flattens. So the slices are also kept per batch bin (powers
+    of two, each bin's mean decaying as its own slices come): ``step_seconds`` is
+    the plane times the measured-to-plane ratio of the bins, interpolated in log
+    batch between them and held beyond the outer ones. A bin keeps its mean while
+    other batches are measured: the tail's small batches are remembered from one
+    step's tail to the next.
     """
 
-    step_base: float  # seconds of a decode step whatever its batch (the fitted line's)
-    step_per_seq: float  # seconds each sequence adds to a step (the fitted line's)
+    step_base: float  # seconds of a decode step whatever its batch (the fitted plane's)
+    step_per_seq: float  # seconds each sequence adds to a step (the fitted plane's)
+    step_per_kv: float = 0.0  # seconds each token of a sequence's context adds to a step (its KV cache read)
+    context: float = 0.0  # mean context (tokens) of a step where a caller names none: the prior's, then measured
     prefill_rate: float = 5000.0  # tokens/s a device reads prompts at (EWMA of timed prefills)
-    decay: float = 0.99  # weight an older slice keeps at each new one (in the line; in its bin)
+    decay: float = 0.99  # weight an older slice keeps at each new one (in the plane; in its bin)
     prior_weight: float = 0.1
     ref_batch: float = 32.0
     samples: int = 0
-    _data: list[float] = field(default_factory=lambda: [0.0] * 5, init=False, repr=False)  # sum of w, wb, wy, wbb, wby
+    # weighted sums of the fit over the points (1, b, u = b * c; y): w, wb, wu, wbb, wbu, wuu, wy, wby, wuy, wyy
+    _data: list[float] = field(default_factory=lambda: [0.0] * 10, init=False, repr=False)
     _prior: tuple[float, ...] = field(default=(), init=False, repr=False)
-    _bins: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)  # log2 bin -> [w, wb, wy]
+    _ctx: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)  # decayed sums of b, b * c
+    _bins: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)  # log2 bin -> [w, wb, wu, wy]
     _curve: tuple[list[float], list[float]] = field(default=([], []), init=False, repr=False)  # log2 b, ratio
     _stale: bool = field(default=False, init=False, repr=False)  # the bins changed since ``_curve`` was drawn
 
     def __post_init__(self) -> None:
         _positive("step_base", self.step_base)
         _positive("step_per_seq", self.step_per_seq, strict=False)
+        _positive("step_per_kv", self.step_per_kv, strict=False)
+        _positive("context", self.context, strict=False)
         _positive("prior_weight", self.prior_weight)
         _positive("ref_batch", self.ref_batch)
         if not 0 < self.decay <= 1:
             raise ValueError(f"decay: got {self.decay!r}, must be in (0, 1]")
         if self.ref_batch <= 1:
             raise ValueError(f"ref_batch: got {self.ref_batch!r}, must be > 1 (the prior's second point)")
-        sums = [0.0] * 5
+        sums = [0.0] * 10
+        c = self.context
         for b in (1.0, self.ref_batch):
-            _add(sums, b, self.step_base + self.step_per_seq * b, self.prior_weight)
+            _add(sums, b, b * c, self.plane(b, b * c), self.prior_weight)
+        # and the context term held near the prior's: a deviation that moves the step at ``ref_batch``
+        # by its own length (at the prior context, or PRIOR_CONTEXT_SPAN tokens if longer) weighs as a
+        # prior point. Without it, slices all at one context would tilt the plane at will in a
+        # direction they say nothing about
+        kv = self.ref_batch * max(c, PRIOR_CONTEXT_SPAN)
+        ridge = self.prior_weight * (kv / self.plane(self.ref_batch, self.ref_batch * c)) ** 2
+        sums[5] += ridge
+        sums[8] += ridge * self.step_per_kv
+        sums[9] += ridge * self.step_per_kv**2
         self._prior = tuple(sums)
 
     @classmethod
     def from_rates(cls, seq_rate: float, device_rate: float, **kwargs: float) -> RoleProfile:
-        """The line through ``rate(1) = seq_rate`` approaching ``device_rate`` with large batches."""
+        """The line through ``rate(1) = seq_rate`` approaching ``device_rate`` with large batches
+        (no context term: rates measured at one context)."""
         _positive("seq_rate", seq_rate)
         _positive("device_rate", device_rate)
         if device_rate <= seq_rate:
             raise ValueError(f"device_rate: got {device_rate}, must exceed seq_rate {seq_rate}")
         return cls(step_base=1 / seq_rate - 1 / device_rate, step_per_seq=1 / device_rate, **kwargs)
 
-    def observe(self, tokens: int, seconds: float, batch: float) -> None:
-        """One measured slice: ``tokens`` sampled in ``seconds`` by ``batch`` sequences (a mean).
+    def observe(self, tokens: int, seconds: float, batch: float, context: float | None = None) -> None:
+        """One measured slice: ``tokens`` sampled in ``seconds`` by ``batch`` sequences (a mean) whose
+        contexts averaged ``context`` tokens (None: not measured, taken at ``self.context``).
         A slice without tokens (prefill only) says nothing about decoding and is skipped."""
         _positive("seconds", seconds)
         if tokens < 0 or batch < 1:
             raise ValueError(f"tokens={tokens}, batch={batch}: need tokens >= 0 and batch >= 1")
+        if context is not None and not 0 <= context < math.inf:
+            raise ValueError(f"context: got {context!r}, must be a finite number >= 0")
         if tokens == 0:
             return
         decay, d = self.decay, self._data  # (every slice of a run comes here: 10^5 at cluster scale)
+        if context is not None:
+            cs = self._ctx
+            cs[0], cs[1] = cs[0] * decay + batch, cs[1] * decay + batch * context
+            self.context = cs[1] / cs[0]
+        c = self.context if context is None else context
         d[:] = [x * decay for x in d]
+        b, u = float(batch), batch * c
         y = seconds * batch / tokens  # a step's seconds: seconds / (tokens / batch)
-        _add(d, float(batch), y, 1.0, max(y, self.line(batch)))
-        sums = self._bins.setdefault(int(math.log2(batch)), [0.0, 0.0, 0.0])
-        sums[0], sums[1], sums[2] = sums[0] * decay + 1.0, sums[1] * decay + batch, sums[2] * decay + y
+        _add(d, b, u, y, 1.0, max(y, self.plane(b, u)))
+        sums = self._bins.setdefault(int(math.log2(batch)), [0.0, 0.0, 0.0, 0.0])
+        sums[0], sums[1] = sums[0] * decay + 1.0, sums[1] * decay + b
+        sums[2], sums[3] = sums[2] * decay + u, sums[3] * decay + y
         self.samples += 1
         self._fit()
 
@@ -243,33 +276,36 @@ class RoleProfile:
             self.prefill_rate += alpha * (tokens / seconds - self.prefill_rate)
 
     def _fit(self) -> None:
-        p, d = self._prior, self._data
-        w, sb, sy, sbb, sby = p[0] + d[0], p[1] + d[1], p[2] + d[2], p[3] + d[3], p[4] + d[4]
-        det = w * sbb - sb * sb  # > 0: the prior's two points differ in batch
-        slope = max(0.0, (w * sby - sb * sy) / det)
-        base = (sy - slope * sb) / w
-        if base <= 0:  # the data say a step costs nothing of its own: all of it is per sequence
-            base, slope = 1e-9, max(sby / sbb, 1e-9)
-        self.step_base, self.step_per_seq = base, slope
+        s = [p + x for p, x in zip(self._prior, self._data, strict=True)]
+        coef = _plane_fit(s)
+        if coef[0] <= 0:  # the data say a step costs nothing of its own: all of it is per sequence
+            coef = (1e-9, *(max(c, 1e-9) for c in _plane_fit(s, (1, 2))[1:]))
+        self.step_base, self.step_per_seq, self.step_per_kv = coef
         self._stale = True  # the curve is drawn when next asked for: slices come far more often than plans
 
     def _draw(self) -> tuple[list[float], list[float]]:
         if self._stale:
             xs, ratios = [], []
-            for _, (w, wb, wy) in sorted(self._bins.items()):
+            for _, (w, wb, wu, wy) in sorted(self._bins.items()):
                 xs.append(math.log2(wb / w))
-                ratios.append(wy / w / self.line(wb / w))
+                ratios.append(wy / w / self.plane(wb / w, wu / w))
             self._curve, self._stale = (xs, ratios), False
         return self._curve
 
-    def line(self, batch: float) -> float:
-        """The fitted line's step seconds at ``batch`` (``step_seconds`` without the bins' shape)."""
-        return self.step_base + self.step_per_seq * batch
+    def plane(self, batch: float, kv: float) -> float:
+        """The fitted plane's step seconds at ``batch`` sequences holding ``kv`` tokens of context in all."""
+        return self.step_base + self.step_per_seq * batch + self.step_per_kv * kv
 
-    def step_seconds(self, batch: float) -> float:
+    def line(self, batch: float, context: float | None = None) -> float:
+        """The fitted plane's step seconds at ``batch`` and ``context`` (``step_seconds`` without the
+        bins' shape)."""
+        return self.plane(batch, batch * (self.context if context is None else context))
+
+    def step_seconds(self, batch: float, context: float | None = None) -> float:
+        """Seconds of a decode step of ``batch`` sequences of ``context`` tokens each (None: ``self.context``)."""
         xs, ratios = self._draw()
         if not xs:
-            return self.line(batch)
+            return self.line(batch, context)
         x = math.log2(max(batch, 1.0))
         i = bisect_right(xs, x)
         if i == 0:
@@ -279,24 +315,103 @@ class RoleProfile:
         else:
             f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
             ratio = ratios[i - 1] + f * (ratios[i] - ratios[i - 1])
-        return self.line(batch) * ratio
+        return self.line(batch, context) * ratio
 
-    def rate(self, batch: float) -> float:
-        """Tokens/s of one device running ``batch`` sequences (fractional in the fluid model)."""
-        return batch / self.step_seconds(batch) if batch > 0 else 0.0
+    def rate(self, batch: float, context: float | None = None) -> float:
+        """Tokens/s of one device running ``batch`` sequences (fractional in the fluid model) of
+        ``context`` tokens each."""
+        return batch / self.step_seconds(batch, context) if batch > 0 else 0.0
 
 
-def _add(sums: list[float], b: float, y: float, w: float, scale: float | None = None) -> None:
-    """Point ``(b, y)`` into the sums of a least-squares line, weighed ``w / scale^2`` (``scale``
-    defaults to ``y``): errors count relative to the step they are of, so a prior off by orders of
-    magnitude gives way to the data, and a slice measuring next to nothing cannot outweigh all."""
+PRIOR_CONTEXT_SPAN = 256.0  # tokens of context at least over which the prior holds its context term
+
+
+def _add(sums: list[float], b: float, u: float, y: float, w: float, scale: float | None = None) -> None:
+    """Point ``(1, b, u; y)`` into the sums of a least-squares plane, weighed ``w / scale^2``
+    (``scale`` defaults to ``y``): errors count relative to the step they are of, so a prior off by
+    orders of magnitude gives way to the data, and a slice measuring next to nothing cannot outweigh all."""
     scale = y if scale is None else scale
     w /= scale * scale
+    wb, wu, wy = w * b, w * u, w * y
     sums[0] += w
-    sums[1] += w * b
-    sums[2] += w * y
-    sums[3] += w * b * b
-    sums[4] += w * b * y
+    sums[1] += wb
+    sums[2] += wu
+    sums[3] += wb * b
+    sums[4] += wb * u
+    sums[5] += wu * u
+    sums[6] += wy
+    sums[7] += wb * y
+    sums[8] += wu * y
+    sums[9] += wy * y
+
+
+_GRAM = ((0, 1, 2), (1, 3, 4), (2, 4, 5))  # index of sum(w x_i x_j) in ``_add``'s sums
+_MOMENT = (6, 7, 8)  # index of sum(w x_i y)
+
+
+def _plane_fit(s: list[float], terms: tuple[int, ...] = (0, 1, 2)) -> tuple[float, float, float]:
+    """Least-squares coefficients (base, per sequence, per KV token) from ``_add``'s sums, over
+    ``terms`` (the others 0), none of the per-sequence and per-KV-token ones negative: the
+    unconstrained solution when it has none, else the best fit among those that drop the negative
+    terms (a slope the data drive below 0 is noise, not a step getting faster with its batch)."""
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for subset in _subsets(terms):
+        coef = _solve(s, subset)
+        if coef is None or any(coef[i] < 0 for i in (1, 2)):
+            continue
+        if len(subset) == len(terms):
+            return coef
+        # the weighted squared error, sum(w (y - x.coef)^2), from the sums
+        err = (
+            s[9]
+            - 2 * sum(coef[i] * s[_MOMENT[i]] for i in range(3))
+            + sum(coef[i] * coef[j] * s[_GRAM[i][j]] for i in range(3) for j in range(3))
+        )
+        if best is None or err < best[0]:
+            best = (err, coef)
+    return best[1] if best is not None else (s[6] / s[0] if s[0] else 0.0, 0.0, 0.0)
+
+
+def _subsets(terms: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``terms`` whole first, then with fewer terms, keeping the base (index 0) where it is in."""
+    out = [terms]
+    rest = tuple(t for t in terms if t != 0)
+    keep = (0,) if 0 in terms else ()
+    if len(rest) == 2:
+        out += [(*keep, rest[0]), (*keep, rest[1])]
+    if keep:
+        out.append(keep)
+    return out
+
+
+def _solve(s: list[float], terms: tuple[int, ...]) -> tuple[float, float, float] | None:
+    """The normal equations over ``terms``; None where they are singular."""
+    x = solve_linear([[s[_GRAM[i][j]] for j in terms] for i in terms], [s[_MOMENT[i]] for i in terms])
+    if x is None:
+        return None
+    coef = [0.0, 0.0, 0.0]
+    for t, v in zip(terms, x, strict=True):
+        coef[t] = v
+    return coef[0], coef[1], coef[2]
+
+
+def solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting; None if ``a`` is singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-300:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass(slots=True)

@@ -96,10 +96,12 @@ class Shiftable:
             profile.observe_prefill(event.prefill_tokens, event.prefill_seconds)  # prices reading prompts, migrations
             decode = event.seconds - event.prefill_seconds
             if event.tokens and decode > 0:
+                # the mean context of its decode steps, where the runtime counts what they read
+                context = event.kv_tokens / event.tokens if event.kv_tokens else None
                 if event.steps:  # the mean batch of its decode steps (the batch it started with overstates it)
-                    profile.observe(event.tokens, decode, event.tokens / event.steps)
+                    profile.observe(event.tokens, decode, event.tokens / event.steps, context)
                 elif not event.prefill_seconds:  # a runtime that does not count its steps
-                    profile.observe(event.tokens, event.seconds, max(1, event.running))
+                    profile.observe(event.tokens, event.seconds, max(1, event.running), context)
         elif isinstance(event, Generated):
             for r in event.results:
                 p.lengths.observe(len(r.output_ids))

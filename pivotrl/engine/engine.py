@@ -70,6 +70,7 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0
     generated_tokens: int = 0  # tokens sampled (one per sequence per step)
+    kv_read_tokens: int = 0  # context tokens the decode steps attended to, summed over steps and sequences
 
 
 class Engine:
@@ -186,8 +187,10 @@ class Engine:
         else:
             ids = torch.tensor([[s.output_ids[-1]] for s in batch], device=dev)
             lengths = torch.ones(len(batch), dtype=torch.long, device=dev)
-            start = torch.tensor([self.cached[s.uid] for s in batch], device=dev)
+            cached = [self.cached[s.uid] for s in batch]
+            start = torch.tensor(cached, device=dev)
             self.stats.decode_tokens += len(batch)
+            self.stats.kv_read_tokens += sum(cached) + len(batch)  # the cache and the token fed
         slots = torch.tensor([self.slot_of[s.uid] for s in batch], device=dev)
         logits = self.model.forward_cached(ids, start, lengths, slots, self.cache)
         tokens, logprobs = sample(

@@ -177,7 +177,7 @@ class Worker:
         if not self.pending or not isinstance(ctx, GenerationContext) or self.role is None:
             return []
         t0 = self.now()
-        running, before = ctx.engine.load, ctx.engine.stats.generated_tokens
+        running, before, kv0 = ctx.engine.load, ctx.engine.stats.generated_tokens, ctx.engine.stats.kv_read_tokens
         finished: list[SeqState] = []
         stats, prefill_tokens, prefill_s, steps = ctx.engine.stats, 0, 0.0, 0
         while ctx.engine.has_work:  # at least one engine step, then until the slice is used
@@ -210,6 +210,7 @@ class Worker:
                 prefill_tokens,
                 prefill_s,
                 steps,
+                stats.kv_read_tokens - kv0,
             )
         ]
         if role is Role.ROLLOUT and finished:

@@ -151,6 +151,7 @@ class _Slice:
     prefill_tokens: int
     prefill_seconds: float
     steps: int  # engine decode steps when it started
+    kv_read: float  # engine context tokens read when it started
     anchor: tuple = ()  # engine snapshot the current plan starts from
     done: list[SimSeq] = field(default_factory=list)  # finished before the anchor
     planned: list[SimSeq] = field(default_factory=list)  # finished between the anchor and the end
@@ -405,7 +406,7 @@ class SimDriver:
             if dev.slice is None and engine is not None and engine.has_work:
                 engine.peak = 0
                 dev.slice = _Slice(self.now, self._grid_after(self.now), engine.load, engine.tokens,
-                                   engine.prefill_tokens, engine.prefill_seconds, engine.k)  # fmt: skip
+                                   engine.prefill_tokens, engine.prefill_seconds, engine.k, engine.kv_read)  # fmt: skip
                 self._plan(dev)
         self._to_start.clear()
 
@@ -444,8 +445,8 @@ class SimDriver:
         tokens = engine.tokens - s.tokens
         so_far = engine.so_far() if role is Role.ROLLOUT else ()
         prefill = (engine.prefill_tokens - s.prefill_tokens, engine.prefill_seconds - s.prefill_seconds)
-        steps = engine.k - s.steps
-        events: list[Event] = [Progress(dev.id, role, end - s.start, tokens, s.running, so_far, *prefill, steps)]
+        steps, kv = engine.k - s.steps, round(engine.kv_read - s.kv_read)
+        events: list[Event] = [Progress(dev.id, role, end - s.start, tokens, s.running, so_far, *prefill, steps, kv)]
         if done and role is Role.ROLLOUT:
             events.append(Generated(dev.id, tuple(self._gen_result(q, dev.version) for q in done)))
         elif done:

@@ -67,6 +67,7 @@ class ModeledEngine:
         self.tokens = 0  # tokens sampled, prefill and decode
         self.prefill_tokens = 0  # tokens prefilled (prompts and migrated prefixes) ...
         self.prefill_seconds = 0.0  # ... and the time of those prefill steps
+        self.kv_read = 0.0  # context tokens the decode steps attended to, summed over steps and sequences
         self.peak = 0  # the largest batch since the caller last reset it
         self.running: dict[int, SimSeq] = {}
         self.waiting: deque[SimSeq] = deque()
@@ -121,12 +122,12 @@ class ModeledEngine:
         return out
 
     def snapshot(self) -> tuple:
-        return (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.peak, self._ctx,
-                self.preempted, dict(self.running), deque(self.waiting), list(self._finish))  # fmt: skip
+        return (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.kv_read, self.peak,
+                self._ctx, self.preempted, dict(self.running), deque(self.waiting), list(self._finish))  # fmt: skip
 
     def restore(self, snap: tuple) -> None:
-        (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.peak, self._ctx,
-         self.preempted, running, waiting, finish) = snap  # fmt: skip
+        (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.kv_read, self.peak,
+         self._ctx, self.preempted, running, waiting, finish) = snap  # fmt: skip
         self.running, self.waiting, self._finish = dict(running), deque(waiting), list(finish)
 
     def advance(self, until: float) -> list[SimSeq]:
@@ -178,10 +179,12 @@ class ModeledEngine:
                     self.t += span(n, context, part)
                     self.k += part
                     self.tokens += part * n
+                    self.kv_read += n * part * (context + (part - 1) / 2)
                 break
             self.t += seconds
             self.k += steps
             self.tokens += steps * n
+            self.kv_read += n * steps * (context + (steps - 1) / 2)  # each step reads one token more
             if full:
                 self._preempt()
                 continue

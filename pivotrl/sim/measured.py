@@ -20,6 +20,7 @@ from statistics import fmean, median, pstdev
 from typing import Any
 
 from pivotrl.control.messages import ROLES, Role
+from pivotrl.control.profiles import solve_linear
 from pivotrl.sim.costs import SPREAD_KINDS, _check, _check_count, _check_tp, check_spread_kind
 from pivotrl.sim.models import ModelSpec
 
@@ -333,25 +334,6 @@ class RunFit:
     report: dict[str, Any]
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-300:
-            return None
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, n):
-            f = m[r][c] / m[c][c]
-            for k in range(c, n + 1):
-                m[r][k] -= f * m[c][k]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
-    return x
-
-
 def nonneg_least_squares(
     rows: list[tuple[float, ...]], y: list[float], weights: list[float] | None = None
 ) -> list[float]:
@@ -366,7 +348,7 @@ def nonneg_least_squares(
         cols = [j for j in range(k) if mask >> j & 1]
         a = [[sum(wi * r[i] * r[j] for r, wi in zip(rows, w, strict=True)) for j in cols] for i in cols]
         b = [sum(wi * r[i] * t for r, t, wi in zip(rows, y, w, strict=True)) for i in cols]
-        x = _solve(a, b)
+        x = solve_linear(a, b)
         if x is None or min(x) < 0:
             continue
         coef = [0.0] * k

@@ -181,20 +181,29 @@ def _warn_capped_judgments(judgments: LengthDist, grid: int = 1000) -> None:
         )  # fmt: skip
 
 
+LONGER_WARMUP = 4  # the start-up measurement's second context, this many times the first
+
+
 def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
     """The planner's priors from the devices it runs on, as an engine measures itself when it
-    starts (decode steps at batches 1, 2, 4, ... up to its capacity, a prefill, a training pass):
+    starts (decode steps at batches 1, 2, 4, ... up to its capacity, each at a typical context and a
+    longer one, a prefill, a training pass):
     its first plans are made for these devices, not for the runtime's CPU defaults. Measurements
     of the run replace them as they come."""
     c, tp, ref = spec.costs, spec.tp, 32
     response = spec.lengths.quantile(0.5)
 
     def profile(model: ModelSpec, context: int, capacity: int) -> RoleProfile:
+        # the step's line in the batch at ``context``, and how much a longer context adds to it
+        longer = LONGER_WARMUP * context
         one, many = c.decode_step(model, tp, 1, context), c.decode_step(model, tp, ref, context)
-        per_seq = (many - one) / (ref - 1)
-        out = RoleProfile(step_base=max(one - per_seq, 1e-6), step_per_seq=per_seq, ref_batch=ref)
-        for b in (2**i for i in range(capacity.bit_length())):  # 64 warm-up steps at each batch
-            out.observe(64 * b, 64 * c.decode_step(model, tp, b, context), b)
+        per_kv = max(0.0, (c.decode_step(model, tp, ref, longer) - many) / (ref * (longer - context)))
+        per_seq = max(0.0, (many - one) / (ref - 1) - per_kv * context)
+        base = max(one - per_seq - per_kv * context, 1e-6)
+        out = RoleProfile(step_base=base, step_per_seq=per_seq, step_per_kv=per_kv, context=context, ref_batch=ref)
+        for b in (2**i for i in range(capacity.bit_length())):  # 64 warm-up steps at each batch and context
+            for ctx in (context, longer):
+                out.observe(64 * b, 64 * c.decode_step(model, tp, b, ctx), b, ctx)
         return out
 
     judge_prompt = spec.prompt_len + response + spec.judge_template_len

@@ -93,6 +93,23 @@ def test_estimate_of_the_tail_by_hand():
     assert e.worst_rollout_end == pytest.approx((2048 - 600) / 20)
 
 
+def test_rollout_tail_is_priced_at_the_context_it_reads():
+    # one sequence 640 tokens in, every response 1,000 long: 360 steps left, at contexts 50 + 640 + 0 ..
+    # 359, so 50 + 820 on average; a step costs 10 ms + 1 ms a sequence + 1 us a token of context
+    lm = LengthModel(min_samples=4)
+    for _ in range(64):
+        lm.observe(1000)
+    p = profiles()
+    p.lengths = lm
+    p.rollout = RoleProfile(step_base=0.01, step_per_seq=0.001, step_per_kv=1e-6)
+    w = Workload(rollout_remaining=[640], judge_future=1, prompt_tokens_mean=50)
+    e = estimate(w, p, alloc(1, 1, 0), MAX_BATCH)
+    assert e.rollout_end == pytest.approx(360 * (0.011 + 1e-6 * (50 + 640 + 180)), rel=1e-3)
+    # a sequence as far along with a longer prompt reads more at every step
+    longer = estimate(Workload(rollout_remaining=[640], judge_future=1, prompt_tokens_mean=2050), p, alloc(1, 1, 0), 32)
+    assert longer.rollout_end - e.rollout_end == pytest.approx(360 * 1e-6 * 2000, rel=1e-3)
+
+
 def test_tail_bound_dominates_with_few_sequences():
     few = Workload(rollout_remaining=[0, 0], judge_future=2)
     many = Workload(rollout_remaining=[0] * 200, judge_future=200)
@@ -442,7 +459,9 @@ def test_rollout_grid_expects_groups_whole_as_their_members_end():
     assert grid["whole"][0] == pytest.approx(1.1)  # group 0 surely, group 1 if it is 100 tokens long (1 in 10)
     assert grid["whole"][-1] == pytest.approx(2.0)
     assert list(grid["ended"]) == sorted(grid["ended"]) and grid["alive"][0] > grid["alive"][-1]
-    assert _rollout_grid(Workload(rollout_remaining=[950, 0]), lm, 1000.0) == {}  # groups unknown
+    blind = _rollout_grid(Workload(rollout_remaining=[950, 0]), lm, 1000.0)  # groups unknown: no group ends
+    assert set(blind) == {"grid", "alive", "context"}
+    assert _rollout_grid(Workload(), lm, 1000.0) == {}  # nothing left
 
 
 def test_groups_generated_whole_during_the_rollout_train_before_it_ends():

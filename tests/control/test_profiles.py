@@ -138,6 +138,53 @@ def test_role_profile_line_stays_positive_on_odd_data():
     assert p.step_base > 0 and p.rate(1) > 0
 
 
+def plane(base: float, per_seq: float, per_kv: float, batch: int, context: float) -> tuple[int, float, int, float]:
+    """The slice (tokens, seconds, batch, context) of a device whose decode step of ``batch`` sequences
+    of ``context`` tokens takes base + per_seq * batch + per_kv * batch * context."""
+    tokens = 64 * batch
+    return tokens, 64 * (base + per_seq * batch + per_kv * batch * context), batch, context
+
+
+def test_role_profile_learns_what_the_context_adds_to_a_step():
+    # a GPU-like step: 8 ms of weights, 20 us a sequence, 40 ns a token of KV cache read
+    truth = (0.008, 2e-5, 4e-8)
+    p = RoleProfile(step_base=0.01, step_per_seq=1e-4)  # a prior with no context term
+    for i in range(400):
+        p.observe(*plane(*truth, batch=(1, 8, 64, 256)[i % 4], context=(600, 2000, 8000)[i % 3]))
+    assert (p.step_base, p.step_per_seq, p.step_per_kv) == pytest.approx(truth, rel=0.01)
+    # the same batch is 3x dearer deep in the tail than at a step's start
+    assert p.step_seconds(128, 8000) / p.step_seconds(128, 600) == pytest.approx(
+        (0.008 + 128 * (2e-5 + 4e-8 * 8000)) / (0.008 + 128 * (2e-5 + 4e-8 * 600)), rel=0.01
+    )
+    # a caller naming no context gets the slices' mean one
+    assert p.context == pytest.approx(3533, rel=0.05)
+    assert p.step_seconds(64) == pytest.approx(p.step_seconds(64, p.context))
+
+
+def test_role_profile_of_slices_at_one_context_keeps_the_prior_tilt():
+    # every slice at one context says nothing about what a longer one costs: the prior's term stays
+    p = RoleProfile(step_base=0.01, step_per_seq=1e-4, step_per_kv=1e-8, context=1000)
+    for i in range(300):
+        p.observe(*plane(0.008, 2e-5, 0.0, batch=(1, 16, 128)[i % 3], context=1000))
+    assert p.step_seconds(16, 1000) == pytest.approx(0.008 + 2e-5 * 16, rel=0.02)
+    assert p.step_per_kv == pytest.approx(1e-8, rel=0.5)
+
+
+def test_role_profile_without_contexts_fits_its_line_as_before():
+    # a runtime that counts no KV reads: every slice at the profile's context, the line in the batch
+    p = RoleProfile(step_base=1.0, step_per_seq=0.5)
+    for i in range(200):
+        p.observe(*line(0.008, 0.0001, batch=(1, 16, 64, 128)[i % 4]))
+    assert p.context == 0.0 and p.step_per_kv == 0.0
+    assert p.step_seconds(64) == pytest.approx(0.008 + 0.0001 * 64, rel=0.01)
+
+
+@pytest.mark.parametrize("context", [-1.0, float("nan"), float("inf")])
+def test_role_profile_rejects_a_bad_context(context):
+    with pytest.raises(ValueError, match="context"):
+        RoleProfile(step_base=0.04, step_per_seq=0.01).observe(10, 1.0, 2, context)
+
+
 def test_role_profile_skips_slices_without_tokens():
     p = RoleProfile(step_base=0.04, step_per_seq=0.01)
     p.observe(0, 1.0, 4)
@@ -157,6 +204,8 @@ def test_role_profile_rejects_bad_measurements(slice_):
         {"step_base": 0.04, "step_per_seq": -1.0},
         {"step_base": 0.04, "step_per_seq": 0.01, "decay": 0.0},
         {"step_base": 0.04, "step_per_seq": 0.01, "ref_batch": 1.0},
+        {"step_base": 0.04, "step_per_seq": 0.01, "step_per_kv": -1e-9},
+        {"step_base": 0.04, "step_per_seq": 0.01, "context": -5.0},
     ],
 )
 def test_role_profile_rejects_bad_settings(kwargs):

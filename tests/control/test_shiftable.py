@@ -1,6 +1,8 @@
 """Shiftable mode's policy: it plans from the controller's view, and re-plans only when
 something a plan reacts to changed or its estimate is due for a refresh."""
 
+import pytest
+
 from pivotrl.control.messages import Progress, Role
 from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Workload
@@ -63,6 +65,10 @@ def test_slices_teach_each_role_its_own_speeds():
     # decode time is the slice less its prefill, per decode step; the judge's profile is left alone
     policy.observe(Progress(1, Role.ROLLOUT, 1.0, 100, 10, prefill_tokens=0, prefill_seconds=0.0, steps=10), None)
     assert p.rollout.samples == 1 and p.judge.samples == 0 and p.judge.prefill_rate == judge_prefill
+    # a runtime that counts what its decode steps read tells the profile their context: 100 tokens
+    # read 3,000 tokens of KV cache, 30 each
+    policy.observe(Progress(1, Role.ROLLOUT, 1.0, 100, 10, steps=10, kv_tokens=3000), None)
+    assert p.rollout.context == pytest.approx(30.0) and p.judge.context == 0.0
 
 
 def test_a_plan_that_lends_devices_is_planned_again_when_they_are_due():

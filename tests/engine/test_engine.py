@@ -281,6 +281,9 @@ def test_continuous_batching_reuses_slots(model):
     assert sorted(engine.free_slots) == [0, 1, 2, 3]
     assert engine.stats.finished == 10
     assert engine.stats.decode_tokens + len(states) == sum(len(s.output_ids) for s in states)
+    # each decode step of a sequence attends to its prompt and every token it has made so far
+    want = sum(len(s.prompt_ids) + j for s in states for j in range(1, len(s.output_ids)))
+    assert engine.stats.kv_read_tokens == want
 
 
 def test_prefill_budget_limits_admission(model):

@@ -73,17 +73,18 @@ def kinds(events: list[Event]) -> tuple[str, ...]:
     return tuple(type(e).__name__ for e in events)
 
 
-def run_generation(driver, results_kind: type) -> tuple[list[tuple[str, ...]], list]:
+def run_generation(driver, results_kind: type) -> tuple[list[tuple[str, ...]], list, list[Progress]]:
     """Slices until nothing is in flight: each must be a Progress, then maybe the finished results."""
-    calls, results = [], []
+    calls, results, progress = [], [], []
     for _ in range(10_000):
         events = driver.next_events()
         calls.append(kinds(events))
         assert isinstance(events[0], Progress) and events[0].seconds >= 0
         assert all(isinstance(e, results_kind) for e in events[1:]) and len(events) <= 2
+        progress.append(events[0])
         results += [r for e in events[1:] for r in e.results]
         if len(results) == 3:
-            return calls, sorted(results, key=lambda r: r.uid)
+            return calls, sorted(results, key=lambda r: r.uid), progress
     raise AssertionError("generation did not finish")
 
 
@@ -102,15 +103,15 @@ def script(driver) -> tuple[list[str], dict[str, object]]:
     seen["shift"] = done
     reqs = tuple(GenRequest(uid, f"{uid}+{uid}=", seed=7 + uid, params=SHORT) for uid in range(3))
     driver.submit(Generate(0, reqs, 0))
-    calls, gen = run_generation(driver, Generated)
+    calls, gen, progress = run_generation(driver, Generated)
     trace.append(f"slices({len(calls) > 0})->Generated")
-    seen["gen"] = gen
+    seen["gen"], seen["gen_progress"] = gen, progress
     one(Shift(0, Role.GENRM, 0))
     judge = tuple(JudgeRequest(r.uid, f"{r.uid}+{r.uid}", str(2 * r.uid), r.text, 7 + r.uid, JUDGE) for r in gen)
     driver.submit(Judge(0, judge))
-    calls, judged = run_generation(driver, Judged)
+    calls, judged, progress = run_generation(driver, Judged)
     trace.append(f"slices({len(calls) > 0})->Judged")
-    seen["judged"] = judged
+    seen["judged"], seen["judge_progress"] = judged, progress
     one(Shift(0, Role.ROLLOUT, 0))
     long = tuple(GenRequest(10 + i, f"{i}+{i}=", seed=20 + i, params=LONG) for i in range(2))
     driver.submit(Generate(0, long, 0))
@@ -158,6 +159,12 @@ def test_messages_have_the_same_shapes(answers):
             assert r.finish_reason == "stop" or len(r.output_ids) == SHORT.max_new_tokens
         for j in seen["judged"]:
             assert isinstance(j, JudgeResult) and 1 <= j.tokens <= JUDGE.max_new_tokens
+        # both count the context their decode steps read: at least the prompt, for every token decoded
+        for key, results in (("gen_progress", seen["gen"]), ("judge_progress", seen["judged"])):
+            slices = seen[key]
+            decoded = sum(p.tokens for p in slices) - len(results)  # the first token of each: its prefill
+            assert sum(p.steps for p in slices) > 0 and decoded > 0
+            assert sum(p.kv_tokens for p in slices) > decoded
             assert not j.truncated or j.tokens == JUDGE.max_new_tokens
         part, aborted = seen["partial"], seen["aborted"]
         assert isinstance(part, Aborted) and part.device == 0 and not part.judge

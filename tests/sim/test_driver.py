@@ -268,6 +268,20 @@ def test_the_engine_jumps_from_event_to_event():
     assert len(calls) < 40
 
 
+def test_the_engine_counts_the_context_its_decode_steps_read():
+    # a prompt of 10 and 5 tokens: the prefill makes the first, 4 decode steps read 11, 12, 13 and 14
+    # tokens; beside it, a prompt of 20 and 3 tokens reads 21 and 22. The first call stops after the
+    # first decode step: a run of steps cut short by an event counts what it read too
+    e = ModeledEngine(H100, QWEN7, 1, capacity=8)
+    e.add(SimSeq(0, 10, 0, 5, None), 0.0)
+    e.add(SimSeq(1, 20, 0, 3, None), 0.0)
+    first = H100.prefill(QWEN7, 1, 30, 15) + H100.decode_step(QWEN7, 1, 2, 16)
+    e.advance(first * 1.001)
+    assert (e.k, e.kv_read) == (1, 11 + 21)
+    e.advance(1e9)
+    assert e.kv_read == 11 + 12 + 13 + 14 + 21 + 22 and not e.has_work
+
+
 def test_paged_cache_admits_what_fits_and_preempts_the_last_admitted():
     # 10 sequences of 500 prompt tokens in 4,000 tokens of cache: 7 fit at once (3,960 with the 1%
     # watermark); as they grow the cache fills, the last admitted goes back to the queue with its tokens
