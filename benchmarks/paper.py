@@ -46,15 +46,19 @@ judge prefill and decode, training forward and backward, the optimizer update
 on one instance), in GPU-seconds, divided by the cluster's GPUs: no idle time,
 no shifts, no weight refreshes, no gradient sync. Each mode's share of it
 says how much of the cluster the mode leaves unused. Next to it, the step
-floor, the longest of three: the ideal step; the spread path (the step's
+floor, the longest of four: the ideal step; the spread path (the step's
 longest response generated beside its even share of the others on every
-instance, judged alone, its backward and the optimizer step); and the joint
-floor, which prices both at once (at each decode step of the rollout's tail,
-either every instance decodes small batches while the other work waits, or
-few decode full ones and the tail slows: the best of these trades, bounded
-from below by its Lagrangian dual). No on-policy step that does not know the
-lengths in advance is shorter; the chart marks the throughput it allows, and
-each group's note says the most any schedule could gain over each baseline.
+instance, judged alone, its backward and the optimizer step); the group path
+(a group trains once all of its responses are judged: the groups that hold
+the longest responses, about a quarter of them, all train after those end
+and are judged); and the joint floor, which prices the first two at once, the
+groups' backward after the last token (at each decode step of the rollout's
+tail, either every instance decodes small batches while the other work
+waits, or few decode full ones and the tail slows: the best of these trades,
+bounded from below by its Lagrangian dual). No on-policy step that does not
+know the lengths in advance is shorter; the chart marks the throughput it
+allows, and each group's note says the most any schedule could gain over
+each baseline.
 (The critical path, the same response generated at batch 1, is printed too:
 a looser floor.)
 
@@ -415,13 +419,14 @@ def speedups(g: dict[str, Any]) -> str:
         f"shiftable vs colocated {_times(g['speedup_vs_colocated'])}, "
         f"vs disaggregated {_times(g['speedup_vs_disaggregated'])}; "
         f"ideal step {i['step_seconds']:.0f} s, spread path {i['spread_path_s']:.0f} s (alone "
-        f"{i['critical_path_s']:.0f} s), joint floor {i.get('joint_floor_s', 0):.0f} s: no schedule gains more "
+        f"{i['critical_path_s']:.0f} s), group path {i.get('group_path_s', 0):.0f} s, joint floor "
+        f"{i.get('joint_floor_s', 0):.0f} s: no schedule gains more "
         f"than {_times(g.get('bound_vs_colocated'))} / {_times(g.get('bound_vs_disaggregated'))}"
     )
 
 
 def bound(g: dict[str, Any]) -> float:
-    """Samples/s if a step took its floor: the longest of the ideal step, the spread path and the joint floor."""
+    """Samples/s if a step took its floor: the longest of the ideal step and the spread, group and joint paths."""
     i = g["ideal"]
     return i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
 
@@ -459,12 +464,15 @@ ASSUMPTIONS = """\
   no shifts, no weight refreshes, no gradient sync (`pivotrl/sim/ideal.py`). Its role columns are the
   shares of that work. The spread path is the longest response of a step generated beside its even share of
   the others on every instance (all start together; those still running at each decode step spread over
-  every instance), judged alone, its backward and the optimizer step. The joint floor prices the two
-  together: at each decode step of the tail, the instances that decode the responses still running are
-  either many (small batches, the other work waits) or few (full batches, the tail slows); the best trade
-  over the whole rollout, bounded from below by its Lagrangian dual. No on-policy step that cannot tell the
-  longest response in advance is shorter than the longest of the three (the black mark on the chart;
-  `pivotrl/sim/ideal.py`). The critical path is the same response generated at batch 1, a looser floor."""
+  every instance), judged alone, its backward and the optimizer step. The group path: a group trains once
+  all of its responses are judged, so for every length the groups holding a response at least that long
+  train, on every GPU, after it ends on the spread path and is judged. The joint floor prices the two
+  together, the last groups' backward after the last token: at each decode step of the tail, the instances
+  that decode the responses still running are either many (small batches, the other work waits) or few
+  (full batches, the tail slows); the best trade over the whole rollout, bounded from below by its Lagrangian
+  dual. No on-policy step that cannot tell the longest response in advance is shorter than the longest of
+  the four (the black mark on the chart; `pivotrl/sim/ideal.py`). The critical path is the same response
+  generated at batch 1, a looser floor."""
 
 
 SPENT_NOTE = """\

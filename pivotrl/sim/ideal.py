@@ -78,15 +78,28 @@ each decode step slower. A step of any such schedule lasts at least
     R(d) + after        R(d) = prefill + sum over x of decode_step(ceil(alive(x) / d_x), P + x)
     (W_rollout(d) + W_rest) / G        W_rollout(d) = tp * sum over x of d_x * decode_step(...)
 
-with ``after`` what follows the last token on the spread path (its judgment,
-its backward, the update) and W_rest every other piece of the ideal's work at
-its ideal price. The floor is the largest value over lam in [0, 1] of the
+with ``after`` what follows the last token (below) and W_rest every other
+piece of the ideal's work at its ideal price. The floor is the largest value over lam in [0, 1] of the
 minimum over d of lam (R(d) + after) + (1 - lam) (W_rollout(d) + W_rest) / G,
 the Lagrangian dual of minimising the larger of the two: the minimum
 separates per decode step, and runs of steps whose alive count stays within
 2% are priced at their fewest responses, which only lowers it. lam = 1 is the
 spread path, lam = 0 the work alone with the tail packed; any schedule's step
 is at least the dual's value at every lam.
+
+A group trains once all G of its responses are judged (its advantages need
+every reward), and the groups that hold the step's longest responses are many:
+with N = 8,192 responses in groups of 16, the 135 that run to the cap sit in
+about 120 of the 512 groups. ``group_path_s`` prices that: for every length x,
+the expected M (1 - C(N - k, G) / C(N, G)) groups (M prompts) that hold one of
+the k responses at least x long cannot train before x ends on the spread path
+and the first of those k is judged; then all of their backward runs, on every
+GPU, and the optimizer step follows. Each such group holds G prompts, its long
+response (at least x) and G - 1 others of at least the mean length (knowing
+one is long does not shorten the rest). The joint floor's ``after`` is the
+larger of the spread path's (the last response judged, its backward) and this
+path's from the last token on: the responses that run longest end together
+there, and the groups that hold them all train after.
 """
 
 from __future__ import annotations
@@ -118,6 +131,7 @@ class IdealStep:
     spread_path_s: float = 0.0  # ... generated beside its even share of the others, judged, trained, and the update
     spread_rollout_s: float = 0.0  # of which its generation
     joint_floor_s: float = 0.0  # the step time no schedule beats, the rollout's tail and all the work together
+    group_path_s: float = 0.0  # the groups holding the longest responses judged, then trained on every GPU
 
     @property
     def total(self) -> float:
@@ -142,8 +156,8 @@ class IdealStep:
 
     @property
     def floor_seconds(self) -> float:
-        """The shortest a step can be: the longest of the ideal step, the spread path and the joint floor."""
-        return max(self.step_seconds, self.spread_path_s, self.joint_floor_s)
+        """The shortest a step can be: the longest of the ideal step and the three paths."""
+        return max(self.step_seconds, self.spread_path_s, self.joint_floor_s, self.group_path_s)
 
     def split(self, devices: int) -> dict[str, int]:
         """``devices`` divided between the roles in proportion to their work, at least one each: the
@@ -167,15 +181,21 @@ class IdealStep:
             "spread_path_s": self.spread_path_s,
             "spread_rollout_s": self.spread_rollout_s,
             "joint_floor_s": self.joint_floor_s,
+            "group_path_s": self.group_path_s,
             "floor_seconds": self.floor_seconds,
         }
 
 
-def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: int, grid: int = GRID) -> IdealStep:
+def ideal_step(
+    spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: int, grid: int = GRID, group_size: int = 1
+) -> IdealStep:
     """The ideal step of ``samples`` responses on ``spec``'s cluster; ``rollout_tokens`` and
-    ``judge_tokens`` are the jobs' generation caps (``rollout.max_new_tokens``, ``judge.max_new_tokens``)."""
+    ``judge_tokens`` are the jobs' generation caps (``rollout.max_new_tokens``, ``judge.max_new_tokens``),
+    ``group_size`` the responses of a prompt (``rollout.group_size``: a group trains once all are judged)."""
     if samples < 1:
         raise ValueError(f"samples: got {samples!r}, must be >= 1")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= samples:
+        raise ValueError(f"group_size: got {group_size!r}, must be an int in [1, samples={samples}]")
     costs, tp, p = spec.costs, spec.tp, spec.prompt_len
     b, bj = spec.capacity(Role.ROLLOUT), spec.capacity(Role.GENRM)
     if b < 1 or bj < 1:
@@ -197,11 +217,11 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     }
     longest = min(spec.lengths.quantile(1 - 1 / (2 * n)), rollout_tokens)
 
-    def judged_alone(length: int, company: int) -> float:
+    def judged_alone(length: int, company: int, first: bool = False) -> float:
         """A response of ``length`` judged alone, in the longest of ``company`` judgments (their 1 - 1/2k
-        quantile: the one length they all have where they do not spread)."""
+        quantile: the one length they all have where they do not spread), or (``first``) the shortest."""
         judged = p + length + spec.judge_template_len
-        out = spec.judge_lengths.quantile(1 - 1 / (2 * company))
+        out = spec.judge_lengths.quantile(1 / (2 * company) if first else 1 - 1 / (2 * company))
         decode = costs.decode_span(spec.genrm, tp, 1, judged + 1, max(0, min(out, judge_tokens) - 1))
         return costs.prefill(spec.genrm, tp, judged, judged) + decode
 
@@ -218,10 +238,27 @@ def ideal_step(spec: SimSpec, samples: int, rollout_tokens: int, judge_tokens: i
     optimizer = min(costs.optimizer_step(spec.policy, tp * k) for k in range(1, spec.devices + 1))
     update = costs.train_tokens(spec.policy, p + longest, tp, p + longest) + optimizer
     spread = judged_path + update
+    gpus, prompts = spec.devices * tp, -(-n // group_size)
+
+    def groups_trained(length: int, k: int) -> float:
+        """From the first judgment of the k responses at least ``length`` long to the last backward of
+        the groups holding them, all of those groups' backward on every GPU. A group holds one of them
+        with the chance that its ``group_size`` draws from the ``n`` responses are not all from the
+        others; its other responses are at least of the mean length (knowing that one is long does not
+        shorten them), its long one at least ``length``; their attention priced at the mean sequence."""
+        none = 1.0
+        for i in range(group_size):
+            none *= max(0.0, (n - k - i) / (n - i))
+        tokens = prompts * (1 - none) * (group_size * p + (group_size - 1) * mean_len + length)
+        return judged_alone(length, k, first=True) + costs.train_tokens(spec.policy, round(tokens), gpus,
+                                                                       round(p + mean_len))  # fmt: skip
+
+    group = max(at + groups_trained(length, k) for length, k, at in ends) + optimizer
     rest = sum(gpu_seconds.values()) - gpu_seconds["rollout_decode"]
     last, k_last, _ = ends[-1]
-    joint = joint_floor_s(spec, n, rollout_tokens, rest, judged_alone(last, k_last) + update)
-    return IdealStep(n, spec.devices * tp, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint)
+    after = max(judged_alone(last, k_last) + update - optimizer, groups_trained(last, k_last)) + optimizer
+    joint = joint_floor_s(spec, n, rollout_tokens, rest, after)
+    return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint, group)
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:
@@ -254,7 +291,8 @@ def ideal_for_job(cfg: JobConfig) -> IdealStep:
     """The ideal step of a ``pivotrl simulate`` job, from the spec the simulator builds for it."""
     spec = build(cfg).spec
     r = cfg.rollout
-    return ideal_step(spec, r.prompts_per_step * r.group_size, r.max_new_tokens, cfg.judge.max_new_tokens)
+    return ideal_step(spec, r.prompts_per_step * r.group_size, r.max_new_tokens, cfg.judge.max_new_tokens,
+                      group_size=r.group_size)  # fmt: skip
 
 
 def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: float, after_s: float) -> float:

@@ -159,7 +159,7 @@ def test_rerender_recomputes_the_ideal_and_the_bounds_and_keeps_the_runs(tmp_pat
     g = json.loads((tmp_path / "out.json").read_text())["groups"][0]
     i = g["ideal"]
     assert i["spread_path_s"] > i["critical_path_s"] > 0
-    assert i["floor_seconds"] == max(i["step_seconds"], i["spread_path_s"], i["joint_floor_s"])
+    assert i["floor_seconds"] == max(i["step_seconds"], i["spread_path_s"], i["joint_floor_s"], i["group_path_s"])
     ceiling = i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
     assert g["bound_vs_colocated"] == pytest.approx(ceiling / 10.0)
     assert g["bound_vs_disaggregated"] == pytest.approx(ceiling / 8.0)

@@ -124,7 +124,51 @@ def test_the_spread_path_by_hand():
     assert step.spread_path_s == pytest.approx(rollout + judged + update)
     assert step.spread_rollout_s == pytest.approx(rollout)
     assert step.critical_path_s == pytest.approx(0.005 + 15 * 0.101 + judged)
-    assert step.floor_seconds == max(step.step_seconds, step.spread_path_s, step.joint_floor_s)
+    assert step.floor_seconds == max(step.step_seconds, step.spread_path_s, step.joint_floor_s, step.group_path_s)
+
+
+def test_the_group_path_by_hand():
+    # the same 16 responses in 4 groups of 4: a group trains once all of its responses are judged. For
+    # every length x, the groups holding one of the k responses at least x long (4 (1 - C(16 - k, 4) /
+    # C(16, 4)) of them) start training no sooner than x ends on the spread path and the first of those
+    # is judged; then all of their backward, on all 8 GPUs, and the optimizer step
+    costs = LinearCosts()
+    lengths = LengthDist.uniform(1, 16)
+    step = ideal_step(spec(costs, lengths), samples=16, rollout_tokens=100, judge_tokens=100, group_size=4)
+    mean, _ = length_moments(lengths, 100)
+
+    def path(x: int, k: int, at: float) -> float:
+        groups = 4 * (1 - math.comb(16 - k, 4) / math.comb(16, 4))
+        backward = 1e-4 * groups * (4 * 5 + 3 * mean + x) / 8
+        return at + 0.001 * (5 + x + 3) + 3 * 0.101 + backward + 2.0 / 8
+
+    ends = spread_ends(spec(costs, lengths), 16, 100)
+    assert step.group_path_s == pytest.approx(max(path(x, k, at) for x, k, at in ends), rel=1e-5)  # whole tokens
+    # the longest response's group alone: one group of the four
+    assert step.group_path_s >= path(16, 1, ends[-1][2]) - 1e-12
+    assert step.floor_seconds >= step.group_path_s
+    # one response a group: each trains on its own once judged, a floor no higher
+    alone = ideal_step(spec(costs, lengths), samples=16, rollout_tokens=100, judge_tokens=100)
+    assert alone.group_path_s < step.group_path_s
+
+
+def test_the_joint_floor_waits_for_the_last_groups_to_train():
+    # responses of one length end together: every group is whole at the last token, so after it come
+    # the judgments and the backward of all 16 groups, on every GPU, where the joint floor used to
+    # count one response's backward
+    costs = LinearCosts()
+    costs.train_tokens = lambda model, tokens, n_gpus, seq_len=0: 0.01 * tokens / n_gpus  # training weighs
+    step = ideal_step(spec(costs, LengthDist.fixed(11)), samples=64, rollout_tokens=100, judge_tokens=100,
+                      group_size=4)  # fmt: skip
+    assert step.joint_floor_s >= step.group_path_s - 1e-9
+    backward = 0.01 * 64 * (5 + 11) / 8
+    assert step.group_path_s == pytest.approx(step.spread_rollout_s + 0.001 * 19 + 3 * 0.101 + backward + 2.0 / 8)
+
+
+@pytest.mark.parametrize("group_size", [0, 17, 2.0, True])
+def test_a_group_size_outside_the_step_is_refused(group_size):
+    with pytest.raises(ValueError, match="group_size"):
+        ideal_step(spec(LinearCosts(), LengthDist.fixed(11)), 16, 100, 100, group_size=group_size)
 
 
 def primal(costs: LinearCosts, lengths: list[int], instances: int, tp: int, rest: float, after: float) -> float:
