@@ -331,15 +331,17 @@ class Controller:
         rollout = sorted(self._holders[Role.ROLLOUT])  # (in device order, as a pass over the devices gives)
         running = [uid for d in rollout for uid in s.running(d)]
         gen_uids = [r.uid for r in s.gen_queue] + running
-        judging = [uid for d in sorted(self._holders[Role.GENRM]) for uid in s.running(d)]
+        judge_devs = sorted(self._holders[Role.GENRM])
+        judging = [uid for d in judge_devs for uid in s.running(d)]
         step, g = self.step, self.spec.group_size
         groups_left = 0 if step is None else -(-(len(step.samples) - step.accumulated) // g)
         by_uid, m = self.by_uid, self.measured
-        read = sum(
-            len(by_uid[u].prompt_ids) + len(by_uid[u].response_ids)
-            for u in (*(r.uid for r in s.judge_queue), *judging)
-            if u in by_uid
-        )
+
+        def reads(uids: Iterable[int]) -> int:
+            return sum(len(by_uid[u].prompt_ids) + len(by_uid[u].response_ids) for u in uids if u in by_uid)
+
+        read_running = reads(judging)
+        read = read_running + reads(r.uid for r in s.judge_queue)
         # the groups left are the ones with the longest responses (those end last): their tokens as known
         # so far, the mean length for responses still generating
         expected = m["prompt_tokens"] + m["response_tokens"]
@@ -353,6 +355,8 @@ class Controller:
             # rebalanced, the running sequences spread over every rollout device (0: any may hold them)
             rollout_holders=0 if self.spec.rebalance else sum(1 for d in rollout if s.load(d)),
             judge_queued=len(s.judge_queue) + len(judging),
+            judge_running=len(judging),
+            judge_holders=sum(1 for d in judge_devs if s.load(d)),
             judge_future=sum(1 for uid in gen_uids if uid < EVAL_UID),
             judge_tokens_mean=self.measured["judge_tokens"],
             train_groups_left=groups_left,
@@ -365,6 +369,7 @@ class Controller:
             step_seconds=self.measured["step_seconds"],
             prompt_tokens_mean=self.measured["prompt_tokens"],
             judge_read_tokens=read,
+            judge_read_running=read_running,
         )
 
     def _measure(self, event: Event) -> None:

@@ -75,6 +75,9 @@ class _Work:
     judge_tokens: float
     judge_read: float  # prompt + response tokens every judgment left must read (prefill)
     judge_read_queued: float  # of which the judgments queued or running
+    judge_running: int  # of the queued, those in flight on a judge device: they finish there
+    judge_holders: int  # the judge devices running them (0: unknown)
+    judge_read_running: float  # what they read
     groups: int
     ready: int  # groups whose backward can start now
     judging: int  # groups generated whole, whose backward starts once the judge queue drains
@@ -152,6 +155,9 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         worst=lm.max_remaining(min(by_t)) if by_t else 0.0,  # (the rest is longest for the fewest tokens so far)
         judge_items=w.judge_queued + w.judge_future,
         judge_queued=w.judge_queued,
+        judge_running=w.judge_running,
+        judge_holders=w.judge_holders,
+        judge_read_running=w.judge_read_running,
         judge_future=w.judge_future,
         judge_tokens=w.judge_tokens_mean,
         # responses still generating are read once they end: prompt, tokens so far and their expected rest
@@ -360,12 +366,26 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
     t_g, t_q, r_judged = 0.0, 0.0, False
     judged_whole: list[float] = []
     if w.judge_items:
-        arrivals = _now_and_later(n_g, late[1]) + ([(t_r + hop(Role.ROLLOUT, Role.GENRM), n_r)] if handoff_r else [])
         judge_rate = lambda n: _memo_rate(w, p.judge, w.judge_items, n, judge_batch)  # noqa: E731
         # reading the judged responses counts as decode work at the rate of a full judge device
         per_read = judge_rate(max(1, n_g + n_r)) / p.judge.prefill_rate
         queued = w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read
         latency = w.judge_tokens / p.judge.rate(1)
+        # judgments running stay where they run (moved, they would read their prompts again): their
+        # devices finish them, in the batch they hold, before taking others (``held``, at ``t_held``);
+        # judge devices beyond them help only with the judgments waiting and those to come
+        present = n_g - min(late[1][0], n_g)
+        holders = min(present, w.judge_holders) if w.judge_running else 0
+        held = t_held = 0.0
+        if holders:
+            held = w.judge_running * w.judge_tokens + w.judge_read_running * per_read
+            t_held = held / (holders * _gen_rate(p.judge, w.judge_running, holders, judge_batch))
+            queued = max(0.0, queued - held)
+        arrivals = [(0.0, present - holders), (t_held, holders)]
+        if late[1][0]:
+            arrivals.append((late[1][1], n_g - present))
+        if handoff_r:
+            arrivals.append((t_r + hop(Role.ROLLOUT, Role.GENRM), n_r))
         if taus and w.whole:  # the responses still generating come to be judged as they end, first in first out
             per_future = w.judge_tokens + (w.judge_read - w.judge_read_queued) / max(1, w.judge_future) * per_read
             pieces, prev = [(0.0, queued)], 0.0
@@ -374,15 +394,17 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
                 prev = ended
             pieces.append((t_r, max(0.0, w.judge_future - prev) * per_future))
             judged = _fifo(pieces, arrivals, judge_rate)
-            bulk, t_q = judged[-1], judged[0]  # t_q: the judgments waiting now are done
+            bulk, t_q = max(judged[-1], t_held), max(judged[0], t_held)  # t_q: those waiting now are done
             # the judge queue takes whole groups first: the judgments of the groups whole now (at most
             # all those waiting), then those of the groups whole by each point, judged ahead of the rest
-            now = min(queued, w.judging * w.group_size * queued / max(1, w.judge_queued))
+            now = min(queued, w.judging * w.group_size * queued / max(1, w.judge_queued - w.judge_running))
             whole_pieces, prev_whole = [(0.0, now)], 0.0
             for at, whole in zip(taus, w.whole, strict=True):
                 whole_pieces.append((at, (whole - prev_whole) * w.group_size * per_future))
                 prev_whole = whole
             judged_whole = _fifo(whole_pieces, arrivals, judge_rate)
+            if held:  # the groups whole now may wait for a judgment running: done by ``t_held``
+                judged_whole[0] = max(judged_whole[0], t_held)
             # the judgments still waiting when the rollout ends run as one batch on every device then
             items = [w.judge_queued, *(b - a for a, b in zip((0.0, *w.ended[:-1]), w.ended, strict=True))]
             items.append(w.judge_future - prev)
@@ -390,8 +412,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             batch = min(judge_batch, max(1.0, left / max(1, n_g + n_r)))
             last = w.judge_tokens * p.judge.step_seconds(batch)
         else:
-            bulk = _drain(w.judge_items * w.judge_tokens + w.judge_read * per_read, judge_rate, arrivals)
-            t_q = _drain(queued, judge_rate, arrivals)
+            rest = w.judge_items * w.judge_tokens + w.judge_read * per_read - held
+            bulk = max(t_held, _drain(rest, judge_rate, arrivals))
+            t_q = max(t_held, _drain(queued, judge_rate, arrivals))
             last = latency
         t_g = max(bulk, latency, t_r + last if w.judge_future else 0.0)
         r_judged = handoff_r and t_r < t_g

@@ -478,6 +478,8 @@ class Workload:
     rollout_queued: int = 0  # of which waiting for a device
     rollout_holders: int = 0  # devices running the others (0: unknown, any rollout device may)
     judge_queued: int = 0  # judgments waiting or running
+    judge_running: int = 0  # of which in flight on a judge device (they finish there)
+    judge_holders: int = 0  # judge devices running those (0: unknown, any judge device may take them)
     judge_future: int = 0  # responses that will still need judging (= unfinished rollout sequences)
     judge_tokens_mean: float = 64.0  # tokens a judgment writes
     train_groups_left: int = 0  # groups whose backward is not done
@@ -488,19 +490,25 @@ class Workload:
     step_seconds: float = 0.0  # the optimizer step, after the last backward
     prompt_tokens_mean: float = 0.0  # prompt tokens re-prefilled with a migrated sequence
     judge_read_tokens: float = 0.0  # prompt + response tokens of the judgments queued or running: what they read
+    judge_read_running: float = 0.0  # of which the running ones'
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.rollout_remaining):
             raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
-        counts = ("rollout_queued", "rollout_holders", "judge_queued", "judge_future", "train_groups_left",
-                  "train_groups_ready", "train_groups_judging", "step_seconds", "prompt_tokens_mean",
-                  "judge_read_tokens")  # fmt: skip
+        counts = ("rollout_queued", "rollout_holders", "judge_queued", "judge_running", "judge_holders",
+                  "judge_future", "train_groups_left", "train_groups_ready", "train_groups_judging",
+                  "step_seconds", "prompt_tokens_mean", "judge_read_tokens", "judge_read_running")  # fmt: skip
         for name in counts:
             _positive(name, getattr(self, name), strict=False)
         if self.rollout_groups and len(self.rollout_groups) != len(self.rollout_remaining):
             raise ValueError(
                 f"rollout_groups: {len(self.rollout_groups)} entries for {len(self.rollout_remaining)} sequences"
                 " (one group per unfinished sequence, or none)"
+            )
+        if self.judge_running > self.judge_queued or self.judge_read_running > self.judge_read_tokens:
+            raise ValueError(
+                f"judge_running={self.judge_running}, judge_read_running={self.judge_read_running}: the running"
+                f" judgments are some of the {self.judge_queued} queued or running ({self.judge_read_tokens} tokens)"
             )
         _positive("judge_tokens_mean", self.judge_tokens_mean)
         _positive("train_tokens_per_group", self.train_tokens_per_group)

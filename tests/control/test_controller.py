@@ -462,6 +462,12 @@ def test_a_group_generated_whole_is_judged_first():
                 sent += [r.uid for r in c.requests]
     assert sent == [0]  # one judgment in flight, the rest queued
     assert [r.uid for r in ctl.scheduler.judge_queue] == [2, 3, 4, 6]
+    # the plan sees which judgments run where: those finish on their device
+    w, zero = ctl.workload(), ctl.by_uid[0]
+    assert (w.judge_queued, w.judge_running, w.judge_holders) == (5, 1, 1)
+    assert w.judge_read_running == len(zero.prompt_ids) + len(zero.response_ids) > 0
+    assert w.judge_read_tokens == sum(len(ctl.by_uid[u].prompt_ids) + len(ctl.by_uid[u].response_ids)
+                                      for u in (0, 2, 3, 4, 6))  # fmt: skip
     for c in ctl.handle(Judged(1, (JudgeResult(0, "VERDICT: yes", False, 5),))):
         if isinstance(c, Judge):
             sent += [r.uid for r in c.requests]

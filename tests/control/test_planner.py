@@ -110,6 +110,31 @@ def test_rollout_tail_is_priced_at_the_context_it_reads():
     assert longer.rollout_end - e.rollout_end == pytest.approx(360 * 1e-6 * 2000, rel=1e-3)
 
 
+def test_judgments_running_finish_where_they_run():
+    # 64 judgments of 100 tokens: waiting, 4 judge devices share them (16 each, 0.0655 s a step:
+    # 100 steps, 6.55 s); running on one device, the other 3 have nothing to take (64 at the batch cap
+    # of 32: 2 x 100 steps of 0.08 s, 16 s)
+    p = profiles()
+    waiting = Workload(judge_queued=64, judge_tokens_mean=100)
+    running = Workload(judge_queued=64, judge_running=64, judge_holders=1, judge_tokens_mean=100)
+    assert estimate(waiting, p, alloc(0, 4, 0), MAX_BATCH).judge_end == pytest.approx(100 * (0.05 + 15 * PER_SEQ))
+    assert estimate(running, p, alloc(0, 4, 0), MAX_BATCH).judge_end == pytest.approx(64 * 100 / 400)
+    assert estimate(running, p, alloc(0, 1, 0), MAX_BATCH).judge_end == pytest.approx(64 * 100 / 400)
+    # half of them waiting: the 3 idle devices take those, while the holder finishes its own
+    half = Workload(judge_queued=64, judge_running=32, judge_holders=1, judge_tokens_mean=100)
+    assert estimate(half, p, alloc(0, 4, 0), MAX_BATCH).judge_end == pytest.approx(100 * 0.08)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"judge_queued": 4, "judge_running": 5}, {"judge_read_tokens": 10.0, "judge_read_running": 11.0}],
+    ids=["more-running-than-queued", "more-read-running-than-queued"],
+)
+def test_workload_running_judgments_are_some_of_the_queued(kwargs):
+    with pytest.raises(ValueError, match="judge_running"):
+        Workload(**kwargs)
+
+
 def test_tail_bound_dominates_with_few_sequences():
     few = Workload(rollout_remaining=[0, 0], judge_future=2)
     many = Workload(rollout_remaining=[0] * 200, judge_future=200)
