@@ -192,8 +192,10 @@ class Worker:
                 break
         t1 = self.now()
         role = self.role
+        kv = stats.kv_read_tokens - kv0
         measured = {
-            "tokens": stats.generated_tokens - before, "running": running, "finished": len(finished), "steps": steps
+            "tokens": stats.generated_tokens - before, "running": running, "finished": len(finished), "steps": steps,
+            "kv": kv,
         }  # fmt: skip
         if prefill_tokens:
             measured |= {"prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 6)}
@@ -210,7 +212,7 @@ class Worker:
                 prefill_tokens,
                 prefill_s,
                 steps,
-                stats.kv_read_tokens - kv0,
+                kv,
             )
         ]
         if role is Role.ROLLOUT and finished:

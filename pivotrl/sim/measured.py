@@ -440,8 +440,10 @@ def _replay(events: list[dict[str, Any]], max_batch: int) -> tuple[list[_GenSlic
                 else:
                     steps = min(max((decode - gone / 2) / (batch - gone / 2), decode / batch), float(decode))
                 mean_ctx = context / batch
-                # batch b_k = batch - gone * k / steps at step k, context mean_ctx + k: sum of b_k * (mean_ctx + k)
-                kv = mean_ctx * decode + batch * steps * (steps - 1) / 2 - gone * (steps - 1) * (2 * steps - 1) / 6
+                if isinstance(a.get("kv"), int) and a["kv"] > 0:  # counted by the engine (newer runs)
+                    kv = float(a["kv"])
+                else:  # batch b_k = batch - gone * k / steps at step k, context mean_ctx + k: sum of b_k (mean_ctx + k)
+                    kv = mean_ctx * decode + batch * steps * (steps - 1) / 2 - gone * (steps - 1) * (2 * steps - 1) / 6
             running = max(0, running + admitted - finished)
             context = running * (context / max(batch, 1) + steps) if running else 0.0
             g = _GenSlice(device, e["role"], e["start"], e["end"], prefill_tokens, prefill_s, admitted, steps,

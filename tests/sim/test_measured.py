@@ -175,10 +175,11 @@ class Trace:
         self.t += seconds
 
     def burst(self, role: str, line: tuple, batch: int, warm: int, per_slice: int, gap: float = 0.0,
-              together: bool = False, log_steps: bool = False) -> None:  # fmt: skip
+              together: bool = False, log_steps: bool = False, log_kv: bool = False) -> None:  # fmt: skip
         """``batch`` sequences admitted together, decoding ``warm`` steps at full batch, then one
         finishing per step (all at once with ``together``); a slice every ``per_slice`` steps (``warm``
-        a multiple of it). ``log_steps``: slices carry their decode steps, as newer runs log them."""
+        a multiple of it). ``log_steps``, ``log_kv``: slices carry their decode steps and the context those
+        read, as newer runs log them."""
         base, per_seq, per_kv = line
         prefill_tokens = batch * PROMPT[role]
         running, k, first = batch, 0, True
@@ -187,13 +188,14 @@ class Trace:
             load = running
             if first:
                 seconds, tokens = prefill_tokens * PREFILL[role], batch
-            steps = 0
+            steps = kv = 0
             for _ in range(per_slice):
                 if not running:
                     break
                 steps += 1
                 context = PROMPT[role] + 1 + k  # the engine's context of a step: cached tokens plus the new one
                 seconds += base + running * (per_seq + per_kv * context)
+                kv += running * context
                 tokens += running
                 k += 1
                 if k > warm or together and k == warm:
@@ -202,6 +204,8 @@ class Trace:
             args = {"tokens": int(tokens), "running": load, "finished": int(finished)}
             if log_steps:
                 args["steps"] = steps
+            if log_kv:
+                args["kv"] = kv
             if first:
                 args |= {"prefill_tokens": prefill_tokens, "prefill_s": prefill_tokens * PREFILL[role]}
             self.span(role, f"{role} {int(finished)} done", seconds, **args)
@@ -359,6 +363,17 @@ def test_logged_decode_steps_are_used(tmp_path):
     assert (logged.step_base_s, logged.step_per_seq_s) == pytest.approx(line[:2], rel=1e-6)
     guessed = fit_run(steady_run(line=line, together=True).write(tmp_path / "guessed")).costs.rollout
     assert guessed.step_base_s != pytest.approx(line[0], rel=1e-3)
+
+
+def test_logged_context_reads_are_used(tmp_path):
+    """The context a slice's steps read, estimated from the batch and its finishes, is off where whole
+    batches finish at once; runs that log it (the engine counts it) are fitted exactly."""
+    logged = fit_run(steady_run(together=True, log_steps=True, log_kv=True).write(tmp_path / "logged")).costs.rollout
+    assert (logged.step_base_s, logged.step_per_seq_s, logged.step_per_kv_token_s) == pytest.approx(
+        ROLLOUT_LINE, rel=1e-6
+    )
+    guessed = fit_run(steady_run(together=True, log_steps=True).write(tmp_path / "guessed")).costs.rollout
+    assert guessed.step_per_kv_token_s != pytest.approx(ROLLOUT_LINE[2], rel=1e-3)
 
 
 def test_the_call_term_of_training_is_fitted_when_call_sizes_differ(tmp_path):
