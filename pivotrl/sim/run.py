@@ -277,6 +277,7 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
                       "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events,
                       "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions()}  # fmt: skip
     summary["sim_seconds"] = driver.clock()
+    summary["sim"]["ideal"] = _bounds(job, spec, summary)
     title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
     writer.write_events(slices, title=title)
     planner = getattr(s.policy, "planner", None)
@@ -289,13 +290,32 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     return summary
 
 
+def _bounds(job: JobConfig, spec: SimSpec, summary: dict[str, Any]) -> dict[str, float]:
+    """What any schedule could do with this job on this cluster (``pivotrl.sim.ideal``): the ideal
+    throughput, the shortest step (the floor), and the share of the floor's throughput the run's steady
+    steps reach: how much a better schedule could still gain here."""
+    from pivotrl.sim.ideal import ideal_step  # (it builds jobs with this module's ``build``)
+
+    r = job.rollout
+    ideal = ideal_step(spec, r.prompts_per_step * r.group_size, r.max_new_tokens, job.judge.max_new_tokens,
+                       group_size=r.group_size)  # fmt: skip
+    floor = ideal.samples / ideal.floor_seconds
+    return {"samples_per_s": ideal.samples_per_s, "floor_seconds": ideal.floor_seconds,
+            "floor_samples_per_s": floor, "steady_of_floor": summary["steady_samples_per_s"] / floor}  # fmt: skip
+
+
 def format_sim(summary: dict[str, Any]) -> str:
-    """The simulator's line under the run summary: what was modeled, virtual and real time."""
+    """The simulator's lines under the run summary: what was modeled, virtual and real time, and how
+    far the run is from what any schedule could do."""
     sim = summary["sim"]
     per_step = summary["sim_seconds"] / max(summary["steps"], 1)
+    ideal = sim["ideal"]
     return (
         f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
         f"({summary['devices']} instances of {sim['instance_gpus']} GPU), {sim['policy_model']} policy, "
         f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions); "
-        f"{summary['wall_seconds']:.1f} s of wall time"
+        f"{summary['wall_seconds']:.1f} s of wall time\n"
+        f"ideal {ideal['samples_per_s']:.1f} samples/s; no schedule's step is shorter than "
+        f"{ideal['floor_seconds']:.1f} s ({ideal['floor_samples_per_s']:.1f} samples/s): the steady steps "
+        f"reach {100 * ideal['steady_of_floor']:.0f}% of that"
     )

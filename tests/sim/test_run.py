@@ -9,6 +9,7 @@ import pytest
 
 from pivotrl.cli import main
 from pivotrl.config import load_config
+from pivotrl.sim.ideal import ideal_for_job
 from pivotrl.sim.run import run_simulation
 from tests.sim.test_measured import PROFILE
 
@@ -141,6 +142,22 @@ def test_cli_prints_the_summary_and_virtual_time(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "colocated on 4 device(s), 2 steps" in out and "timeline:" in out
     assert "on 4 x H100 (4 instances of 1 GPU)" in out and "s of wall time" in out
+    assert "no schedule's step is shorter than" in out
+
+
+@pytest.mark.parametrize("mode", ["colocated", "shiftable"])
+def test_a_simulated_run_says_how_far_it_is_from_any_schedule(runs, mode):
+    summary = json.loads((runs[mode] / "summary.json").read_text())
+    bounds = summary["sim"]["ideal"]
+    cfg = load_config(EXAMPLE, [*SMALL, f"mode={mode}"])
+    ideal = ideal_for_job(cfg)
+    assert bounds["samples_per_s"] == pytest.approx(ideal.samples_per_s)
+    assert bounds["floor_seconds"] == pytest.approx(ideal.floor_seconds)
+    assert bounds["floor_samples_per_s"] == pytest.approx(ideal.samples / ideal.floor_seconds)
+    assert (
+        0 < bounds["steady_of_floor"] == pytest.approx(summary["steady_samples_per_s"] / bounds["floor_samples_per_s"])
+    )
+    assert bounds["steady_of_floor"] < 1  # no run beats the floor
 
 
 def test_a_trace_replays_each_samples_length_by_step_and_uid(tmp_path):
