@@ -168,6 +168,8 @@ class Controller:
             "prompt_tokens": 16.0,
             "step_seconds": 0.1,
         }
+        self._steps_trained = 0
+        self._first_judgments = [0, 0]  # tokens and judgments seen before the first step is trained
         self.done = False
         self.top_reward = max(genrm.rewards.values())
 
@@ -375,9 +377,14 @@ class Controller:
     def _measure(self, event: Event) -> None:
         """Running means the planner's workload is expressed in."""
         m, a = self.measured, 0.2
-        if isinstance(event, Judged) and event.results:
-            mean = sum(r.tokens for r in event.results) / len(event.results)
-            m["judge_tokens"] += a * (mean - m["judge_tokens"])
+        if isinstance(event, Judged) and event.results and not self._steps_trained:
+            # (judgments too are averaged over whole steps once there is one, in _on_trained: a judge
+            # that reasons writes judgments of very different lengths, and the long ones end last; a
+            # running mean of the first step's judgments until then)
+            seen = self._first_judgments
+            seen[0] += sum(r.tokens for r in event.results)
+            seen[1] += len(event.results)
+            m["judge_tokens"] = seen[0] / seen[1]
         elif isinstance(event, Generated) and event.results:
             # (response lengths are averaged over whole steps, in _on_trained: the responses that
             # finish first are the short ones, and those that finish last the long ones)
@@ -612,6 +619,8 @@ class Controller:
         self.step.train_stats = e.stats
         samples = self.step.samples
         self.measured["response_tokens"] = sum(len(s.response_ids) for s in samples) / max(1, len(samples))
+        self.measured["judge_tokens"] = sum(s.judge_tokens for s in samples) / max(1, len(samples))
+        self._steps_trained += 1
         self.step.finished = self.clock()
         self.pending_metrics[self.step.step] = self._step_metrics(self.step)
         self.finished_steps.append(self.step)

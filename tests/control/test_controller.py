@@ -475,6 +475,34 @@ def test_a_group_generated_whole_is_judged_first():
     assert ctl.by_uid[0].judge_tokens == 5  # the judgment's length stays with its sample (samples.jsonl)
 
 
+class ReasoningJudge(FakeCluster):
+    """Judgments of two lengths: 5 tokens for even uids, 95 for odd ones."""
+
+    def submit(self, cmd: Command) -> None:
+        super().submit(cmd)
+        if isinstance(cmd, Judge):
+            d = cmd.device
+            self.work[d] = deque(replace(r, tokens=5 + 90 * (r.uid % 2)) for r in self.work[d])
+
+
+def test_judgment_lengths_are_averaged_over_whole_steps():
+    """A judge that reasons writes judgments of very different lengths and the long ones end last: a
+    running mean over judgments as they end reads the step's last ones. After a step the planner's
+    judgment length is that step's mean; before, the mean of those seen."""
+    ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
+    cluster = ReasoningJudge(ctl)
+    commands = ctl.start()
+    means = []
+    while not ctl.done:
+        for c in commands:
+            cluster.submit(c)
+        events = cluster.next_events()
+        commands = [c for e in events for c in ctl.handle(e)]
+        if any(isinstance(e, Trained) for e in events):
+            means.append(ctl.measured["judge_tokens"])
+    assert means == [pytest.approx(50.0)] * len(means) and len(means) == ctl.spec.steps
+
+
 def test_a_judgment_weighs_the_context_it_reads():
     """On a GPU a judgment's decode steps cost about its context: a long response's judgment weighs more."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
