@@ -397,7 +397,8 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             bulk, t_q = max(judged[-1], t_held), max(judged[0], t_held)  # t_q: those waiting now are done
             # the judge queue takes whole groups first: the judgments of the groups whole now (at most
             # all those waiting), then those of the groups whole by each point, judged ahead of the rest
-            now = min(queued, w.judging * w.group_size * queued / max(1, w.judge_queued - w.judge_running))
+            waiting = w.judge_queued - (w.judge_running if held else 0)  # the judgments ``queued`` is of
+            now = min(queued, w.judging * w.group_size * queued / max(1, waiting))
             whole_pieces, prev_whole = [(0.0, now)], 0.0
             for at, whole in zip(taus, w.whole, strict=True):
                 whole_pieces.append((at, (whole - prev_whole) * w.group_size * per_future))
