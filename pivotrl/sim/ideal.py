@@ -79,8 +79,9 @@ each decode step slower. A step of any such schedule lasts at least
     (W_rollout(d) + W_rest) / G        W_rollout(d) = tp * sum over x of d_x * decode_step(...)
 
 with ``after`` what follows the last token (below) and W_rest every other
-piece of the ideal's work at its ideal price. The floor is the largest value over lam in [0, 1] of the
-minimum over d of lam (R(d) + after) + (1 - lam) (W_rollout(d) + W_rest) / G,
+piece of the ideal's work at its ideal price. The floor is the largest value
+over lam in [0, 1] of the minimum over d of
+lam (R(d) + after) + (1 - lam) (W_rollout(d) + W_rest) / G,
 the Lagrangian dual of minimising the larger of the two: the minimum
 separates per decode step, and runs of steps whose alive count stays within
 2% are priced at their fewest responses, which only lowers it. lam = 1 is the
