@@ -168,8 +168,8 @@ class Controller:
             "prompt_tokens": 16.0,
             "step_seconds": 0.1,
         }
-        self._steps_trained = 0
-        self._first_judgments = [0, 0]  # tokens and judgments seen before the first step is trained
+        # tokens and judgments seen until the first step is trained (None from then on)
+        self._first_judgments: list[int] | None = [0, 0]
         self.done = False
         self.top_reward = max(genrm.rewards.values())
 
@@ -377,11 +377,11 @@ class Controller:
     def _measure(self, event: Event) -> None:
         """Running means the planner's workload is expressed in."""
         m, a = self.measured, 0.2
-        if isinstance(event, Judged) and event.results and not self._steps_trained:
+        seen = self._first_judgments
+        if isinstance(event, Judged) and event.results and seen is not None:
             # (judgments too are averaged over whole steps once there is one, in _on_trained: a judge
             # that reasons writes judgments of very different lengths, and the long ones end last; a
             # running mean of the first step's judgments until then)
-            seen = self._first_judgments
             seen[0] += sum(r.tokens for r in event.results)
             seen[1] += len(event.results)
             m["judge_tokens"] = seen[0] / seen[1]
@@ -620,7 +620,7 @@ class Controller:
         samples = self.step.samples
         self.measured["response_tokens"] = sum(len(s.response_ids) for s in samples) / max(1, len(samples))
         self.measured["judge_tokens"] = sum(s.judge_tokens for s in samples) / max(1, len(samples))
-        self._steps_trained += 1
+        self._first_judgments = None
         self.step.finished = self.clock()
         self.pending_metrics[self.step.step] = self._step_metrics(self.step)
         self.finished_steps.append(self.step)

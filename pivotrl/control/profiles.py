@@ -277,10 +277,10 @@ class RoleProfile:
 
     def _fit(self) -> None:
         s = [p + x for p, x in zip(self._prior, self._data, strict=True)]
-        coef = _plane_fit(s)
-        if coef[0] <= 0:  # the data say a step costs nothing of its own: all of it is per sequence
-            coef = (1e-9, *(max(c, 1e-9) for c in _plane_fit(s, (1, 2))[1:]))
-        self.step_base, self.step_per_seq, self.step_per_kv = coef
+        base, per_seq, per_kv = nonneg_fit([[s[j] for j in row] for row in _GRAM], [s[i] for i in _MOMENT], s[9])
+        if base <= 0:  # the data say a step costs nothing of its own: all of it is per sequence
+            base, per_seq, per_kv = 1e-9, max(per_seq, 1e-9), max(per_kv, 1e-9)
+        self.step_base, self.step_per_seq, self.step_per_kv = base, per_seq, per_kv
         self._stale = True  # the curve is drawn when next asked for: slices come far more often than plans
 
     def _draw(self) -> tuple[list[float], list[float]]:
@@ -349,50 +349,34 @@ _GRAM = ((0, 1, 2), (1, 3, 4), (2, 4, 5))  # index of sum(w x_i x_j) in ``_add``
 _MOMENT = (6, 7, 8)  # index of sum(w x_i y)
 
 
-def _plane_fit(s: list[float], terms: tuple[int, ...] = (0, 1, 2)) -> tuple[float, float, float]:
-    """Least-squares coefficients (base, per sequence, per KV token) from ``_add``'s sums, over
-    ``terms`` (the others 0), none of the per-sequence and per-KV-token ones negative: the
-    unconstrained solution when it has none, else the best fit among those that drop the negative
-    terms (a slope the data drive below 0 is noise, not a step getting faster with its batch)."""
-    best: tuple[float, tuple[float, float, float]] | None = None
-    for subset in _subsets(terms):
-        coef = _solve(s, subset)
-        if coef is None or any(coef[i] < 0 for i in (1, 2)):
+def nonneg_fit(gram: list[list[float]], moment: list[float], yy: float) -> list[float]:
+    """Weighted least squares with every coefficient >= 0, from its normal equations: ``gram`` is
+    sum(w x x^T), ``moment`` sum(w x y), ``yy`` sum(w y^2). The unconstrained fit where none of its
+    coefficients is negative (no subset fits better), else the best fit over the subsets of the
+    columns whose coefficients all are >= 0 (zeros if none is). A term the data cannot tell apart
+    from the others drops out at 0 rather than going negative, making steps cost less than nothing."""
+    k = len(moment)
+    full = solve_linear(gram, moment)
+    if full is not None and min(full) >= 0:
+        return full
+    best: tuple[float, list[float]] = (math.inf, [0.0] * k)
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        x = solve_linear([[gram[i][j] for j in cols] for i in cols], [moment[i] for i in cols])
+        if x is None or min(x) < 0:
             continue
-        if len(subset) == len(terms):
-            return coef
-        # the weighted squared error, sum(w (y - x.coef)^2), from the sums
-        err = (
-            s[9]
-            - 2 * sum(coef[i] * s[_MOMENT[i]] for i in range(3))
-            + sum(coef[i] * coef[j] * s[_GRAM[i][j]] for i in range(3) for j in range(3))
+        coef = [0.0] * k
+        for j, v in zip(cols, x, strict=True):
+            coef[j] = v
+        # sum(w (y - x.coef)^2), from the sums
+        sse = (
+            yy
+            - 2 * sum(c * m for c, m in zip(coef, moment, strict=True))
+            + sum(coef[i] * coef[j] * gram[i][j] for i in cols for j in cols)
         )
-        if best is None or err < best[0]:
-            best = (err, coef)
-    return best[1] if best is not None else (s[6] / s[0] if s[0] else 0.0, 0.0, 0.0)
-
-
-def _subsets(terms: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """``terms`` whole first, then with fewer terms, keeping the base (index 0) where it is in."""
-    out = [terms]
-    rest = tuple(t for t in terms if t != 0)
-    keep = (0,) if 0 in terms else ()
-    if len(rest) == 2:
-        out += [(*keep, rest[0]), (*keep, rest[1])]
-    if keep:
-        out.append(keep)
-    return out
-
-
-def _solve(s: list[float], terms: tuple[int, ...]) -> tuple[float, float, float] | None:
-    """The normal equations over ``terms``; None where they are singular."""
-    x = solve_linear([[s[_GRAM[i][j]] for j in terms] for i in terms], [s[_MOMENT[i]] for i in terms])
-    if x is None:
-        return None
-    coef = [0.0, 0.0, 0.0]
-    for t, v in zip(terms, x, strict=True):
-        coef[t] = v
-    return coef[0], coef[1], coef[2]
+        if sse < best[0]:
+            best = (sse, coef)
+    return best[1]
 
 
 def solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:

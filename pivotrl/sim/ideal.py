@@ -290,7 +290,11 @@ def spread_ends(spec: SimSpec, samples: int, rollout_tokens: int) -> list[tuple[
 
 def ideal_for_job(cfg: JobConfig) -> IdealStep:
     """The ideal step of a ``pivotrl simulate`` job, from the spec the simulator builds for it."""
-    spec = build(cfg).spec
+    return ideal_of(cfg, build(cfg).spec)
+
+
+def ideal_of(cfg: JobConfig, spec: SimSpec) -> IdealStep:
+    """The ideal step of job ``cfg`` on the cluster ``spec`` models (the one ``build(cfg)`` gives)."""
     r = cfg.rollout
     return ideal_step(spec, r.prompts_per_step * r.group_size, r.max_new_tokens, cfg.judge.max_new_tokens,
                       group_size=r.group_size)  # fmt: skip

@@ -20,7 +20,7 @@ from statistics import fmean, median, pstdev
 from typing import Any
 
 from pivotrl.control.messages import ROLES, Role
-from pivotrl.control.profiles import solve_linear
+from pivotrl.control.profiles import nonneg_fit
 from pivotrl.sim.costs import SPREAD_KINDS, _check, _check_count, _check_tp, check_spread_kind
 from pivotrl.sim.models import ModelSpec
 
@@ -337,30 +337,14 @@ class RunFit:
 def nonneg_least_squares(
     rows: list[tuple[float, ...]], y: list[float], weights: list[float] | None = None
 ) -> list[float]:
-    """Weighted least squares with every coefficient >= 0, by trying each subset of the columns
-    (there are three): the best fit whose coefficients are all non-negative. A term the data
-    cannot tell apart from the others (a context that barely varies, say) drops out at 0 rather
-    than going negative and making short or long steps cost less than nothing."""
+    """Weighted least squares with every coefficient >= 0 (``nonneg_fit`` over the rows' normal
+    equations): a term the data cannot tell apart from the others (a context that barely varies,
+    say) drops out at 0 rather than going negative."""
     k = len(rows[0])
     w = weights or [1.0] * len(rows)
-    best: tuple[float, list[float]] = (math.inf, [0.0] * k)
-    for mask in range(1, 1 << k):
-        cols = [j for j in range(k) if mask >> j & 1]
-        a = [[sum(wi * r[i] * r[j] for r, wi in zip(rows, w, strict=True)) for j in cols] for i in cols]
-        b = [sum(wi * r[i] * t for r, t, wi in zip(rows, y, w, strict=True)) for i in cols]
-        x = solve_linear(a, b)
-        if x is None or min(x) < 0:
-            continue
-        coef = [0.0] * k
-        for j, v in zip(cols, x, strict=True):
-            coef[j] = v
-        sse = sum(
-            wi * (t - sum(c * v for c, v in zip(coef, r, strict=True))) ** 2
-            for r, t, wi in zip(rows, y, w, strict=True)
-        )
-        if sse < best[0]:
-            best = (sse, coef)
-    return best[1]
+    gram = [[sum(wi * r[i] * r[j] for r, wi in zip(rows, w, strict=True)) for j in range(k)] for i in range(k)]
+    moment = [sum(wi * r[i] * t for r, t, wi in zip(rows, y, w, strict=True)) for i in range(k)]
+    return nonneg_fit(gram, moment, sum(wi * t * t for t, wi in zip(y, w, strict=True)))
 
 
 def _read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

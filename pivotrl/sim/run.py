@@ -294,11 +294,9 @@ def _bounds(job: JobConfig, spec: SimSpec, summary: dict[str, Any]) -> dict[str,
     """What any schedule could do with this job on this cluster (``pivotrl.sim.ideal``): the ideal
     throughput, the shortest step (the floor), and the share of the floor's throughput the run's steady
     steps reach: how much a better schedule could still gain here."""
-    from pivotrl.sim.ideal import ideal_step  # (it builds jobs with this module's ``build``)
+    from pivotrl.sim.ideal import ideal_of  # (it builds jobs with this module's ``build``)
 
-    r = job.rollout
-    ideal = ideal_step(spec, r.prompts_per_step * r.group_size, r.max_new_tokens, job.judge.max_new_tokens,
-                       group_size=r.group_size)  # fmt: skip
+    ideal = ideal_of(job, spec)
     floor = ideal.samples / ideal.floor_seconds
     return {"samples_per_s": ideal.samples_per_s, "floor_seconds": ideal.floor_seconds,
             "floor_samples_per_s": floor, "steady_of_floor": summary["steady_samples_per_s"] / floor}  # fmt: skip
