@@ -146,7 +146,7 @@ class Controller:
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
         self.finished_steps: list[StepRecord] = []  # finished steps' records, for the run's samples.jsonl; drained
         self.shift_log: list[ShiftDone] = []
-        self.tokens_so_far: dict[int, int] = {}  # uid -> response tokens generated, for running sequences
+        self.tokens_so_far: dict[int, int] = {}  # uid -> tokens running sequences have written (responses, verdicts)
         self._rebalance_due = False  # the rollout devices' loads changed since they were last compared
         self._handlers: dict[type, Callable[[Any], None]] = {
             ShiftDone: self._on_shift, Generated: self._on_generated, Judged: self._on_judged,
@@ -342,7 +342,9 @@ class Controller:
         def reads(uids: Iterable[int]) -> int:
             return sum(len(by_uid[u].prompt_ids) + len(by_uid[u].response_ids) for u in uids if u in by_uid)
 
-        read_running = reads(judging)
+        # a judgment its device has started (it reported tokens written) has read its prompt there
+        so_far = self.tokens_so_far
+        read_running = reads(uid for uid in judging if uid not in so_far)
         read = read_running + reads(r.uid for r in s.judge_queue)
         # the groups left are the ones with the longest responses (those end last): their tokens as known
         # so far, the mean length for responses still generating
@@ -372,6 +374,7 @@ class Controller:
             prompt_tokens_mean=self.measured["prompt_tokens"],
             judge_read_tokens=read,
             judge_read_running=read_running,
+            judge_written_running=sum(so_far.get(uid, 0) for uid in judging),
         )
 
     def _measure(self, event: Event) -> None:
@@ -442,7 +445,7 @@ class Controller:
 
     def _on_progress(self, e: Progress) -> None:
         """Live measurements; the planner of shiftable mode learns its profiles from them."""
-        self.tokens_so_far.update(e.tokens_so_far)  # (uid, tokens) pairs
+        self.tokens_so_far.update(e.tokens_so_far)  # (uid, tokens) pairs: responses, or verdicts being written
 
     def _on_aborted(self, e: Aborted) -> None:
         """Requests taken from a device (it leaves its role, or hands its excess over when the
@@ -451,6 +454,8 @@ class Controller:
         self._rebalance_due = True
         for r in (*e.gen, *e.judge):
             self.scheduler.finished(e.device, r.uid)
+        for r in e.judge:  # a judgment moved reads its prompt again where it goes
+            self.tokens_so_far.pop(r.uid, None)
         moved = [r for r in (*e.gen, *e.judge) if r.uid < EVAL_UID]  # every sequence moved, either role
         for r in moved:
             self.by_uid[r.uid].migrations += 1
@@ -513,6 +518,7 @@ class Controller:
             self.step.first_judged = self.clock()
         for r in e.results:
             self.scheduler.finished(e.device, r.uid)
+            self.tokens_so_far.pop(r.uid, None)
             s = self.by_uid[r.uid]
             j = self.genrm.score(r.text, truncated=r.truncated)
             self.step.judge_stats.add(j)

@@ -188,7 +188,7 @@ class Progress:
     seconds: float
     tokens: int  # tokens sampled in the slice
     running: int  # sequences in the engine when the slice started
-    tokens_so_far: tuple[tuple[int, int], ...] = ()  # (uid, response tokens) of sequences still running
+    tokens_so_far: tuple[tuple[int, int], ...] = ()  # (uid, tokens written) of sequences running (prefilled)
     prefill_tokens: int = 0  # prompt (and resumed) tokens prefilled in the slice ...
     prefill_seconds: float = 0.0  # ... and the time those prefill steps took
     steps: int = 0  # decode steps in the slice (0: not counted); tokens / steps is the mean batch

@@ -73,11 +73,12 @@ class _Work:
     judge_queued: int
     judge_future: int
     judge_tokens: float
-    judge_read: float  # prompt + response tokens every judgment left must read (prefill)
+    judge_read: float  # prompt + response tokens every judgment left must still read (prefill)
     judge_read_queued: float  # of which the judgments queued or running
     judge_running: int  # of the queued, those in flight on a judge device: they finish there
     judge_holders: int  # the judge devices running them (0: unknown)
-    judge_read_running: float  # what they read
+    judge_read_running: float  # what they still read (those not started)
+    judge_written_running: float  # verdict tokens they have written
     groups: int
     ready: int  # groups whose backward can start now
     judging: int  # groups generated whole, whose backward starts once the judge queue drains
@@ -88,6 +89,8 @@ class _Work:
     bulk_context: float  # mean context of the rollout's decode steps left, weighed by their tokens
     tail_context: float  # context of the longest sequence at the end of its expected rest
     judge_context: float  # tokens re-read per restarted judgment
+    judge_fits: float  # judgments a judge device's paged KV cache holds at the context of those left (inf: no limit)
+    judge_left_context: float | None  # mean context of the decode steps of judgments not yet on a device
     # the rest of the rollout on a grid of decode steps (``grid``, the last one ``longest``; empty when no
     # sequence is left): sequences still running halfway through each interval and their mean context
     # there; where the workload says which group each sequence is of (empty otherwise), training
@@ -138,7 +141,7 @@ def _rollout_grid(w: Workload, lm: LengthModel, longest: float) -> dict[str, tup
     return {**out, "ended": tuple(ended), "whole": tuple(whole)}
 
 
-def _summarize(w: Workload, p: Profiles) -> _Work:
+def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work:
     lm, by_t = p.lengths, Counter(w.rollout_remaining)  # queued sequences share t=0: one lookup each
     exp = {t: lm.expected_remaining(t) for t in by_t}
     running = [t for t in w.rollout_remaining if t > 0]
@@ -146,6 +149,18 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
     # a sequence with t tokens and e expected to come reads t + e/2 tokens (and the prompt) on average
     left = sum(exp[t] * n for t, n in by_t.items())
     held = sum(exp[t] * n * (t + exp[t] / 2) for t, n in by_t.items())
+    # responses still generating are read once they end: prompt, tokens so far and their expected rest
+    seqs = len(w.rollout_remaining)
+    judge_read = w.judge_read_tokens + w.judge_future / max(1, seqs) * (
+        seqs * w.prompt_tokens_mean + sum(w.rollout_remaining) + left
+    )
+    # a paged cache holds as many judgments as fit at their context: the prompts (and responses) the ones
+    # not yet on a device read, and half a verdict; long responses, judged last, make the batches small
+    judge_fits, judge_left_context = INF, None
+    if (waiting := w.judge_queued + w.judge_future - w.judge_running) > 0:
+        judge_left_context = (judge_read - w.judge_read_running) / waiting + w.judge_tokens_mean / 2
+        if judge_kv is not None:
+            judge_fits = max(1.0, judge_kv // max(1.0, judge_left_context))
     return _Work(
         seqs=len(w.rollout_remaining),
         queued=w.rollout_queued,
@@ -158,18 +173,11 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         judge_running=w.judge_running,
         judge_holders=w.judge_holders,
         judge_read_running=w.judge_read_running,
+        judge_written_running=w.judge_written_running,
         judge_future=w.judge_future,
         judge_tokens=w.judge_tokens_mean,
-        # responses still generating are read once they end: prompt, tokens so far and their expected rest
         judge_read_queued=w.judge_read_tokens,
-        judge_read=w.judge_read_tokens
-        + w.judge_future
-        / max(1, len(w.rollout_remaining))
-        * (
-            len(w.rollout_remaining) * w.prompt_tokens_mean
-            + sum(w.rollout_remaining)
-            + sum(exp[t] * n for t, n in by_t.items())
-        ),
+        judge_read=judge_read,
         groups=w.train_groups_left,
         ready=min(w.train_groups_ready, w.train_groups_left),
         judging=min(w.train_groups_judging, max(0, w.train_groups_left - w.train_groups_ready)),
@@ -181,6 +189,8 @@ def _summarize(w: Workload, p: Profiles) -> _Work:
         # the longest is likely among those that ran longest so far
         tail_context=w.prompt_tokens_mean + max(by_t, default=0) + longest,
         judge_context=w.prompt_tokens_mean + lm.mean + w.judge_tokens_mean / 2,
+        judge_fits=judge_fits,
+        judge_left_context=judge_left_context,
         **_rollout_grid(w, lm, longest),
     )
 
@@ -264,7 +274,9 @@ def _fifo(
     return out
 
 
-def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: Batch) -> Estimate:
+def estimate(
+    workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: Batch, judge_kv: float | None = None
+) -> Estimate:
     """Seconds until the step completes with ``alloc`` devices per role from now on.
 
     A fluid model with the step's dependencies:
@@ -289,7 +301,8 @@ def estimate(workload: Workload, profiles: Profiles, alloc: dict[Role, int], max
     whose role has no work now stay idle: moving them is the decision at hand.
     A role with work and no device, now or later, never ends (inf).
     """
-    return _estimate(_summarize(workload, profiles), profiles, tuple(alloc.get(r, 0) for r in ROLES), max_batch)
+    w = _summarize(workload, profiles, judge_kv)
+    return _estimate(w, profiles, tuple(alloc.get(r, 0) for r in ROLES), max_batch)
 
 
 def _gen_rate(profile: RoleProfile, items: float, n: int, max_batch: int, context: float | None = None) -> float:
@@ -325,6 +338,7 @@ Batch = int | tuple[int, int]  # sequences one device runs at once: for both rol
 def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late = ON_TIME) -> Estimate:
     n_r, n_g, n_t = alloc
     max_batch, judge_batch = max_batch if isinstance(max_batch, tuple) else (max_batch, max_batch)
+    judge_batch = int(min(judge_batch, w.judge_fits))
     hop = p.costs.cost  # a device handed to the next phase pays its shift
     # rollout
     tail, taus = False, []
@@ -366,20 +380,23 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
     t_g, t_q, r_judged = 0.0, 0.0, False
     judged_whole: list[float] = []
     if w.judge_items:
-        judge_rate = lambda n: _memo_rate(w, p.judge, w.judge_items, n, judge_batch)  # noqa: E731
+        ctx = w.judge_left_context  # (the judgments running read about as much: they came in the same order)
+        judge_rate = lambda n: _memo_rate(w, p.judge, w.judge_items, n, judge_batch, ctx)  # noqa: E731
         # reading the judged responses counts as decode work at the rate of a full judge device
         per_read = judge_rate(max(1, n_g + n_r)) / p.judge.prefill_rate
         queued = w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read
-        latency = w.judge_tokens / p.judge.rate(1)
+        latency = w.judge_tokens / p.judge.rate(1, ctx)  # the last judgment alone (one running may just start)
         # judgments running stay where they run (moved, they would read their prompts again): their
         # devices finish them, in the batch they hold, before taking others (``held``, at ``t_held``);
         # judge devices beyond them help only with the judgments waiting and those to come
         present = n_g - min(late[1][0], n_g)
         holders = min(present, w.judge_holders) if w.judge_running else 0
         held = t_held = 0.0
-        if holders:
+        if holders:  # (priced at the holders' own batch: the judge devices beyond them do not share it)
+            to_write = max(w.judge_running, w.judge_running * w.judge_tokens - w.judge_written_running)
+            rate_held = _gen_rate(p.judge, w.judge_running, holders, judge_batch, ctx)
             held = w.judge_running * w.judge_tokens + w.judge_read_running * per_read
-            t_held = held / (holders * _gen_rate(p.judge, w.judge_running, holders, judge_batch))
+            t_held = (to_write / rate_held + w.judge_read_running / p.judge.prefill_rate) / holders
             queued = max(0.0, queued - held)
         arrivals = [(0.0, present - holders), (t_held, holders)]
         if late[1][0]:
@@ -411,7 +428,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             items.append(w.judge_future - prev)
             left = sum(n for n, end in zip(items, judged, strict=True) if end > t_r)
             batch = min(judge_batch, max(1.0, left / max(1, n_g + n_r)))
-            last = w.judge_tokens * p.judge.step_seconds(batch)
+            last = w.judge_tokens * p.judge.step_seconds(batch, ctx)
         else:
             rest = w.judge_items * w.judge_tokens + w.judge_read * per_read - held
             bulk = max(t_held, _drain(rest, judge_rate, arrivals))
@@ -440,7 +457,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             if taus and w.whole:  # groups generated whole at a grid point train once their judgments are done
                 # (their turn in the queue, then a judgment beside those running on its device)
                 batch = min(judge_batch, max(1.0, w.judge_queued / max(1, n_g)))
-                running, prev = w.judge_tokens * p.judge.step_seconds(batch), 0.0
+                running, prev = w.judge_tokens * p.judge.step_seconds(batch, ctx), 0.0
                 for k, whole in enumerate(w.whole):
                     chunks.append((min(t_g, max(judged_whole[k + 1], taus[k]) + running), whole - prev))
                     prev = whole
@@ -594,18 +611,22 @@ class Planner:
         workload: Workload,
         profiles: Profiles,
         max_batch: Batch,
+        judge_kv: float | None = None,
     ) -> Decision:
         """The role of every device from now on. Every split of the devices is a candidate,
         pinned devices keeping theirs; a role may get none even with work left, since
         ``estimate`` hands it the devices of the phase before (or calls it never-ending).
-        Devices with no role yet (None) always get one, with no margin to beat."""
+        Devices with no role yet (None) always get one, with no margin to beat. ``judge_kv``:
+        tokens a judge device's paged KV cache holds (None: its slots are the only limit)."""
         if set(current) != set(range(self.devices)):
             raise ValueError(f"current: names devices {sorted(current)}, expected 0..{self.devices - 1}")
         if not pinned <= set(current):
             raise ValueError(f"pinned: {sorted(pinned - set(current))} are not devices")
         for cap in max_batch if isinstance(max_batch, tuple) else (max_batch,):
             _positive("max_batch", cap)
-        w = _summarize(workload, profiles)
+        if judge_kv is not None:
+            _positive("judge_kv", judge_kv)
+        w = _summarize(workload, profiles, judge_kv)
         counts = tuple(sum(1 for r in current.values() if r is role) for role in ROLES)
         floor = tuple(sum(1 for d in pinned if current[d] is role) for role in ROLES)
         unassigned = sorted(d for d, r in current.items() if r is None and d not in pinned)

@@ -473,15 +473,18 @@ class Workload:
     train_group_size: int = 1  # samples per group: the backward of one runs on up to this many devices
     step_seconds: float = 0.0  # the optimizer step, after the last backward
     prompt_tokens_mean: float = 0.0  # prompt tokens re-prefilled with a migrated sequence
-    judge_read_tokens: float = 0.0  # prompt + response tokens of the judgments queued or running: what they read
-    judge_read_running: float = 0.0  # of which the running ones'
+    judge_read_tokens: float = 0.0  # prompt + response tokens the judgments queued or running have still to read
+    # (a running judgment that has started writing has read its)
+    judge_read_running: float = 0.0  # of which the running ones' (those not started yet)
+    judge_written_running: int = 0  # verdict tokens the running judgments have written so far
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.rollout_remaining):
             raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
         counts = ("rollout_queued", "rollout_holders", "judge_queued", "judge_running", "judge_holders",
                   "judge_future", "train_groups_left", "train_groups_ready", "train_groups_judging",
-                  "step_seconds", "prompt_tokens_mean", "judge_read_tokens", "judge_read_running")  # fmt: skip
+                  "step_seconds", "prompt_tokens_mean", "judge_read_tokens", "judge_read_running",
+                  "judge_written_running")  # fmt: skip
         for name in counts:
             _positive(name, getattr(self, name), strict=False)
         if self.rollout_groups and len(self.rollout_groups) != len(self.rollout_remaining):

@@ -69,6 +69,7 @@ class Shiftable:
             raise ValueError(f"shiftable needs at least 1 device, got {devices}")
         self.devices = devices
         self.max_batch: int | tuple[int, int] = max_batch  # sequences a device runs at once: both roles, or each
+        self.judge_kv: int | None = None  # tokens a judge device's paged KV cache holds (None: fixed slots)
         self.planner = Planner(devices)
         # rough priors, of the order of one CPU thread on the bundled models; the first measured
         # slices of each role replace them (EWMA)
@@ -129,6 +130,7 @@ class Shiftable:
             view.workload,
             self.profiles,
             self.max_batch,
+            self.judge_kv,
         )
         self._train = tuple(d for d, r in sorted(decision.targets.items()) if r is Role.TRAIN)
         # the next plan is due after a small share of the step's estimated rest: often on a

@@ -200,7 +200,7 @@ class Worker:
         if prefill_tokens:
             measured |= {"prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 6)}
         self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1, measured))
-        so_far = tuple((s.uid, len(s.output_ids)) for s in ctx.engine.running.values()) if role is Role.ROLLOUT else ()
+        so_far = tuple((s.uid, len(s.output_ids)) for s in ctx.engine.running.values())
         events: list[Event] = [
             Progress(
                 self.device,

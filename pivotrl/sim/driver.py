@@ -443,7 +443,7 @@ class SimDriver:
         engine, role = dev.engine, dev.role
         assert engine is not None and role is not None
         tokens = engine.tokens - s.tokens
-        so_far = engine.so_far() if role is Role.ROLLOUT else ()
+        so_far = engine.so_far()
         prefill = (engine.prefill_tokens - s.prefill_tokens, engine.prefill_seconds - s.prefill_seconds)
         steps, kv = engine.k - s.steps, round(engine.kv_read - s.kv_read)
         events: list[Event] = [Progress(dev.id, role, end - s.start, tokens, s.running, so_far, *prefill, steps, kv)]

@@ -160,6 +160,7 @@ def build(cfg: JobConfig) -> Simulation:
     if isinstance(alloc, Shiftable):
         _startup_profile(alloc.profiles, spec)
         alloc.max_batch = (r.max_batch, judge_batch)
+        alloc.judge_kv = spec.kv_tokens(Role.GENRM)
     train_set = synthetic.problems(max(r.prompts_per_step, 1024))
     heldout = synthetic.problems(cfg.eval.size, tag="h")
     loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch)

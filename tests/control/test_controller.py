@@ -34,6 +34,7 @@ from pivotrl.control.messages import (
     Judged,
     JudgeRequest,
     JudgeResult,
+    Progress,
     Role,
     Shift,
     ShiftDone,
@@ -468,10 +469,18 @@ def test_a_group_generated_whole_is_judged_first():
     assert w.judge_read_running == len(zero.prompt_ids) + len(zero.response_ids) > 0
     assert w.judge_read_tokens == sum(len(ctl.by_uid[u].prompt_ids) + len(ctl.by_uid[u].response_ids)
                                       for u in (0, 2, 3, 4, 6))  # fmt: skip
+    # once its device reports it writing, the judgment has read its prompt there: only its verdict is left
+    ctl.handle(Progress(1, Role.GENRM, 0.5, 3, 1, ((0, 3),), prefill_tokens=10, prefill_seconds=0.1))
+    w = ctl.workload()
+    assert (w.judge_read_running, w.judge_written_running) == (0, 3)
+    assert w.judge_read_tokens == sum(len(ctl.by_uid[u].prompt_ids) + len(ctl.by_uid[u].response_ids)
+                                      for u in (2, 3, 4, 6))  # fmt: skip
     for c in ctl.handle(Judged(1, (JudgeResult(0, "VERDICT: yes", False, 5),))):
         if isinstance(c, Judge):
             sent += [r.uid for r in c.requests]
     assert sent == [0, 2]
+    assert 0 not in ctl.tokens_so_far  # a judged sample's progress is gone with it
+    assert ctl.workload().judge_written_running == 0  # judgment 2 has not started writing
     assert ctl.by_uid[0].judge_tokens == 5  # the judgment's length stays with its sample (samples.jsonl)
 
 

@@ -125,6 +125,37 @@ def test_judgments_running_finish_where_they_run():
     assert estimate(half, p, alloc(0, 4, 0), MAX_BATCH).judge_end == pytest.approx(100 * 0.08)
 
 
+def test_judgments_running_cost_what_they_have_left_at_their_holders_pace():
+    """What a running judgment has still to read is priced at its holder's prefill rate and its verdict's
+    rest at its holder's batch, whatever the devices beyond the holders: judge devices with nothing to
+    take shorten nothing (idle, they would look useful and stay out of the train role)."""
+    p = profiles()
+    p.judge = generation(prefill_rate=1000.0)
+    running = dict(judge_queued=64, judge_running=64, judge_holders=2, judge_tokens_mean=100)
+    # 32 judgments each, at the batch cap: 400 tok/s; 3,200 tokens to write and 2,000 to read each
+    unread = Workload(**running, judge_read_tokens=4000.0, judge_read_running=4000.0)
+    ends = [estimate(unread, p, alloc(0, n, 0), MAX_BATCH).judge_end for n in (2, 8, 32)]
+    assert ends == pytest.approx([3200 / 400 + 2000 / 1000] * 3)
+    # twice as many, half of their verdicts written and every prompt read: 3,200 tokens each are left
+    started = Workload(**(running | {"judge_queued": 128, "judge_running": 128}), judge_written_running=6400)
+    assert estimate(started, p, alloc(0, 8, 0), MAX_BATCH).judge_end == pytest.approx(3200 / 400)
+
+
+def test_a_paged_judge_cache_holds_fewer_of_the_long_judgments():
+    """With ``judge_kv`` the judge's batch is what its KV cache holds at the context of the judgments
+    left (what they read and half a verdict), the engine's slots at most."""
+    p = profiles()
+    waiting = Workload(judge_queued=64, judge_tokens_mean=100, judge_read_tokens=64 * 950.0)
+    slots = estimate(waiting, p, alloc(0, 1, 0), MAX_BATCH).judge_end
+    assert slots == pytest.approx(64 * 100 / 400)  # 32 at once
+    assert estimate(waiting, p, alloc(0, 1, 0), MAX_BATCH, judge_kv=1e6).judge_end == pytest.approx(slots)
+    # 16,000 tokens hold 16 judgments of 1,000: steps of 16 at 0.05 + 15 * PER_SEQ s
+    small = estimate(waiting, p, alloc(0, 1, 0), MAX_BATCH, judge_kv=16_000).judge_end
+    assert small == pytest.approx(64 * 100 * (0.05 + 15 * PER_SEQ) / 16)
+    with pytest.raises(ValueError, match="judge_kv"):
+        Planner(2).plan(0.0, {0: G, 1: G}, {}, set(), waiting, p, MAX_BATCH, judge_kv=0)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"judge_queued": 4, "judge_running": 5}, {"judge_read_tokens": 10.0, "judge_read_running": 11.0}],
