@@ -79,6 +79,7 @@ class LoopSpec:
     scale_by_std: bool
     per_device: int  # requests in flight per device
     judge_per_device: int = 0  # judgments in flight per device (0: per_device)
+    judge_kv: int = 0  # tokens of paged KV cache a judge device holds: its judgments' reads at most (0: no limit)
     rebalance: bool = True  # even out the sequences in flight over the rollout devices once none is queued
 
 
@@ -108,6 +109,7 @@ class StepRecord:
     shifts: int = 0
     shift_seconds: float = 0.0
     judge_tokens: int = 0
+    judge_prefill_tokens: int = 0  # tokens the judge devices read: prompts, templates, preempted judgments again
     migrations: int = 0
     generated: int = 0
     group_judged: dict[int, int] = field(default_factory=dict)  # prompt index -> judged members
@@ -134,7 +136,9 @@ class Controller:
         self.spec, self.policy, self.genrm, self.clock = spec, policy, genrm, clock
         self.train_set, self.heldout = train_set, heldout
         self.devices = [DeviceView(i) for i in range(policy.devices)]
-        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None, self._judge_weight)
+        self.scheduler = Scheduler(
+            spec.per_device, spec.judge_per_device or None, self._judge_weight, spec.judge_kv or None
+        )
         self.version = 0
         self.step: StepRecord | None = None
         self.by_uid: dict[int, Sample] = {}
@@ -167,6 +171,7 @@ class Controller:
             "response_tokens": float(spec.rollout.max_new_tokens) / 2,
             "prompt_tokens": 16.0,
             "step_seconds": 0.1,
+            "judge_reread": 1.0,
         }
         # tokens and judgments seen until the first step is trained (None from then on)
         self._first_judgments: list[int] | None = [0, 0]
@@ -375,6 +380,7 @@ class Controller:
             judge_read_tokens=read,
             judge_read_running=read_running,
             judge_written_running=sum(so_far.get(uid, 0) for uid in judging),
+            judge_reread=self.measured["judge_reread"],
         )
 
     def _measure(self, event: Event) -> None:
@@ -446,6 +452,8 @@ class Controller:
     def _on_progress(self, e: Progress) -> None:
         """Live measurements; the planner of shiftable mode learns its profiles from them."""
         self.tokens_so_far.update(e.tokens_so_far)  # (uid, tokens) pairs: responses, or verdicts being written
+        if e.role is Role.GENRM and self.step is not None:
+            self.step.judge_prefill_tokens += e.prefill_tokens
 
     def _on_aborted(self, e: Aborted) -> None:
         """Requests taken from a device (it leaves its role, or hands its excess over when the
@@ -626,6 +634,11 @@ class Controller:
         samples = self.step.samples
         self.measured["response_tokens"] = sum(len(s.response_ids) for s in samples) / max(1, len(samples))
         self.measured["judge_tokens"] = sum(s.judge_tokens for s in samples) / max(1, len(samples))
+        # what the judge read per token of the judged prompts and responses: its template, and the
+        # judgments a full paged cache preempted, read again (a step's own, as lengths are)
+        reads = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        if reads and self.step.judge_prefill_tokens:
+            self.measured["judge_reread"] = self.step.judge_prefill_tokens / reads
         self._first_judgments = None
         self.step.finished = self.clock()
         self.pending_metrics[self.step.step] = self._step_metrics(self.step)

@@ -91,6 +91,9 @@ class _Work:
     judge_context: float  # tokens re-read per restarted judgment
     judge_fits: float  # judgments a judge device's paged KV cache holds at the context of those left (inf: no limit)
     judge_left_context: float | None  # mean context of the decode steps of judgments not yet on a device
+    judge_wait_context: float | None  # ... of those waiting now (the others' responses still generate)
+    judge_kv: float | None  # tokens a judge device's paged KV cache holds (None: no limit but its slots)
+    judge_reread: float  # tokens a judge reads per token of the prompts and responses it judges (reads above have it)
     # the rest of the rollout on a grid of decode steps (``grid``, the last one ``longest``; empty when no
     # sequence is left): sequences still running halfway through each interval and their mean context
     # there; where the workload says which group each sequence is of (empty otherwise), training
@@ -156,11 +159,13 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
     )
     # a paged cache holds as many judgments as fit at their context: the prompts (and responses) the ones
     # not yet on a device read, and half a verdict; long responses, judged last, make the batches small
-    judge_fits, judge_left_context = INF, None
-    if (waiting := w.judge_queued + w.judge_future - w.judge_running) > 0:
-        judge_left_context = (judge_read - w.judge_read_running) / waiting + w.judge_tokens_mean / 2
+    judge_fits, judge_left_context, judge_wait_context = INF, None, None
+    if (left_items := w.judge_queued + w.judge_future - w.judge_running) > 0:
+        judge_left_context = (judge_read - w.judge_read_running) / left_items + w.judge_tokens_mean / 2
         if judge_kv is not None:
             judge_fits = max(1.0, judge_kv // max(1.0, judge_left_context))
+    if (waiting := w.judge_queued - w.judge_running) > 0 and w.judge_read_tokens > w.judge_read_running:
+        judge_wait_context = (w.judge_read_tokens - w.judge_read_running) / waiting + w.judge_tokens_mean / 2
     return _Work(
         seqs=len(w.rollout_remaining),
         queued=w.rollout_queued,
@@ -172,12 +177,12 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
         judge_queued=w.judge_queued,
         judge_running=w.judge_running,
         judge_holders=w.judge_holders,
-        judge_read_running=w.judge_read_running,
+        judge_read_running=w.judge_read_running * w.judge_reread,
         judge_written_running=w.judge_written_running,
         judge_future=w.judge_future,
         judge_tokens=w.judge_tokens_mean,
-        judge_read_queued=w.judge_read_tokens,
-        judge_read=judge_read,
+        judge_read_queued=w.judge_read_tokens * w.judge_reread,
+        judge_read=judge_read * w.judge_reread,
         groups=w.train_groups_left,
         ready=min(w.train_groups_ready, w.train_groups_left),
         judging=min(w.train_groups_judging, max(0, w.train_groups_left - w.train_groups_ready)),
@@ -191,6 +196,9 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
         judge_context=w.prompt_tokens_mean + lm.mean + w.judge_tokens_mean / 2,
         judge_fits=judge_fits,
         judge_left_context=judge_left_context,
+        judge_wait_context=judge_wait_context,
+        judge_kv=judge_kv,
+        judge_reread=w.judge_reread,
         **_rollout_grid(w, lm, longest),
     )
 
@@ -337,8 +345,8 @@ Batch = int | tuple[int, int]  # sequences one device runs at once: for both rol
 
 def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late = ON_TIME) -> Estimate:
     n_r, n_g, n_t = alloc
-    max_batch, judge_batch = max_batch if isinstance(max_batch, tuple) else (max_batch, max_batch)
-    judge_batch = int(min(judge_batch, w.judge_fits))
+    max_batch, slots = max_batch if isinstance(max_batch, tuple) else (max_batch, max_batch)
+    judge_batch = int(min(slots, w.judge_fits))
     hop = p.costs.cost  # a device handed to the next phase pays its shift
     # rollout
     tail, taus = False, []
@@ -384,7 +392,21 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         judge_rate = lambda n: _memo_rate(w, p.judge, w.judge_items, n, judge_batch, ctx)  # noqa: E731
         # reading the judged responses counts as decode work at the rate of a full judge device
         per_read = judge_rate(max(1, n_g + n_r)) / p.judge.prefill_rate
-        queued = w.judge_queued * w.judge_tokens + w.judge_read_queued * per_read
+
+        def slow(context: float | None) -> float:
+            """A verdict token's work at ``context`` in units of one at the judgments' mean context: its
+            decode step reads more, and fewer such judgments share it where the cache is paged."""
+            if context is None or ctx is None:
+                return 1.0
+            key = ("slow", slots, round(context))
+            if key not in w.memo:
+                fits = slots if w.judge_kv is None else max(1.0, min(slots, w.judge_kv // context))
+                w.memo[key] = p.judge.rate(judge_batch, ctx) / p.judge.rate(fits, context)
+            return w.memo[key]
+
+        n_wait = w.judge_queued - w.judge_running
+        queued = w.judge_running * w.judge_tokens + n_wait * w.judge_tokens * slow(w.judge_wait_context)
+        queued += w.judge_read_queued * per_read
         latency = w.judge_tokens / p.judge.rate(1, ctx)  # the last judgment alone (one running may just start)
         # judgments running stay where they run (moved, they would read their prompts again): their
         # devices finish them, in the batch they hold, before taking others (``held``, at ``t_held``);
@@ -395,7 +417,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         if holders:  # (priced at the holders' own batch: the judge devices beyond them do not share it)
             to_write = max(w.judge_running, w.judge_running * w.judge_tokens - w.judge_written_running)
             rate_held = _gen_rate(p.judge, w.judge_running, holders, judge_batch, ctx)
-            held = w.judge_running * w.judge_tokens + w.judge_read_running * per_read
+            held = w.judge_running * w.judge_tokens + w.judge_read_running * per_read  # (in ``queued``'s units)
             t_held = (to_write / rate_held + w.judge_read_running / p.judge.prefill_rate) / holders
             queued = max(0.0, queued - held)
         arrivals = [(0.0, present - holders), (t_held, holders)]
@@ -404,12 +426,15 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         if handoff_r:
             arrivals.append((t_r + hop(Role.ROLLOUT, Role.GENRM), n_r))
         if taus and w.whole:  # the responses still generating come to be judged as they end, first in first out
-            per_future = w.judge_tokens + (w.judge_read - w.judge_read_queued) / max(1, w.judge_future) * per_read
+            # a response ending at a grid point is read at the context there, and its verdict written beside
+            # judgments as long: the longest, ending last, in the smallest batches
+            half = w.judge_tokens / 2
+            per_future = [w.judge_tokens * slow(c + half) + c * w.judge_reread * per_read for c in w.context]
             pieces, prev = [(0.0, queued)], 0.0
-            for at, ended in zip(taus, w.ended, strict=True):
-                pieces.append((at, (ended - prev) * per_future))
+            for at, ended, per in zip(taus, w.ended, per_future, strict=True):
+                pieces.append((at, (ended - prev) * per))
                 prev = ended
-            pieces.append((t_r, max(0.0, w.judge_future - prev) * per_future))
+            pieces.append((t_r, max(0.0, w.judge_future - prev) * per_future[-1]))
             judged = _fifo(pieces, arrivals, judge_rate)
             bulk, t_q = max(judged[-1], t_held), max(judged[0], t_held)  # t_q: those waiting now are done
             # the judge queue takes whole groups first: the judgments of the groups whole now (at most
@@ -417,8 +442,8 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             waiting = w.judge_queued - (w.judge_running if held else 0)  # the judgments ``queued`` is of
             now = min(queued, w.judging * w.group_size * queued / max(1, waiting))
             whole_pieces, prev_whole = [(0.0, now)], 0.0
-            for at, whole in zip(taus, w.whole, strict=True):
-                whole_pieces.append((at, (whole - prev_whole) * w.group_size * per_future))
+            for at, whole, per in zip(taus, w.whole, per_future, strict=True):
+                whole_pieces.append((at, (whole - prev_whole) * w.group_size * per))
                 prev_whole = whole
             judged_whole = _fifo(whole_pieces, arrivals, judge_rate)
             if held:  # the groups whole now may wait for a judgment running: done by ``t_held``
@@ -428,7 +453,9 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             items.append(w.judge_future - prev)
             left = sum(n for n, end in zip(items, judged, strict=True) if end > t_r)
             batch = min(judge_batch, max(1.0, left / max(1, n_g + n_r)))
-            last = w.judge_tokens * p.judge.step_seconds(batch, ctx)
+            if w.judge_kv is not None:  # (the last are the longest)
+                batch = max(1.0, min(batch, w.judge_kv // (w.context[-1] + half)))
+            last = w.judge_tokens * p.judge.step_seconds(batch, w.context[-1] + half)
         else:
             rest = w.judge_items * w.judge_tokens + w.judge_read * per_read - held
             bulk = max(t_held, _drain(rest, judge_rate, arrivals))

@@ -477,6 +477,9 @@ class Workload:
     # (a running judgment that has started writing has read its)
     judge_read_running: float = 0.0  # of which the running ones' (those not started yet)
     judge_written_running: int = 0  # verdict tokens the running judgments have written so far
+    # tokens a judge device reads per token of those prompts and responses (its template, and judgments a
+    # full paged cache preempted, read again): measured over the last step
+    judge_reread: float = 1.0
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.rollout_remaining):
@@ -498,6 +501,7 @@ class Workload:
                 f" judgments are some of the {self.judge_queued} queued or running ({self.judge_read_tokens} tokens)"
             )
         _positive("judge_tokens_mean", self.judge_tokens_mean)
+        _positive("judge_reread", self.judge_reread)
         _positive("train_tokens_per_group", self.train_tokens_per_group)
         size = self.train_group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:

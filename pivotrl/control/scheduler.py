@@ -22,6 +22,12 @@ reads), so judgments go to the judge device with the least work in flight,
 not the fewest requests: a group's judgments, queued together, hold its
 shortest and its longest response side by side, and handed out by count in
 turn they would load a few devices with every group's longest.
+
+Where the judge's KV cache is paged (``judge_kv``, tokens per device), a device
+is handed no more than its cache holds: the count cap fits judgments of the
+mean length, but the last of a step judge the longest responses, and a device
+free when they come would take a count's worth, twice what it can run, while
+the devices freeing up next find the queue empty.
 """
 
 from __future__ import annotations
@@ -88,13 +94,20 @@ class JudgeQueue:
 
 class Scheduler:
     def __init__(
-        self, per_device: int, judge_per_device: int | None = None, judge_weight: Callable[[int], float] | None = None
+        self,
+        per_device: int,
+        judge_per_device: int | None = None,
+        judge_weight: Callable[[int], float] | None = None,
+        judge_kv: float | None = None,
     ) -> None:
         for name, n in (("per_device", per_device), ("judge_per_device", judge_per_device or per_device)):
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
+        if judge_kv is not None and not judge_kv > 0:
+            raise ValueError(f"judge_kv must be > 0 (tokens of KV cache a judge device holds) or None, got {judge_kv}")
         self.per_device = per_device
         self.judge_per_device = judge_per_device or per_device
+        self.judge_kv = math.inf if judge_kv is None else float(judge_kv)  # the most judgment weight a device holds
         # the work of a judgment, from its uid: fixed once it is queued, since the queued work is counted
         # when it joins and taken off again at dispatch
         self.judge_weight = judge_weight or (lambda uid: 1.0)
@@ -196,7 +209,7 @@ class Scheduler:
         first would otherwise take all of them in full batches, one long pass each, while
         the devices freeing a few seconds later find the queue empty. The device with the
         least work is always below the share while anything is queued, so work never waits
-        on the cap alone."""
+        on the share alone; it waits where every device holds what its KV cache does (``judge_kv``)."""
         batches: dict[int, list] = {}
         if not queue or not devices:
             return batches
@@ -208,6 +221,7 @@ class Scheduler:
         limit = math.inf  # (judgments: the most work a device takes on)
         if weighed:
             limit = (self._queued_work + sum(work.get(d, 0.0) for d in devices)) / (len(devices) + joining)
+            limit = min(limit, self.judge_kv)
         # least loaded first, ties to the lowest id; a device with no room leaves the heap
         heap = [
             (w, n, d)

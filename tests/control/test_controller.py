@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -499,17 +500,45 @@ def test_judgment_lengths_are_averaged_over_whole_steps():
     running mean over judgments as they end reads the step's last ones. After a step the planner's
     judgment length is that step's mean; before, the mean of those seen."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
-    cluster = ReasoningJudge(ctl)
-    commands = ctl.start()
-    means = []
+    means = after_each_step(ReasoningJudge(ctl), lambda: ctl.measured["judge_tokens"])[1:]
+    assert means == [pytest.approx(50.0)] * len(means) and len(means) == ctl.spec.steps
+
+
+def after_each_step(cluster: FakeCluster, measure: Callable[[], object]) -> list[object]:
+    """The job run on ``cluster``: ``measure()`` before its first events, then after each step trained."""
+    ctl = cluster.ctl
+    commands, seen = ctl.start(), []
     while not ctl.done:
         for c in commands:
             cluster.submit(c)
         events = cluster.next_events()
+        if not seen:
+            seen.append(measure())
         commands = [c for e in events for c in ctl.handle(e)]
         if any(isinstance(e, Trained) for e in events):
-            means.append(ctl.measured["judge_tokens"])
-    assert means == [pytest.approx(50.0)] * len(means) and len(means) == ctl.spec.steps
+            seen.append(measure())
+    return seen
+
+
+class RereadingJudge(FakeCluster):
+    """A judge that reads every prompt and response three times over (its template, preemptions): each
+    Judged comes with a Progress saying so."""
+
+    def next_events(self) -> list[Event]:
+        out = super().next_events()
+        by_uid = self.ctl.by_uid
+        for e in [e for e in out if isinstance(e, Judged)]:
+            read = sum(len(by_uid[r.uid].prompt_ids) + len(by_uid[r.uid].response_ids) for r in e.results)
+            out.insert(out.index(e), Progress(e.device, G, 0.1, 5, len(e.results), prefill_tokens=3 * read))
+        return out
+
+
+def test_what_the_judge_reads_again_is_measured_per_step():
+    """The planner prices a judgment's prefill at what the judge devices read per token of the judged
+    prompts and responses over the last step (1 before any step)."""
+    ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
+    seen = after_each_step(RereadingJudge(ctl), lambda: ctl.workload().judge_reread)
+    assert seen == [1.0] + [pytest.approx(3.0)] * ctl.spec.steps
 
 
 def test_a_judgment_weighs_the_context_it_reads():

@@ -141,6 +141,36 @@ def test_judgments_running_cost_what_they_have_left_at_their_holders_pace():
     assert estimate(started, p, alloc(0, 8, 0), MAX_BATCH).judge_end == pytest.approx(3200 / 400)
 
 
+def test_judgments_read_again_cost_their_reads_again():
+    """``judge_reread`` (measured: the template, preempted judgments) multiplies what every judgment left
+    reads: the prefill of 64 judgments of 1,000 tokens at 1,000 tokens/s on one device, twice over."""
+    p = profiles()
+    p.judge = generation(prefill_rate=1000.0)
+    once = Workload(judge_queued=64, judge_tokens_mean=100, judge_read_tokens=64_000.0)
+    twice = Workload(judge_queued=64, judge_tokens_mean=100, judge_read_tokens=64_000.0, judge_reread=2.0)
+    ends = [estimate(w, p, alloc(0, 1, 0), MAX_BATCH).judge_end for w in (once, twice)]
+    assert ends == pytest.approx([64 * 100 / 400 + 64.0, 64 * 100 / 400 + 128.0])
+    with pytest.raises(ValueError, match="judge_reread"):
+        Workload(judge_reread=0.0)
+
+
+def test_the_responses_ending_last_are_judged_at_their_own_context():
+    """A response still generating is judged at the context it will have: with a paged judge cache the
+    longest, ending last, run in small batches, so a rollout whose responses are long leaves more
+    judging behind it than the mean context would say."""
+    p = profiles()
+    p.judge = RoleProfile(step_base=0.05, step_per_seq=PER_SEQ, step_per_kv=1e-6, prefill_rate=1e12)
+    w = Workload(rollout_remaining=[100] * 32, rollout_groups=list(range(32)), judge_future=32,
+                 judge_tokens_mean=50, prompt_tokens_mean=100)  # fmt: skip
+    s = _summarize(w, p, judge_kv=4_000)
+    assert s.context[-1] > s.context[0] and s.judge_left_context is not None
+    fits_at = [4_000 // (c + 25) for c in s.context]
+    assert fits_at[-1] < fits_at[0] <= MAX_BATCH  # the cache binds, the last ones most
+    paged = _estimate(s, p, (1, 1, 0), MAX_BATCH)
+    slots = _estimate(_summarize(w, p), p, (1, 1, 0), MAX_BATCH)
+    assert paged.judge_end > slots.judge_end
+
+
 def test_a_paged_judge_cache_holds_fewer_of_the_long_judgments():
     """With ``judge_kv`` the judge's batch is what its KV cache holds at the context of the judgments
     left (what they read and half a verdict), the engine's slots at most."""

@@ -220,6 +220,25 @@ def test_judgments_stop_at_an_even_share_of_the_work_so_late_devices_get_some():
     assert placed(s.dispatch_judge([0, 1, 2, 3])) == {3: [106, 107]}
 
 
+def test_a_paged_judge_cache_bounds_what_a_device_is_handed():
+    """With ``judge_kv`` a device takes judgments while what they read fits its cache (the last one
+    may cross it): the long ones left wait in the queue for the devices that free up next."""
+    s = Scheduler(per_device=100, judge_weight=lambda uid: 1000.0 if uid >= 100 else 100.0, judge_kv=2000)
+    s.submit_judge(judge(*range(100, 110)))  # ten long judgments, two devices: a share is 5,000 tokens
+    assert placed(s.dispatch_judge([0, 1])) == {0: [100, 102], 1: [101, 103]}
+    assert [r.uid for r in s.judge_queue] == [104, 105, 106, 107, 108, 109]
+    s.finished(0, 100)
+    assert placed(s.dispatch_judge([0, 1])) == {0: [104]}  # room for one more
+    s.submit_judge(judge(1, 2))  # short ones queue behind the long ones still waiting
+    assert placed(s.dispatch_judge([0, 1])) == {}
+    # without a cache limit the same devices take every judgment at once
+    unbounded = Scheduler(per_device=100, judge_weight=lambda uid: 900.0)
+    unbounded.submit_judge(judge(*range(100, 110)))
+    assert sum(len(u) for u in placed(unbounded.dispatch_judge([0, 1])).values()) == 10
+    with pytest.raises(ValueError, match="judge_kv"):
+        Scheduler(per_device=4, judge_kv=0)
+
+
 def test_the_judge_queue_sends_groups_first_at_the_cost_of_the_group():
     q = JudgeQueue()
     q.extend(judge(0, 1, 2, 3, 4, 5))
