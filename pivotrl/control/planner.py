@@ -282,6 +282,20 @@ def _fifo(
     return out
 
 
+def _left_at(work: list[tuple[float, float]], arrivals: list[tuple[float, int]], per_device: Callable[[int], float],
+             at: float) -> float:  # fmt: skip
+    """Work still undone at ``at`` of ``_fifo``'s (the same pieces, devices and rates)."""
+    points = sorted({t for t, _ in work if t <= at} | {t for t, k in arrivals if k > 0 and t <= at} | {at})
+    left, now, n = 0.0, 0.0, 0
+    for t in points:
+        if n and left > 0:
+            left = max(0.0, left - n * per_device(n) * (t - now))
+        now = t
+        left += sum(x for r, x in work if r == t)
+        n += sum(k for r, k in arrivals if r == t and k > 0)
+    return left
+
+
 def estimate(
     workload: Workload, profiles: Profiles, alloc: dict[Role, int], max_batch: Batch, judge_kv: float | None = None
 ) -> Estimate:
@@ -423,6 +437,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         arrivals = [(0.0, present - holders), (t_held, holders)]
         if late[1][0]:
             arrivals.append((late[1][1], n_g - present))
+        judging_only = list(arrivals)  # (the judge devices of the allocation, before the rollout's hand over)
         if handoff_r:
             arrivals.append((t_r + hop(Role.ROLLOUT, Role.GENRM), n_r))
         if taus and w.whole:  # the responses still generating come to be judged as they end, first in first out
@@ -437,6 +452,13 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             pieces.append((t_r, max(0.0, w.judge_future - prev) * per_future[-1]))
             judged = _fifo(pieces, arrivals, judge_rate)
             bulk, t_q = max(judged[-1], t_held), max(judged[0], t_held)  # t_q: those waiting now are done
+            if handoff_r and n_g:
+                # a judge device takes what its cache holds and keeps it: the judgments left when the rollout
+                # ends are held by the judge devices there, up to a cache-full each of the longest, and the
+                # devices joining then share only the rest
+                fits = slots if w.judge_kv is None else max(1.0, min(slots, w.judge_kv // (w.context[-1] + half)))
+                held_r = min(_left_at(pieces, judging_only, judge_rate, t_r) / n_g, fits * per_future[-1])
+                bulk = max(bulk, t_r + held_r / judge_rate(n_g))
             # the judge queue takes whole groups first: the judgments of the groups whole now (at most
             # all those waiting), then those of the groups whole by each point, judged ahead of the rest
             waiting = w.judge_queued - (w.judge_running if held else 0)  # the judgments ``queued`` is of

@@ -19,6 +19,7 @@ from pivotrl.control.planner import (
     Workload,
     _estimate,
     _fifo,
+    _left_at,
     _lend,
     _lendable,
     _rollout_grid,
@@ -169,6 +170,25 @@ def test_the_responses_ending_last_are_judged_at_their_own_context():
     paged = _estimate(s, p, (1, 1, 0), MAX_BATCH)
     slots = _estimate(_summarize(w, p), p, (1, 1, 0), MAX_BATCH)
     assert paged.judge_end > slots.judge_end
+
+
+def test_what_the_judge_holds_when_the_rollout_ends_stays_there():
+    """A judge device takes what its cache holds (32 judgments here) and keeps it: the rollout devices
+    handed over at the rollout's end share only the rest, so with a backlog of more than a cache-full
+    the judge ends a cache-full's time after the rollout at the earliest (32 judgments of 4,000 tokens
+    at 400 tokens/s: 320 s), not that backlog shared out over all the devices."""
+    w = Workload(rollout_remaining=[0] * 64, rollout_groups=[i // 4 for i in range(64)], judge_future=64,
+                 judge_tokens_mean=4000)  # fmt: skip
+    e = estimate(w, profiles(), alloc(3, 1, 0), MAX_BATCH)
+    assert e.judge_end - e.rollout_end > 0.9 * 32 * 4000 / 400
+
+
+def test_work_left_at_a_time_of_a_fifo():
+    one = [(0.0, 1)]
+    assert _left_at([(0.0, 10.0), (2.0, 10.0)], one, lambda n: 1.0, 5.0) == pytest.approx(15.0)
+    # a second device from t = 1: 1 done by then, 2 by t = 2 (10 more come), 2 by t = 3
+    assert _left_at([(0.0, 10.0), (2.0, 10.0)], [*one, (1.0, 1)], lambda n: 1.0, 3.0) == pytest.approx(15.0)
+    assert _left_at([(4.0, 10.0)], one, lambda n: 1.0, 3.0) == 0.0  # nothing released yet
 
 
 def test_a_paged_judge_cache_holds_fewer_of_the_long_judgments():
