@@ -144,6 +144,12 @@ def _rollout_grid(w: Workload, lm: LengthModel, longest: float) -> dict[str, tup
     return {**out, "ended": tuple(ended), "whole": tuple(whole)}
 
 
+def _fits(kv: float | None, context: float, slots: float = INF) -> float:
+    """Judgments of ``context`` tokens a judge device holds: its slots, or fewer where a paged KV cache of
+    ``kv`` tokens (None: not paged) fills first; one at least."""
+    return slots if kv is None else max(1.0, min(slots, kv // max(1.0, context)))
+
+
 def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work:
     lm, by_t = p.lengths, Counter(w.rollout_remaining)  # queued sequences share t=0: one lookup each
     exp = {t: lm.expected_remaining(t) for t in by_t}
@@ -162,8 +168,7 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
     judge_fits, judge_left_context, judge_wait_context = INF, None, None
     if (left_items := w.judge_queued + w.judge_future - w.judge_running) > 0:
         judge_left_context = (judge_read - w.judge_read_running) / left_items + w.judge_tokens_mean / 2
-        if judge_kv is not None:
-            judge_fits = max(1.0, judge_kv // max(1.0, judge_left_context))
+        judge_fits = _fits(judge_kv, judge_left_context)
     if (waiting := w.judge_queued - w.judge_running) > 0 and w.judge_read_tokens > w.judge_read_running:
         judge_wait_context = (w.judge_read_tokens - w.judge_read_running) / waiting + w.judge_tokens_mean / 2
     return _Work(
@@ -414,8 +419,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
                 return 1.0
             key = ("slow", slots, round(context))
             if key not in w.memo:
-                fits = slots if w.judge_kv is None else max(1.0, min(slots, w.judge_kv // context))
-                w.memo[key] = p.judge.rate(judge_batch, ctx) / p.judge.rate(fits, context)
+                w.memo[key] = p.judge.rate(judge_batch, ctx) / p.judge.rate(_fits(w.judge_kv, context, slots), context)
             return w.memo[key]
 
         n_wait = w.judge_queued - w.judge_running
@@ -456,8 +460,8 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
                 # a judge device takes what its cache holds and keeps it: the judgments left when the rollout
                 # ends are held by the judge devices there, up to a cache-full each of the longest, and the
                 # devices joining then share only the rest
-                fits = slots if w.judge_kv is None else max(1.0, min(slots, w.judge_kv // (w.context[-1] + half)))
-                held_r = min(_left_at(pieces, judging_only, judge_rate, t_r) / n_g, fits * per_future[-1])
+                cache = _fits(w.judge_kv, w.context[-1] + half, slots) * per_future[-1]
+                held_r = min(_left_at(pieces, judging_only, judge_rate, t_r) / n_g, cache)
                 bulk = max(bulk, t_r + held_r / judge_rate(n_g))
             # the judge queue takes whole groups first: the judgments of the groups whole now (at most
             # all those waiting), then those of the groups whole by each point, judged ahead of the rest
@@ -474,10 +478,8 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             items = [w.judge_queued, *(b - a for a, b in zip((0.0, *w.ended[:-1]), w.ended, strict=True))]
             items.append(w.judge_future - prev)
             left = sum(n for n, end in zip(items, judged, strict=True) if end > t_r)
-            batch = min(judge_batch, max(1.0, left / max(1, n_g + n_r)))
-            if w.judge_kv is not None:  # (the last are the longest)
-                batch = max(1.0, min(batch, w.judge_kv // (w.context[-1] + half)))
-            last = w.judge_tokens * p.judge.step_seconds(batch, w.context[-1] + half)
+            batch = _fits(w.judge_kv, w.context[-1] + half, min(judge_batch, max(1.0, left / max(1, n_g + n_r))))
+            last = w.judge_tokens * p.judge.step_seconds(batch, w.context[-1] + half)  # (the last are the longest)
         else:
             rest = w.judge_items * w.judge_tokens + w.judge_read * per_read - held
             bulk = max(t_held, _drain(rest, judge_rate, arrivals))
