@@ -17,6 +17,8 @@ policy; the scheduler hands queued requests to devices holding the role.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -175,6 +177,9 @@ class Controller:
         }
         # tokens and judgments seen until the first step is trained (None from then on)
         self._first_judgments: list[int] | None = [0, 0]
+        # the last step's judgment lengths, sorted, and the sums of each suffix (what a running judgment
+        # has still to write is judged by them: a judge that reasons writes lengths of a long tail)
+        self._judgments: tuple[list[int], list[int]] = ([], [0])
         self.done = False
         self.top_reward = max(genrm.rewards.values())
 
@@ -379,7 +384,7 @@ class Controller:
             prompt_tokens_mean=self.measured["prompt_tokens"],
             judge_read_tokens=read,
             judge_read_running=read_running,
-            judge_written_running=sum(so_far.get(uid, 0) for uid in judging),
+            judge_left_running=sum(self._verdict_left(so_far.get(uid, 0)) for uid in judging),
             judge_reread=self.measured["judge_reread"],
         )
 
@@ -500,6 +505,15 @@ class Controller:
             assert self.step is not None
             g, samples = self.spec.group_size, self.step.samples
             self.scheduler.judge_first({samples[i].uid for i in range(p * g, (p + 1) * g)})
+
+    def _verdict_left(self, written: int) -> float:
+        """Tokens a judgment that has written ``written`` is expected still to write: the mean over the
+        last step's judgments longer than that (one at least), or the running mean less what it wrote."""
+        lengths, suffix = self._judgments
+        i = bisect.bisect_right(lengths, written)
+        if i == len(lengths):  # no step yet, or longer than any judgment of the last
+            return max(1.0, self.measured["judge_tokens"] - written) if not lengths else 1.0
+        return suffix[i] / (len(lengths) - i) - written
 
     def _judge_weight(self, uid: int) -> float:
         """The work of judging a sample: the tokens its judgment reads (the prompt and the response),
@@ -634,6 +648,8 @@ class Controller:
         samples = self.step.samples
         self.measured["response_tokens"] = sum(len(s.response_ids) for s in samples) / max(1, len(samples))
         self.measured["judge_tokens"] = sum(s.judge_tokens for s in samples) / max(1, len(samples))
+        lengths = sorted(s.judge_tokens for s in samples)
+        self._judgments = (lengths, list(itertools.accumulate(reversed(lengths), initial=0))[::-1])
         # what the judge read per token of the judged prompts and responses: its template, and the
         # judgments a full paged cache preempted, read again (a step's own, as lengths are)
         reads = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)

@@ -78,7 +78,7 @@ class _Work:
     judge_running: int  # of the queued, those in flight on a judge device: they finish there
     judge_holders: int  # the judge devices running them (0: unknown)
     judge_read_running: float  # what they still read (those not started)
-    judge_written_running: float  # verdict tokens they have written
+    judge_left_running: float  # verdict tokens they are expected still to write
     groups: int
     ready: int  # groups whose backward can start now
     judging: int  # groups generated whole, whose backward starts once the judge queue drains
@@ -183,7 +183,9 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
         judge_running=w.judge_running,
         judge_holders=w.judge_holders,
         judge_read_running=w.judge_read_running * w.judge_reread,
-        judge_written_running=w.judge_written_running,
+        judge_left_running=w.judge_running * w.judge_tokens_mean
+        if w.judge_left_running is None
+        else w.judge_left_running,
         judge_future=w.judge_future,
         judge_tokens=w.judge_tokens_mean,
         judge_read_queued=w.judge_read_tokens * w.judge_reread,
@@ -433,7 +435,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         holders = min(present, w.judge_holders) if w.judge_running else 0
         held = t_held = 0.0
         if holders:  # (priced at the holders' own batch: the judge devices beyond them do not share it)
-            to_write = max(w.judge_running, w.judge_running * w.judge_tokens - w.judge_written_running)
+            to_write = max(w.judge_running, w.judge_left_running)
             rate_held = _gen_rate(p.judge, w.judge_running, holders, judge_batch, ctx)
             held = w.judge_running * w.judge_tokens + w.judge_read_running * per_read  # (in ``queued``'s units)
             t_held = (to_write / rate_held + w.judge_read_running / p.judge.prefill_rate) / holders

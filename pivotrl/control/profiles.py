@@ -476,7 +476,9 @@ class Workload:
     judge_read_tokens: float = 0.0  # prompt + response tokens the judgments queued or running have still to read
     # (a running judgment that has started writing has read its)
     judge_read_running: float = 0.0  # of which the running ones' (those not started yet)
-    judge_written_running: int = 0  # verdict tokens the running judgments have written so far
+    # verdict tokens the running judgments are expected still to write, given what each has written (None:
+    # a whole judgment each, ``judge_tokens_mean``)
+    judge_left_running: float | None = None
     # tokens a judge device reads per token of those prompts and responses (its template, and judgments a
     # full paged cache preempted, read again): measured over the last step
     judge_reread: float = 1.0
@@ -486,8 +488,7 @@ class Workload:
             raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
         counts = ("rollout_queued", "rollout_holders", "judge_queued", "judge_running", "judge_holders",
                   "judge_future", "train_groups_left", "train_groups_ready", "train_groups_judging",
-                  "step_seconds", "prompt_tokens_mean", "judge_read_tokens", "judge_read_running",
-                  "judge_written_running")  # fmt: skip
+                  "step_seconds", "prompt_tokens_mean", "judge_read_tokens", "judge_read_running")  # fmt: skip
         for name in counts:
             _positive(name, getattr(self, name), strict=False)
         if self.rollout_groups and len(self.rollout_groups) != len(self.rollout_remaining):
@@ -502,6 +503,8 @@ class Workload:
             )
         _positive("judge_tokens_mean", self.judge_tokens_mean)
         _positive("judge_reread", self.judge_reread)
+        if self.judge_left_running is not None:
+            _positive("judge_left_running", self.judge_left_running, strict=False)
         _positive("train_tokens_per_group", self.train_tokens_per_group)
         size = self.train_group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:

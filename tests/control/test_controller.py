@@ -473,7 +473,7 @@ def test_a_group_generated_whole_is_judged_first():
     # once its device reports it writing, the judgment has read its prompt there: only its verdict is left
     ctl.handle(Progress(1, Role.GENRM, 0.5, 3, 1, ((0, 3),), prefill_tokens=10, prefill_seconds=0.1))
     w = ctl.workload()
-    assert (w.judge_read_running, w.judge_written_running) == (0, 3)
+    assert (w.judge_read_running, w.judge_left_running) == (0, ctl.measured["judge_tokens"] - 3)
     assert w.judge_read_tokens == sum(len(ctl.by_uid[u].prompt_ids) + len(ctl.by_uid[u].response_ids)
                                       for u in (2, 3, 4, 6))  # fmt: skip
     for c in ctl.handle(Judged(1, (JudgeResult(0, "VERDICT: yes", False, 5),))):
@@ -481,7 +481,7 @@ def test_a_group_generated_whole_is_judged_first():
             sent += [r.uid for r in c.requests]
     assert sent == [0, 2]
     assert 0 not in ctl.tokens_so_far  # a judged sample's progress is gone with it
-    assert ctl.workload().judge_written_running == 0  # judgment 2 has not started writing
+    assert ctl.workload().judge_left_running == ctl.measured["judge_tokens"]  # judgment 2 has not started
     assert ctl.by_uid[0].judge_tokens == 5  # the judgment's length stays with its sample (samples.jsonl)
 
 
@@ -502,6 +502,16 @@ def test_judgment_lengths_are_averaged_over_whole_steps():
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
     means = after_each_step(ReasoningJudge(ctl), lambda: ctl.measured["judge_tokens"])[1:]
     assert means == [pytest.approx(50.0)] * len(means) and len(means) == ctl.spec.steps
+
+
+def test_what_a_running_judgment_has_left_follows_the_last_steps_lengths():
+    """A judge that reasons writes judgments of a long tail: one that has written more than the short
+    ones is one of the long ones, with their rest to come, not the mean's. (Judgments of 5 and 95
+    tokens: one that wrote 10 has 85 left; one that wrote 2, 50 - 2 on average.)"""
+    ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
+    assert ctl._verdict_left(2) == ctl.measured["judge_tokens"] - 2  # no step yet: the prior mean
+    after_each_step(ReasoningJudge(ctl), lambda: None)
+    assert [ctl._verdict_left(n) for n in (0, 2, 10, 94, 95, 500)] == pytest.approx([50, 48, 85, 1, 1, 1])
 
 
 def after_each_step(cluster: FakeCluster, measure: Callable[[], object]) -> list[object]:

@@ -138,7 +138,7 @@ def test_judgments_running_cost_what_they_have_left_at_their_holders_pace():
     ends = [estimate(unread, p, alloc(0, n, 0), MAX_BATCH).judge_end for n in (2, 8, 32)]
     assert ends == pytest.approx([3200 / 400 + 2000 / 1000] * 3)
     # twice as many, half of their verdicts written and every prompt read: 3,200 tokens each are left
-    started = Workload(**(running | {"judge_queued": 128, "judge_running": 128}), judge_written_running=6400)
+    started = Workload(**(running | {"judge_queued": 128, "judge_running": 128}), judge_left_running=6400)
     assert estimate(started, p, alloc(0, 8, 0), MAX_BATCH).judge_end == pytest.approx(3200 / 400)
 
 
