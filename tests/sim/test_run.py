@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from pivotrl.cli import main
 from pivotrl.config import load_config
+from pivotrl.control.controller import Controller
+from pivotrl.control.messages import Role
 from pivotrl.sim.ideal import ideal_for_job
-from pivotrl.sim.run import run_simulation
+from pivotrl.sim.run import build, run_simulation
 from tests.sim.test_measured import PROFILE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,3 +267,15 @@ def test_spread_judgments_cut_at_the_cap_are_warned_about(caplog):
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
     finally:
         logger.removeHandler(caplog.handler)
+
+
+@pytest.mark.parametrize(("cache", "paged"), [("paged", True), ("reserved", False)])
+def test_the_judges_paged_cache_reaches_the_scheduler_and_the_planner(cache, paged):
+    """A judge device is handed what its KV cache holds, and the planner prices judgments at the batches it
+    allows: both take the judge instances' cache from the simulator (none where sequences reserve slots)."""
+    sim = build(load_config(EXAMPLE, ["mode=shiftable", f"sim.kv_cache={cache}"]))
+    kv = sim.spec.kv_tokens(Role.GENRM)
+    assert (kv is not None) is paged
+    assert sim.loop.judge_kv == (kv or 0) and sim.policy.judge_kv == kv
+    ctl = Controller(sim.loop, sim.policy, sim.genrm, sim.train_set, sim.heldout, lambda: 0.0)
+    assert ctl.scheduler.judge_kv == (kv if paged else math.inf)
