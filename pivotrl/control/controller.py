@@ -482,11 +482,11 @@ class Controller:
         judge_reqs, whole = [], []
         for r in e.results:
             self.scheduler.finished(e.device, r.uid)
+            self.tokens_so_far.pop(r.uid, None)  # (a held-out answer's too: its uid is not used again)
             if r.uid >= EVAL_UID:
                 self._on_evaluated(r.uid, r.text)
                 continue
             s = self.by_uid[r.uid]
-            self.tokens_so_far.pop(r.uid, None)
             assert r.version == s.policy_version, f"sample {r.uid}: v{r.version} served a v{s.policy_version} step"
             s.prompt_ids, s.response_ids, s.logprobs, s.response_text = r.prompt_ids, r.output_ids, r.logprobs, r.text
             s.truncated = r.finish_reason == "length"

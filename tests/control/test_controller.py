@@ -543,6 +543,32 @@ class RereadingJudge(FakeCluster):
         return out
 
 
+class ReportingRollout(FakeCluster):
+    """Each Generated comes after a Progress naming its sequences as running, as the engines report them."""
+
+    def __init__(self, ctl: Controller, **fake) -> None:
+        super().__init__(ctl, **fake)
+        self.reported: set[int] = set()
+
+    def next_events(self) -> list[Event]:
+        out = super().next_events()
+        for e in [e for e in out if isinstance(e, Generated)]:
+            so_far = tuple((r.uid, len(r.output_ids)) for r in e.results)
+            out.insert(out.index(e), Progress(e.device, R, 0.1, 5, len(e.results), so_far))
+            self.reported |= {uid for uid, _ in so_far}
+        return out
+
+
+def test_progress_is_forgotten_once_a_sequence_ends():
+    """What running sequences have written is kept until they end: training samples and held-out
+    answers alike leave nothing behind."""
+    ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
+    cluster = ReportingRollout(ctl, per_tick=3)
+    after_each_step(cluster, lambda: None)
+    assert any(uid >= EVAL_UID for uid in cluster.reported) and ctl.accuracy  # held-out answers reported too
+    assert ctl.tokens_so_far == {}
+
+
 def test_what_the_judge_reads_again_is_measured_per_step():
     """The planner prices a judgment's prefill at what the judge devices read per token of the judged
     prompts and responses over the last step (1 before any step)."""
