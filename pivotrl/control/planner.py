@@ -366,8 +366,8 @@ Batch = int | tuple[int, int]  # sequences one device runs at once: for both rol
 
 def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late = ON_TIME) -> Estimate:
     n_r, n_g, n_t = alloc
-    max_batch, slots = max_batch if isinstance(max_batch, tuple) else (max_batch, max_batch)
-    judge_batch = int(min(slots, w.judge_fits))
+    max_batch, judge_slots = max_batch if isinstance(max_batch, tuple) else (max_batch, max_batch)
+    judge_batch = int(min(judge_slots, w.judge_fits))
     hop = p.costs.cost  # a device handed to the next phase pays its shift
     # rollout
     tail, taus = False, []
@@ -419,9 +419,10 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             decode step reads more, and fewer such judgments share it where the cache is paged."""
             if context is None or ctx is None:
                 return 1.0
-            key = ("slow", slots, round(context))
+            key = ("slow", round(context))
             if key not in w.memo:
-                w.memo[key] = p.judge.rate(judge_batch, ctx) / p.judge.rate(_fits(w.judge_kv, context, slots), context)
+                fits = _fits(w.judge_kv, context, judge_slots)
+                w.memo[key] = p.judge.rate(judge_batch, ctx) / p.judge.rate(fits, context)
             return w.memo[key]
 
         n_wait = w.judge_queued - w.judge_running
@@ -462,7 +463,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
                 # a judge device takes what its cache holds and keeps it: the judgments left when the rollout
                 # ends are held by the judge devices there, up to a cache-full each of the longest, and the
                 # devices joining then share only the rest
-                cache = _fits(w.judge_kv, w.context[-1] + half, slots) * per_future[-1]
+                cache = _fits(w.judge_kv, w.context[-1] + half, judge_slots) * per_future[-1]
                 held_r = min(_left_at(pieces, judging_only, judge_rate, t_r) / n_g, cache)
                 bulk = max(bulk, t_r + held_r / judge_rate(n_g))
             # the judge queue takes whole groups first: the judgments of the groups whole now (at most

@@ -149,7 +149,7 @@ def build(cfg: JobConfig) -> Simulation:
             )
     # an engine runs no more sequences than its KV memory holds; handing it more only queues them
     # inside it, out of reach of devices that join the role later
-    judge_batch = spec.capacity(Role.GENRM)
+    judge_batch, judge_kv = spec.capacity(Role.GENRM), spec.kv_tokens(Role.GENRM)
     r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
     try:
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
@@ -160,10 +160,10 @@ def build(cfg: JobConfig) -> Simulation:
     if isinstance(alloc, Shiftable):
         _startup_profile(alloc.profiles, spec)
         alloc.max_batch = (r.max_batch, judge_batch)
-        alloc.judge_kv = spec.kv_tokens(Role.GENRM)
+        alloc.judge_kv = judge_kv
     train_set = synthetic.problems(max(r.prompts_per_step, 1024))
     heldout = synthetic.problems(cfg.eval.size, tag="h")
-    loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch, judge_kv=spec.kv_tokens(Role.GENRM) or 0)
+    loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0)
     return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
 
 

@@ -663,3 +663,14 @@ def test_train_devices_are_needed_at_the_latest_arrival_that_keeps_the_estimate(
 
     assert total(needed) == pytest.approx(c.est.total, rel=1e-5)
     assert total(needed + 1.0) > c.est.total + 0.1
+
+
+def test_the_judges_slots_are_its_own_not_the_rollouts():
+    """The judge's batch is bounded by its own slots whatever the rollout's: with 64 sequences on 2
+    rollout devices (32 each), a rollout cap of 256 or 512 a device changes no estimate."""
+    p = profiles()
+    p.judge = RoleProfile(step_base=0.05, step_per_seq=PER_SEQ, step_per_kv=1e-6, prefill_rate=1e12)
+    w = Workload(rollout_remaining=[100] * 64, rollout_groups=[i // 4 for i in range(64)], judge_future=64,
+                 judge_queued=8, judge_read_tokens=8 * 300.0, judge_tokens_mean=50, prompt_tokens_mean=100)  # fmt: skip
+    for kv in (None, 1e12):
+        assert estimate(w, p, alloc(2, 1, 1), (256, 4), kv) == estimate(w, p, alloc(2, 1, 1), (512, 4), kv)
