@@ -16,11 +16,16 @@ most 256 sequences per engine. Costs: ``RooflineCosts`` (H100 datasheet peaks
 times the efficiencies documented in ``pivotrl/sim/costs.py``).
 
 Tensor parallelism: the simulator has one ``sim.instance_gpus`` for every
-instance, policy and judge alike. Each group takes the power of two from 1 to
-8 whose ideal throughput (below) is highest: a smaller instance has less room
-for KV cache and decodes smaller batches, a larger one pays more collectives
-(``--tp`` forces one). With a 7B policy and a 32B judge that puts the policy
-on 4 GPUs too, where it would rather have 1.
+instance, policy and judge alike. Each mode runs at the power of two from 1
+to 8 where it is fastest, measured (``--tp`` forces one for all): a smaller
+instance has more of them and room for larger batches per GPU, a larger one
+decodes each token sooner (the weights and the KV cache read by more GPUs at
+once) and pays more collectives. These steps are bound by their longest
+responses more than by their work, so the fastest instance size is often
+larger than the one with the highest ideal throughput. Sizes are tried from
+the one with the highest floor bound (below) down; a size whose bound is no
+better than the mode's best run so far is skipped, since no run there can
+beat it. The disaggregated baseline's split search runs at each size tried.
 
 Steady state: ``--steps`` steps (default 8) per run; the first is left out
 (it runs on the planner's priors and pays every device's first load). A
@@ -28,8 +33,8 @@ mode's throughput is samples per step over the mean of the other steps'
 times; busy fractions, shifts and shift seconds are taken over the same
 window (from the end of step 1 to the end of the last step).
 
-The disaggregated baseline gets its best static split, searched on the
-steady step time of shorter runs (``--search-steps``, default 4: 3 steady
+The disaggregated baseline gets its best static split and instance size,
+searched on the steady step time of shorter runs (``--search-steps``, default 4: 3 steady
 steps), then run again with ``--steps``. The search starts at the split that
 gives each role devices in proportion to its ideal work, evaluates the 3x3
 grid of (judge, train) device counts around it at a spacing of D/8 devices (D
@@ -38,7 +43,8 @@ instances), re-centred on the best while it moves; then a compass search
 ..., re-centred while it improves, down to one device or ``--search-levels``
 halvings. A split is never run twice: 9 runs for the first grid, at most 5
 more per re-centring and 6 per compass move, stopped at ``--search-budget``
-(default 24, which the 128-GPU groups reach); every run is in the report.
+(default 24 per instance size, which the 128-GPU groups reach); every run is
+in the report.
 
 Ideal throughput (``pivotrl.sim.ideal``): every piece of a step's work priced
 by the same cost model at the best batch the KV memory allows (rollout and
@@ -148,21 +154,47 @@ def ideal(overrides: list[str]) -> IdealStep:
     return ideal_for_job(load_config(EXAMPLE, [*overrides, "mode=colocated"]))
 
 
-def choose_tp(group: Group, gpus: int, forced: int | None = None) -> tuple[int, IdealStep]:
-    """The instance size whose ideal throughput is highest (``forced``: that one)."""
-    best: tuple[int, IdealStep] | None = None
-    for tp in [forced] if forced else TPS:
+def instance_sizes(group: Group, gpus: int, tps: tuple[int, ...] = TPS) -> dict[int, IdealStep]:
+    """The ideal of each instance size of ``tps`` both models fit on (at least 3 instances)."""
+    out: dict[int, IdealStep] = {}
+    for tp in tps:
         if gpus % tp or gpus // tp < 3:
             continue
         try:
-            step = ideal(job_overrides(group, gpus, tp))
+            out[tp] = ideal(job_overrides(group, gpus, tp))
         except UserError:  # a model does not fit on tp GPUs
             continue
-        if best is None or step.samples_per_s > best[1].samples_per_s:
-            best = (tp, step)
-    if best is None:
-        raise SystemExit(f"{group.name}: no instance size in {TPS} fits both models on {gpus} GPUs")
-    return best
+    if not out:
+        raise SystemExit(f"{group.name}: no instance size in {tps} fits both models on {gpus} GPUs")
+    return out
+
+
+def with_tp(overrides: list[str], tp: int) -> list[str]:
+    """``overrides`` with instances of ``tp`` GPUs."""
+    return [x for x in overrides if not x.startswith("sim.instance_gpus=")] + [f"sim.instance_gpus={tp}"]
+
+
+def floor_rate(step: IdealStep | dict[str, Any]) -> float:
+    """Samples/s if a step took its floor at this instance size: no mode there does better."""
+    i = step if isinstance(step, dict) else step.to_dict()
+    return i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
+
+
+def best_size(sizes: dict[int, IdealStep], run: Callable[[int], float]) -> tuple[int | None, list[dict[str, Any]]]:
+    """The instance size where ``run`` (a mode at that size: its samples/s, 0 when it failed) is fastest.
+    Sizes are tried from the highest floor bound down; one whose bound is no better than the best run
+    so far is skipped (no run there can beat it). Every size, run or skipped, in the list."""
+    best, best_rate, tried = None, 0.0, []
+    for tp in sorted(sizes, key=lambda tp: -floor_rate(sizes[tp])):
+        cap = floor_rate(sizes[tp])
+        if best is not None and cap <= best_rate:
+            tried.append({"tp": tp, "skipped": f"floor bound {cap:.1f} samples/s <= {best_rate:.1f}"})
+            continue
+        rate = run(tp)
+        tried.append({"tp": tp, "samples_per_s": rate})
+        if rate > best_rate:
+            best, best_rate = tp, rate
+    return best, tried
 
 
 # -- the split search -----------------------------------------------------------------------
@@ -285,43 +317,68 @@ def simulate(overrides: list[str], timeout: float, keep: Path | None = None) -> 
 
 
 def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The group in every mode, each at its best instance size (``--tp``: that one for all)."""
     t0 = time.perf_counter()
-    tp, best_ideal = choose_tp(group, gpus, args.tp)
-    devices = gpus // tp
-    base = job_overrides(group, gpus, tp)
+    sizes = instance_sizes(group, gpus, (args.tp,) if args.tp else TPS)
+    tp0 = max(sizes, key=lambda tp: sizes[tp].samples_per_s)  # the highest ideal: the table's ideal row
     keep = (lambda mode: args.runs / group.name / mode) if args.runs else (lambda mode: None)
-    print(f"{group.name}: {group.policy} + {group.genrm} judge, {gpus} GPUs as {devices} instances of {tp}; "
-          f"ideal {best_ideal.samples_per_s:.1f} samples/s", flush=True)  # fmt: skip
+    print(f"{group.name}: {group.policy} + {group.genrm} judge, {gpus} GPUs in instances of "
+          f"{'/'.join(map(str, sizes))}; ideal {sizes[tp0].samples_per_s:.1f} samples/s (TP{tp0}), floor bound "
+          + ", ".join(f"TP{tp} {floor_rate(i):.1f}" for tp, i in sizes.items()), flush=True)  # fmt: skip
     modes: dict[str, dict[str, Any]] = {}
     for mode in ("colocated", "shiftable"):
-        modes[mode] = simulate([*base, f"mode={mode}", f"steps={args.steps}"], args.timeout, keep(mode))
-        print(f"  {mode}: {_rate(modes[mode])} ({modes[mode]['wall_s']:.0f} s)", flush=True)
+        runs: dict[int, dict[str, Any]] = {}
 
-    def evaluate(split: Split) -> float:
-        r = simulate([*base, "mode=disaggregated", f"split={split_text(split)}", f"steps={args.search_steps}"],
-                     args.timeout)  # fmt: skip
-        print(f"  search {split_text(split)}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)
-        return r.get("step_seconds", math.inf)
+        def run(tp: int, mode: str = mode, runs: dict[int, dict[str, Any]] = runs) -> float:
+            r = runs[tp] = simulate([*job_overrides(group, gpus, tp), f"mode={mode}", f"steps={args.steps}"],
+                                    args.timeout)  # fmt: skip
+            print(f"  {mode} TP{tp}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)
+            return r.get("samples_per_s", 0.0)
 
-    seed = best_ideal.split(devices)
-    split, trials = search_split(evaluate, devices, (seed["rollout"], seed["genrm"], seed["train"]),
-                                 args.search_levels, args.search_budget)  # fmt: skip
-    dis = simulate([*base, "mode=disaggregated", f"split={split_text(split)}", f"steps={args.steps}"], args.timeout,
-                   keep("disaggregated"))  # fmt: skip
-    dis["split"] = split_text(split)
-    dis["search"] = [{"split": split_text(s), "step_seconds": v} for s, v in trials]
+        tp, tried = best_size(sizes, run)
+        chosen = tp if tp is not None else next(iter(runs))  # (every run failed: the first one's error)
+        if keep(mode) is not None and tp is not None:  # the chosen size again, its run kept
+            simulate([*job_overrides(group, gpus, tp), f"mode={mode}", f"steps={args.steps}"], args.timeout,
+                     keep(mode))  # fmt: skip
+        modes[mode] = {**runs[chosen], "instance_gpus": chosen, "sizes": tried}
+
+    searched: dict[int, tuple[Split, list[tuple[Split, float]]]] = {}
+
+    def search_at(tp: int) -> float:
+        devices = gpus // tp
+
+        def evaluate(split: Split) -> float:
+            r = simulate([*job_overrides(group, gpus, tp), "mode=disaggregated", f"split={split_text(split)}",
+                          f"steps={args.search_steps}"], args.timeout)  # fmt: skip
+            print(f"  search TP{tp} {split_text(split)}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)
+            return r.get("step_seconds", math.inf)
+
+        seed = sizes[tp].split(devices)
+        searched[tp] = search_split(evaluate, devices, (seed["rollout"], seed["genrm"], seed["train"]),
+                                    args.search_levels, args.search_budget)  # fmt: skip
+        step_s = min(v for _, v in searched[tp][1])
+        return sizes[tp].samples / step_s if step_s < math.inf else 0.0
+
+    tp, tried = best_size(sizes, search_at)
+    tp = tp if tp is not None else next(iter(searched))
+    split, trials = searched[tp]
+    dis = simulate([*job_overrides(group, gpus, tp), "mode=disaggregated", f"split={split_text(split)}",
+                    f"steps={args.steps}"], args.timeout, keep("disaggregated"))  # fmt: skip
+    dis.update(split=split_text(split), instance_gpus=tp, sizes=tried)
+    dis["search"] = [{"tp": t, "split": split_text(s), "step_seconds": v} for t in searched for s, v in searched[t][1]]
     modes["disaggregated"] = dis
-    print(f"  disaggregated {dis['split']}: {_rate(dis)} after {len(trials)} search runs", flush=True)
+    print(f"  disaggregated TP{tp} {dis['split']}: {_rate(dis)} after {len(dis['search'])} search runs", flush=True)
     g = {
         "name": group.name,
         "what": group.what,
         "policy": group.policy,
         "genrm": group.genrm,
         "gpus": gpus,
-        "instance_gpus": tp,
-        "devices": devices,
-        "overrides": base,
-        "ideal": best_ideal.to_dict(),
+        "instance_gpus": tp0,
+        "devices": gpus // tp0,
+        "overrides": job_overrides(group, gpus, tp0),
+        "ideal": sizes[tp0].to_dict(),
+        "ideals": {str(tp): i.to_dict() for tp, i in sizes.items()},
         "modes": {m: modes[m] for m in MODES},
     }
     return {**derive(g), "wall_s": time.perf_counter() - t0}
@@ -361,7 +418,7 @@ def rows(g: dict[str, Any], label: str | None = None) -> list[list[str]]:
     out = []
     for mode in MODES:
         r = g["modes"][mode]
-        layout = r.get("split", "all roles" if mode == "colocated" else "planner")
+        layout = r.get("split", "all roles" if mode == "colocated" else "planner") + f", TP{mode_tp(g, mode)}"
         if "samples_per_s" not in r:
             out.append([label or g["name"], mode, layout, "failed: " + r.get("error", "?")] + [""] * (len(HEAD) - 4))
             continue
@@ -390,8 +447,9 @@ def spent(g: dict[str, Any], mode: str) -> dict[str, float] | None:
     r = g["modes"][mode]
     if "busy_fraction" not in r:
         return None
-    work = g["ideal"]["gpu_seconds_by_role"]
-    useful = g["ideal_fraction"][mode]
+    i = g.get("ideals", {}).get(str(r.get("instance_gpus")))  # the ideal at the mode's own instance size
+    work = (i or g["ideal"])["gpu_seconds_by_role"]
+    useful = r["samples_per_s"] / i["samples_per_s"] if i else g["ideal_fraction"][mode]
     out = {"work": useful}
     for role in ROLES:
         out[role] = r["busy_fraction"][role] - useful * work[role] / sum(work.values())
@@ -414,11 +472,12 @@ def _times(x: float | None) -> str:
 
 
 def speedups(g: dict[str, Any]) -> str:
-    i = g["ideal"]
+    tp = bound_tp(g)
+    i = ideals(g)[tp]
     return (
         f"shiftable vs colocated {_times(g['speedup_vs_colocated'])}, "
         f"vs disaggregated {_times(g['speedup_vs_disaggregated'])}; "
-        f"ideal step {i['step_seconds']:.0f} s, spread path {i['spread_path_s']:.0f} s (alone "
+        f"at TP{tp} ideal step {i['step_seconds']:.0f} s, spread path {i['spread_path_s']:.0f} s (alone "
         f"{i['critical_path_s']:.0f} s), group path {i.get('group_path_s', 0):.0f} s, joint floor "
         f"{i.get('joint_floor_s', 0):.0f} s: no schedule gains more "
         f"than {_times(g.get('bound_vs_colocated'))} / {_times(g.get('bound_vs_disaggregated'))}"
@@ -426,9 +485,24 @@ def speedups(g: dict[str, Any]) -> str:
 
 
 def bound(g: dict[str, Any]) -> float:
-    """Samples/s if a step took its floor: the longest of the ideal step and the spread, group and joint paths."""
-    i = g["ideal"]
-    return i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
+    """Samples/s if a step took its floor (the longest of the ideal step and the spread, group and joint paths)
+    at the instance size whose floor is lowest."""
+    return max(floor_rate(i) for i in ideals(g).values())
+
+
+def ideals(g: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The group's ideal at each instance size it was run at (older reports: the one ideal they have)."""
+    return g.get("ideals") or {str(g["instance_gpus"]): g["ideal"]}
+
+
+def bound_tp(g: dict[str, Any]) -> str:
+    """The instance size of ``bound``."""
+    found = ideals(g)
+    return max(found, key=lambda tp: floor_rate(found[tp]))
+
+
+def mode_tp(g: dict[str, Any], mode: str) -> int:
+    return g["modes"][mode].get("instance_gpus", g["instance_gpus"])
 
 
 def text_table(table: list[list[str]], head: tuple[str, ...] = HEAD) -> str:
@@ -452,8 +526,10 @@ ASSUMPTIONS = """\
 - Workload `examples/sim128.yaml`: 512 prompts x 16 responses a step, 512-token prompts, lognormal response lengths
   (median 1200, sigma 0.9, cap 8192), judge prompt = prompt + response + 256 tokens, 512-token judgments,
   at most 256 sequences per engine.
-- One tensor-parallel size for every instance (the simulator's `sim.instance_gpus`), chosen per group as the one
-  with the highest ideal throughput.
+- One tensor-parallel size for every instance of a run (the simulator's `sim.instance_gpus`), chosen per mode as
+  the one where the mode is fastest (measured at 1, 2, 4 and 8 GPUs where the models fit, a size skipped when its
+  floor bound cannot beat the best run so far; the disaggregated split searched at each size). The ideal row is
+  at the size with the highest ideal throughput; the bound at the size with the lowest floor.
 - Throughput over steps 2..N (step 1 runs on priors and pays the first loads); busy, shifts and shift seconds over
   the same window. Rollout s: from a step's start to its last response generated, the mean over the same steps;
   in the ideal row, the spread path's generation (a floor). Shifts count role moves and per-step weight
@@ -510,7 +586,8 @@ def _bars(
 
 
 def _tick(g: dict[str, Any], label: str) -> str:
-    return f"{g[label]}\n{_short(g['policy'])} + {_short(g['genrm'])} judge, TP{g['instance_gpus']}"
+    sizes = "/".join(str(mode_tp(g, m)) for m in MODES)
+    return f"{g[label]}\n{_short(g['policy'])} + {_short(g['genrm'])} judge, TP {sizes}"
 
 
 def plot(items: list[dict[str, Any]], path: Path, title: str, label: str) -> None:
@@ -663,6 +740,8 @@ def rerender(path: Path, out: Path | None) -> None:
         items = report[key]
         for g in items:
             g["ideal"] = ideal(g["overrides"]).to_dict()
+            if "ideals" in g:
+                g["ideals"] = {tp: ideal(with_tp(g["overrides"], int(tp))).to_dict() for tp in g["ideals"]}
         report[key] = [derive(g) for g in items]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"--rerender: {path} is not a report of this script ({type(e).__name__}: {e})") from None
@@ -688,7 +767,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     p.add_argument("--gpus", type=int, default=128)
-    p.add_argument("--tp", type=int, choices=TPS, help="GPUs per instance for every group (default: best ideal)")
+    p.add_argument("--tp", type=int, choices=TPS,
+                   help="GPUs per instance for every group and mode (default: each mode at its fastest)")  # fmt: skip
     p.add_argument("--steps", type=int, default=8, help="steps per measured run (the first is left out)")
     p.add_argument("--search-steps", type=int, default=4, help="steps per run of the split search")
     p.add_argument("--search-levels", type=int, default=3, help="halvings of the compass search's spacing")

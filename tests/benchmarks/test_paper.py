@@ -186,3 +186,46 @@ def test_spent_splits_a_modes_time_into_the_work_and_what_is_beyond_it():
     assert x == pytest.approx({"work": 0.4, "rollout": 0.3, "genrm": 0.1, "train": 0.05, "shift": 0.05, "idle": 0.1})
     assert sum(x.values()) == pytest.approx(1.0)
     assert paper.spent(g, "shiftable") is None
+
+
+def fake_ideal(floor_rate: float, samples_per_s: float = 200.0) -> dict[str, float]:
+    """An ideal of 8192 samples a step whose floor allows ``floor_rate`` samples/s."""
+    return {"samples_per_s": samples_per_s, "step_seconds": 8192 / samples_per_s, "floor_seconds": 8192 / floor_rate}
+
+
+def test_best_size_tries_the_highest_bound_first_and_skips_sizes_that_cannot_win():
+    sizes = {1: fake_ideal(90.0), 2: fake_ideal(110.0), 4: fake_ideal(120.0), 8: fake_ideal(70.0)}
+    measured = {1: 75.0, 2: 85.0, 4: 80.0, 8: 60.0}
+    ran = []
+
+    def run(tp):
+        ran.append(tp)
+        return measured[tp]
+
+    tp, tried = paper.best_size(sizes, run)
+    assert tp == 2 and ran == [4, 2, 1]  # TP8's bound (70) is below the best run (85): not run
+    assert [t["tp"] for t in tried] == [4, 2, 1, 8] and "skipped" in tried[-1]
+    # every run failing: no size
+    assert paper.best_size({1: fake_ideal(90.0)}, lambda tp: 0.0) == (None, [{"tp": 1, "samples_per_s": 0.0}])
+
+
+def test_with_tp_replaces_the_instance_size():
+    base = paper.job_overrides(paper.GROUPS["judge-32b"], 128, 2)
+    out = paper.with_tp(base, 4)
+    assert "sim.instance_gpus=4" in out and "sim.instance_gpus=2" not in out and len(out) == len(base)
+    assert load_config(paper.EXAMPLE, out).sim.instance_gpus == 4
+
+
+def test_the_bound_is_the_best_floor_over_the_sizes_and_spent_uses_each_modes_own_ideal():
+    busy = {"rollout": 0.5, "genrm": 0.2, "train": 0.15, "shift": 0.05}
+    at2 = {**fake_ideal(100.0, 200.0), "gpu_seconds_by_role": {"rollout": 2.0, "genrm": 1.0, "train": 1.0}}
+    at4 = {**fake_ideal(120.0, 160.0), "gpu_seconds_by_role": {"rollout": 1.0, "genrm": 1.0, "train": 2.0}}
+    g = {"instance_gpus": 2, "ideal": at2, "ideals": {"2": at2, "4": at4},
+         "modes": {m: {"samples_per_s": 80.0, "busy_fraction": busy, "idle_fraction": 0.1, "instance_gpus": 4}
+                   for m in paper.MODES}}  # fmt: skip
+    g = paper.derive(g)
+    assert paper.bound(g) == pytest.approx(120.0) and paper.bound_tp(g) == "4"
+    assert g["ideal_fraction"]["shiftable"] == pytest.approx(80.0 / 200.0)  # of the highest ideal
+    x = paper.spent(g, "colocated")  # at TP4: the work is half of the time, a quarter of it rollout
+    want = {"work": 0.5, "rollout": 0.375, "genrm": 0.075, "train": -0.1, "shift": 0.05, "idle": 0.1}
+    assert x == pytest.approx(want) and paper.mode_tp(g, "colocated") == 4
