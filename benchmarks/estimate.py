@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import mean
 
 from common import machine, write_report
-from paper import EXAMPLE, GROUPS, ROOT, job_overrides
+from paper import EXAMPLE, GROUPS, RESULTS, ROOT, instance_sizes, job_overrides
 
 from pivotrl.config import load_config
 from pivotrl.control import planner as planner_module
@@ -68,18 +68,32 @@ def errors(plans: list[tuple[float, float, float]], steps: list[dict]) -> dict[f
     return out
 
 
+def shiftable_size(name: str) -> int:
+    """The instance size ``paper.py`` ran the group's shiftable mode at (its report in benchmarks/results);
+    without one, the size with the highest ideal throughput."""
+    try:
+        for g in json.loads((RESULTS / "paper.json").read_text())["groups"]:
+            if g["name"] == name:
+                return int(g["modes"]["shiftable"].get("instance_gpus", g["instance_gpus"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    sizes = instance_sizes(GROUPS[name], 128)
+    return max(sizes, key=lambda tp: sizes[tp].samples_per_s)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--tp", type=int, help="GPUs per instance (default: shiftable's in paper.json)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/estimate.json")
     args = p.parse_args()
     load = list(os.getloadavg())
     rows, t0 = [], time.perf_counter()
     print(f"{'group':<10} {'at':>5} {'rollout end s':>15} {'|err|':>6} {'step end s':>12} {'|err|':>6} {'steps':>6}")
     for name in args.groups:
-        tp = 1 if name == "dense-7b" else 2
+        tp = args.tp or shiftable_size(name)
         found: dict[float, list[tuple[float, float]]] = {at: [] for at in AT}
         for seed in args.seeds:
             overrides = [*job_overrides(GROUPS[name], 128, tp), "mode=shiftable", f"steps={args.steps}", f"seed={seed}"]
@@ -87,9 +101,9 @@ def main() -> None:
                 found[at] += errs
         for at in AT:
             r, s = [e[0] for e in found[at]], [e[1] for e in found[at]]
-            row = {"group": name, "at": at, "steps": len(s), "rollout_end_error_s": mean(r), "rollout_end_abs_s":
-                   mean(map(abs, r)), "step_end_error_s": mean(s), "step_end_abs_s": mean(map(abs, s)),
-                   "step_end_errors_s": s}  # fmt: skip
+            row = {"group": name, "instance_gpus": tp, "at": at, "steps": len(s), "rollout_end_error_s": mean(r),
+                   "rollout_end_abs_s": mean(map(abs, r)), "step_end_error_s": mean(s),
+                   "step_end_abs_s": mean(map(abs, s)), "step_end_errors_s": s}  # fmt: skip
             rows.append(row)
             print(f"{name:<10} {at:>5.2f} {row['rollout_end_error_s']:>+15.1f} {row['rollout_end_abs_s']:>6.1f} "
                   f"{row['step_end_error_s']:>+12.1f} {row['step_end_abs_s']:>6.1f} {len(s):>6}")  # fmt: skip

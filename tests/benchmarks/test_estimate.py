@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -34,3 +35,12 @@ def test_a_recorded_run_puts_the_planner_back():
     with pytest.raises(ConfigError, match="sim.gpus"):  # a job that cannot run
         estimate.recorded_run(["sim.gpus=0"])
     assert estimate.planner_module.Planner.plan is plan
+
+
+def test_the_instance_size_is_shiftables_in_the_paper_report(tmp_path, monkeypatch):
+    report = {"groups": [{"name": "judge-32b", "instance_gpus": 2, "modes": {"shiftable": {"instance_gpus": 4}}}]}
+    (tmp_path / "paper.json").write_text(json.dumps(report))
+    monkeypatch.setattr(estimate, "RESULTS", tmp_path)
+    assert estimate.shiftable_size("judge-32b") == 4
+    # a group the report lacks: the size with the highest ideal throughput (TP1 for the dense 7B pair)
+    assert estimate.shiftable_size("dense-7b") == 1
