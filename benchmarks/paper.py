@@ -85,7 +85,7 @@ keeps what it finished).
     .venv/bin/python benchmarks/paper.py                        # main table, ~20 min on 2 cores
     .venv/bin/python benchmarks/paper.py --quick                # smoke run: 32 GPUs, 3 steps, ~4 min
     .venv/bin/python benchmarks/paper.py --groups dense-7b --steps 6
-    .venv/bin/python benchmarks/paper.py --sweep --steps 6 --search-budget 16   # sensitivity, about an hour
+    .venv/bin/python benchmarks/paper.py --sweep --steps 6 --search-budget 12   # sensitivity, ~35 min
 """
 
 from __future__ import annotations
