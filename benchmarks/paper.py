@@ -330,16 +330,22 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[int, dict[str, Any]] = {}
 
         def run(tp: int, mode: str = mode, runs: dict[int, dict[str, Any]] = runs) -> float:
+            kept = keep(f"{mode}-tp{tp}")  # (each size's run kept apart; the chosen one is renamed below)
             r = runs[tp] = simulate([*job_overrides(group, gpus, tp), f"mode={mode}", f"steps={args.steps}"],
-                                    args.timeout)  # fmt: skip
+                                    args.timeout, kept)  # fmt: skip
             print(f"  {mode} TP{tp}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)
             return r.get("samples_per_s", 0.0)
 
         tp, tried = best_size(sizes, run)
         chosen = tp if tp is not None else next(iter(runs))  # (every run failed: the first one's error)
-        if keep(mode) is not None and tp is not None:  # the chosen size again, its run kept
-            simulate([*job_overrides(group, gpus, tp), f"mode={mode}", f"steps={args.steps}"], args.timeout,
-                     keep(mode))  # fmt: skip
+        if args.runs:  # the chosen size's run is the mode's; the others go
+            for size in runs:
+                src = keep(f"{mode}-tp{size}")
+                if size == tp:
+                    shutil.rmtree(keep(mode), ignore_errors=True)
+                    src.rename(keep(mode))
+                else:
+                    shutil.rmtree(src, ignore_errors=True)
         modes[mode] = {**runs[chosen], "instance_gpus": chosen, "sizes": tried}
 
     searched: dict[int, tuple[Split, list[tuple[Split, float]]]] = {}
