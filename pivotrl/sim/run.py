@@ -303,6 +303,45 @@ def _bounds(job: JobConfig, spec: SimSpec, summary: dict[str, Any]) -> dict[str,
             "floor_samples_per_s": floor, "steady_of_floor": summary["steady_samples_per_s"] / floor}  # fmt: skip
 
 
+INSTANCE_SIZES = (1, 2, 4, 8)  # GPUs per instance that ``floors_by_size`` compares
+
+
+def floors_by_size(job: JobConfig) -> dict[int, float]:
+    """The floor's throughput (samples/s if a step took no longer than any schedule must) at each instance
+    size of ``INSTANCE_SIZES`` that divides the cluster and fits both models, the job's own included; empty
+    with measured costs (a profile is of the instance it measured). A step bound by its longest responses
+    more than by its work runs faster on larger instances than the ideal's best size: this says where."""
+    from pivotrl.sim.ideal import ideal_of
+
+    spec = build(job).spec
+    if isinstance(spec.costs, MeasuredCosts):
+        return {}
+    out: dict[int, float] = {}
+    for tp in INSTANCE_SIZES:
+        if job.sim.gpus % tp:
+            continue
+        other = dataclasses.replace(spec, devices=job.sim.gpus // tp, tp=tp)
+        if min(other.capacity(Role.ROLLOUT), other.capacity(Role.GENRM)) < 1:
+            continue
+        step = ideal_of(job, other)
+        out[tp] = step.samples / step.floor_seconds
+    return out
+
+
+def format_sizes(job: JobConfig, floors: dict[int, float]) -> str | None:
+    """A line naming the instance sizes whose floor allows more than the job's own (None if none does)."""
+    own = floors.get(job.sim.instance_gpus)
+    better = {tp: rate for tp, rate in floors.items() if own is not None and rate > 1.02 * own}
+    if not better:
+        return None
+    sizes = ", ".join(f"{rate:.1f} samples/s on instances of {tp} GPUs" for tp, rate in sorted(better.items()))
+    best = max(better, key=lambda tp: better[tp])
+    return (
+        f"the floor allows {sizes} ({own:.1f} here): these steps wait on their longest responses more than "
+        f"on their work; try sim.instance_gpus={best}"
+    )
+
+
 def format_sim(summary: dict[str, Any]) -> str:
     """The simulator's lines under the run summary: what was modeled, virtual and real time, and how
     far the run is from what any schedule could do."""
