@@ -778,7 +778,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="steps per measured run (the first is left out)")
     p.add_argument("--search-steps", type=int, default=4, help="steps per run of the split search")
     p.add_argument("--search-levels", type=int, default=3, help="halvings of the compass search's spacing")
-    p.add_argument("--search-budget", type=int, default=24, help="most runs of the split search per group")
+    p.add_argument("--search-budget", type=int, default=24, help="most runs of the split search per size")
     p.add_argument("--timeout", type=float, default=1800.0, help="wall seconds one run may take")
     p.add_argument("--quick", action="store_true", help="smoke run: 32 GPUs, 3 steps, a short search")
     p.add_argument("--sweep", action="store_true", help="the sensitivity sweep of dense-7b instead of the groups")
