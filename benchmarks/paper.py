@@ -34,11 +34,12 @@ times; busy fractions, shifts and shift seconds are taken over the same
 window (from the end of step 1 to the end of the last step).
 
 The disaggregated baseline gets its best static split and instance size,
-searched on the steady step time of shorter runs (``--search-steps``, default 4: 3 steady
-steps), then run again with ``--steps``. The search starts at the split that
-gives each role devices in proportion to its ideal work, evaluates the 3x3
-grid of (judge, train) device counts around it at a spacing of D/8 devices (D
-instances), re-centred on the best while it moves; then a compass search
+searched on the steady step time of shorter runs (``--search-steps``,
+default 4: 3 steady steps), then run again with ``--steps``. At each size
+the search starts at the split that gives each role devices in proportion
+to its ideal work, evaluates the 3x3 grid of (judge, train) device counts
+around it at a spacing of D/8 devices (D instances), re-centred on the best
+while it moves; then a compass search
 (moving s devices from any role to any other, six neighbours) at D/16, D/32,
 ..., re-centred while it improves, down to one device or ``--search-levels``
 halvings. A split is never run twice: 9 runs for the first grid, at most 5
