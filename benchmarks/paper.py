@@ -109,8 +109,7 @@ from common import machine, write_report
 from common import simulate as run_simulate
 
 from pivotrl.config import load_config
-from pivotrl.errors import UserError
-from pivotrl.sim.ideal import IdealStep, ideal_for_job
+from pivotrl.sim.ideal import INSTANCE_SIZES, IdealStep, ideal_for_job, ideals_by_size
 from pivotrl.sim.workload import LengthDist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +117,7 @@ EXAMPLE = ROOT / "examples/sim128.yaml"
 RESULTS = ROOT / "benchmarks/results"
 MODES = ("colocated", "disaggregated", "shiftable")
 ROLES = ("rollout", "genrm", "train")
-TPS = (1, 2, 4, 8)
+TPS = INSTANCE_SIZES
 Split = tuple[int, int, int]  # rollout, genrm, train devices
 
 
@@ -156,15 +155,9 @@ def ideal(overrides: list[str]) -> IdealStep:
 
 
 def instance_sizes(group: Group, gpus: int, tps: tuple[int, ...] = TPS) -> dict[int, IdealStep]:
-    """The ideal of each instance size of ``tps`` both models fit on (at least 3 instances)."""
-    out: dict[int, IdealStep] = {}
-    for tp in tps:
-        if gpus % tp or gpus // tp < 3:
-            continue
-        try:
-            out[tp] = ideal(job_overrides(group, gpus, tp))
-        except UserError:  # a model does not fit on tp GPUs
-            continue
+    """The ideal of each instance size of ``tps`` both models fit on, with an instance for each role."""
+    found = ideals_by_size(load_config(EXAMPLE, job_overrides(group, gpus, 1)), tps)
+    out = {tp: step for tp, step in found.items() if gpus // tp >= 3}
     if not out:
         raise SystemExit(f"{group.name}: no instance size in {tps} fits both models on {gpus} GPUs")
     return out
@@ -175,19 +168,18 @@ def with_tp(overrides: list[str], tp: int) -> list[str]:
     return [x for x in overrides if not x.startswith("sim.instance_gpus=")] + [f"sim.instance_gpus={tp}"]
 
 
-def floor_rate(step: IdealStep | dict[str, Any]) -> float:
-    """Samples/s if a step took its floor at this instance size: no mode there does better."""
-    i = step if isinstance(step, dict) else step.to_dict()
+def floor_rate(i: dict[str, Any]) -> float:
+    """``IdealStep.floor_samples_per_s`` of a report's ideal (older reports do not have it)."""
     return i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
 
 
-def best_size(sizes: dict[int, IdealStep], run: Callable[[int], float]) -> tuple[int | None, list[dict[str, Any]]]:
+def best_size(caps: dict[int, float], run: Callable[[int], float]) -> tuple[int | None, list[dict[str, Any]]]:
     """The instance size where ``run`` (a mode at that size: its samples/s, 0 when it failed) is fastest.
-    Sizes are tried from the highest floor bound down; one whose bound is no better than the best run
-    so far is skipped (no run there can beat it). Every size, run or skipped, in the list."""
+    Sizes are tried from the highest floor bound (``caps``, samples/s) down; one whose bound is no better
+    than the best run so far is skipped (no run there can beat it). Every size, run or skipped, in the list."""
     best, best_rate, tried = None, 0.0, []
-    for tp in sorted(sizes, key=lambda tp: -floor_rate(sizes[tp])):
-        cap = floor_rate(sizes[tp])
+    for tp in sorted(caps, key=lambda tp: -caps[tp]):
+        cap = caps[tp]
         if best is not None and cap <= best_rate:
             tried.append({"tp": tp, "skipped": f"floor bound {cap:.1f} samples/s <= {best_rate:.1f}"})
             continue
@@ -322,10 +314,11 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     sizes = instance_sizes(group, gpus, (args.tp,) if args.tp else TPS)
     tp0 = max(sizes, key=lambda tp: sizes[tp].samples_per_s)  # the highest ideal: the table's ideal row
+    caps = {tp: i.floor_samples_per_s for tp, i in sizes.items()}
     keep = (lambda mode: args.runs / group.name / mode) if args.runs else (lambda mode: None)
     print(f"{group.name}: {group.policy} + {group.genrm} judge, {gpus} GPUs in instances of "
           f"{'/'.join(map(str, sizes))}; ideal {sizes[tp0].samples_per_s:.1f} samples/s (TP{tp0}), floor bound "
-          + ", ".join(f"TP{tp} {floor_rate(i):.1f}" for tp, i in sizes.items()), flush=True)  # fmt: skip
+          + ", ".join(f"TP{tp} {cap:.1f}" for tp, cap in caps.items()), flush=True)  # fmt: skip
     modes: dict[str, dict[str, Any]] = {}
     for mode in ("colocated", "shiftable"):
         runs: dict[int, dict[str, Any]] = {}
@@ -337,7 +330,7 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {mode} TP{tp}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)
             return r.get("samples_per_s", 0.0)
 
-        tp, tried = best_size(sizes, run)
+        tp, tried = best_size(caps, run)
         chosen = tp if tp is not None else next(iter(runs))  # (every run failed: the first one's error)
         if args.runs:  # the chosen size's run is the mode's; the others go
             for size in runs:
@@ -366,7 +359,7 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
         step_s = min(v for _, v in searched[tp][1])
         return sizes[tp].samples / step_s if step_s < math.inf else 0.0
 
-    tp, tried = best_size(sizes, search_at)
+    tp, tried = best_size(caps, search_at)
     tp = tp if tp is not None else next(iter(searched))
     split, trials = searched[tp]
     dis = simulate([*job_overrides(group, gpus, tp), "mode=disaggregated", f"split={split_text(split)}",

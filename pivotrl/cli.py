@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pivotrl.sim.run import floors_by_size, format_sim, format_sizes, run_simulation
+    from pivotrl.sim.run import format_sim, format_sizes, run_simulation
 
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out)
@@ -63,7 +63,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(format_summary(summary, out))
     print(format_sim(summary))
     if not args.quiet:  # (the other sizes' floors: a few tenths of a second more)
-        hint = format_sizes(cfg, floors_by_size(cfg))
+        hint = format_sizes(cfg)
         if hint:
             print(hint)
     return 0

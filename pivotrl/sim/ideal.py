@@ -105,10 +105,12 @@ there, and the groups that hold them all train after.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pivotrl.config import JobConfig
 from pivotrl.control.messages import Role
+from pivotrl.errors import UserError
 from pivotrl.sim.costs import span_of
 from pivotrl.sim.driver import SimSpec
 from pivotrl.sim.run import build
@@ -159,6 +161,11 @@ class IdealStep:
     def floor_seconds(self) -> float:
         """The shortest a step can be: the longest of the ideal step and the three paths."""
         return max(self.step_seconds, self.spread_path_s, self.joint_floor_s, self.group_path_s)
+
+    @property
+    def floor_samples_per_s(self) -> float:
+        """Samples/s if every step took its floor: no schedule does better."""
+        return self.samples / self.floor_seconds
 
     def split(self, devices: int) -> dict[str, int]:
         """``devices`` divided between the roles in proportion to their work, at least one each: the
@@ -291,6 +298,28 @@ def spread_ends(spec: SimSpec, samples: int, rollout_tokens: int) -> list[tuple[
 def ideal_for_job(cfg: JobConfig) -> IdealStep:
     """The ideal step of a ``pivotrl simulate`` job, from the spec the simulator builds for it."""
     return ideal_of(cfg, build(cfg).spec)
+
+
+INSTANCE_SIZES = (1, 2, 4, 8)  # GPUs per model instance that ``ideals_by_size`` compares
+
+
+def ideals_by_size(cfg: JobConfig, sizes: tuple[int, ...] = INSTANCE_SIZES) -> dict[int, IdealStep]:
+    """The ideal step of job ``cfg`` with instances of each of ``sizes`` GPUs that divides the cluster and
+    holds both models; empty with measured costs (a profile is of the instance it measured). A step bound
+    by its longest responses more than by its work has its lowest floor on larger instances than its
+    highest ideal throughput."""
+    if cfg.sim.costs != "roofline":
+        return {}
+    out: dict[int, IdealStep] = {}
+    for tp in sizes:
+        if cfg.sim.gpus % tp:
+            continue
+        sim = dataclasses.replace(cfg.sim, instance_gpus=tp)
+        try:  # (colocated: the job's split names devices of its own size)
+            out[tp] = ideal_for_job(dataclasses.replace(cfg, mode="colocated", split="", sim=sim))
+        except UserError:  # a model does not fit on tp GPUs
+            continue
+    return out
 
 
 def ideal_of(cfg: JobConfig, spec: SimSpec) -> IdealStep:

@@ -298,38 +298,17 @@ def _bounds(job: JobConfig, spec: SimSpec, summary: dict[str, Any]) -> dict[str,
     from pivotrl.sim.ideal import ideal_of  # (it builds jobs with this module's ``build``)
 
     ideal = ideal_of(job, spec)
-    floor = ideal.samples / ideal.floor_seconds
+    floor = ideal.floor_samples_per_s
     return {"samples_per_s": ideal.samples_per_s, "floor_seconds": ideal.floor_seconds,
             "floor_samples_per_s": floor, "steady_of_floor": summary["steady_samples_per_s"] / floor}  # fmt: skip
 
 
-INSTANCE_SIZES = (1, 2, 4, 8)  # GPUs per instance that ``floors_by_size`` compares
+def format_sizes(job: JobConfig) -> str | None:
+    """A line naming the instance sizes whose floor (``pivotrl.sim.ideal.ideals_by_size``) allows 2% more
+    than the job's own (None if none does, or with measured costs)."""
+    from pivotrl.sim.ideal import ideals_by_size
 
-
-def floors_by_size(job: JobConfig) -> dict[int, float]:
-    """The floor's throughput (samples/s if a step took no longer than any schedule must) at each instance
-    size of ``INSTANCE_SIZES`` that divides the cluster and fits both models, the job's own included; empty
-    with measured costs (a profile is of the instance it measured). A step bound by its longest responses
-    more than by its work runs faster on larger instances than the ideal's best size: this says where."""
-    from pivotrl.sim.ideal import ideal_of
-
-    spec = build(job).spec
-    if isinstance(spec.costs, MeasuredCosts):
-        return {}
-    out: dict[int, float] = {}
-    for tp in INSTANCE_SIZES:
-        if job.sim.gpus % tp:
-            continue
-        other = dataclasses.replace(spec, devices=job.sim.gpus // tp, tp=tp)
-        if min(other.capacity(Role.ROLLOUT), other.capacity(Role.GENRM)) < 1:
-            continue
-        step = ideal_of(job, other)
-        out[tp] = step.samples / step.floor_seconds
-    return out
-
-
-def format_sizes(job: JobConfig, floors: dict[int, float]) -> str | None:
-    """A line naming the instance sizes whose floor allows more than the job's own (None if none does)."""
+    floors = {tp: i.floor_samples_per_s for tp, i in ideals_by_size(job).items()}
     own = floors.get(job.sim.instance_gpus)
     better = {tp: rate for tp, rate in floors.items() if own is not None and rate > 1.02 * own}
     if not better:

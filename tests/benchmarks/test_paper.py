@@ -194,7 +194,7 @@ def fake_ideal(floor_rate: float, samples_per_s: float = 200.0) -> dict[str, flo
 
 
 def test_best_size_tries_the_highest_bound_first_and_skips_sizes_that_cannot_win():
-    sizes = {1: fake_ideal(90.0), 2: fake_ideal(110.0), 4: fake_ideal(120.0), 8: fake_ideal(70.0)}
+    caps = {1: 90.0, 2: 110.0, 4: 120.0, 8: 70.0}
     measured = {1: 75.0, 2: 85.0, 4: 80.0, 8: 60.0}
     ran = []
 
@@ -202,11 +202,11 @@ def test_best_size_tries_the_highest_bound_first_and_skips_sizes_that_cannot_win
         ran.append(tp)
         return measured[tp]
 
-    tp, tried = paper.best_size(sizes, run)
+    tp, tried = paper.best_size(caps, run)
     assert tp == 2 and ran == [4, 2, 1]  # TP8's bound (70) is below the best run (85): not run
     assert [t["tp"] for t in tried] == [4, 2, 1, 8] and "skipped" in tried[-1]
     # every run failing: no size
-    assert paper.best_size({1: fake_ideal(90.0)}, lambda tp: 0.0) == (None, [{"tp": 1, "samples_per_s": 0.0}])
+    assert paper.best_size({1: 90.0}, lambda tp: 0.0) == (None, [{"tp": 1, "samples_per_s": 0.0}])
 
 
 def test_with_tp_replaces_the_instance_size():

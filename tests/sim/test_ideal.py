@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 
 import pytest
@@ -11,10 +12,11 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.control.messages import Role
 from pivotrl.sim.driver import SimSpec
-from pivotrl.sim.ideal import IdealStep, ideal_for_job, ideal_step, length_moments, spread_ends
+from pivotrl.sim.ideal import IdealStep, ideal_for_job, ideal_step, ideals_by_size, length_moments, spread_ends
 from pivotrl.sim.models import MODELS
 from pivotrl.sim.run import run_simulation
 from pivotrl.sim.workload import LengthDist
+from tests.sim.test_measured import PROFILE
 from tests.sim.test_run import EXAMPLE, SMALL
 
 
@@ -276,3 +278,28 @@ def test_imports_neither_torch_nor_ray_nor_numpy():
 
     proc = probe("pivotrl.sim.ideal")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_ideal_at_each_instance_size_is_the_jobs_at_that_size():
+    """The bundled 128-GPU job: every size holds the 7B models, each ideal is the job's own at that size (its
+    mode and split aside), and the floor is lowest on 4 GPUs though 1 has the highest ideal throughput."""
+    job = load_config(EXAMPLE, ["mode=disaggregated", "split=rollout:100,genrm:14,train:14"])
+    found = ideals_by_size(job)
+    assert sorted(found) == [1, 2, 4, 8]
+    for tp, step in found.items():
+        alone = ideal_for_job(load_config(EXAMPLE, [f"sim.instance_gpus={tp}"]))
+        assert step.floor_seconds == pytest.approx(alone.floor_seconds) and step.gpus == 128
+        assert step.floor_samples_per_s == pytest.approx(step.samples / step.floor_seconds)
+    assert max(found, key=lambda tp: found[tp].floor_samples_per_s) == 4
+    assert max(found, key=lambda tp: found[tp].samples_per_s) == 1
+    assert sorted(ideals_by_size(job, (2, 3, 4))) == [2, 4]  # 128 GPUs do not split into instances of 3
+
+
+def test_no_other_instance_size_where_the_judge_fits_only_on_8_or_costs_are_measured(tmp_path):
+    big = load_config(EXAMPLE, ["sim.genrm_model=Qwen3-235B-A22B", "sim.instance_gpus=8"])
+    assert list(ideals_by_size(big)) == [8]
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(PROFILE))
+    measured = [*SMALL, f"sim.costs={costs}", "rollout.max_new_tokens=64", "eval.max_new_tokens=64",
+                "judge.max_new_tokens=64", "sim.prompt_len=64", "rollout.max_batch=32"]  # fmt: skip
+    assert ideals_by_size(load_config(EXAMPLE, measured)) == {}
