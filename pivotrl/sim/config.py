@@ -68,6 +68,13 @@ class SimConfig:
     gpu: str = "H100"  # modeled accelerator, a name in pivotrl.sim.hardware.GPUS
     gpus: int = 8  # GPUs in the cluster
     instance_gpus: int = 1  # GPUs per model instance (tensor parallel); a control-plane device is one instance
+    # GPUs of each engine an instance runs a role on (0: one engine of all its GPUs): an instance of 4 GPUs
+    # may roll out on 2 engines of 2 and judge on 1 of 4; its sequences are spread evenly over its engines
+    rollout_engine_gpus: int = 0
+    genrm_engine_gpus: int = 0
+    # a bound, not a mechanism: every decode span runs on the fastest layout of engines (of the sizes above
+    # and their doublings up to the instance), changed for free; what elastic tensor parallelism could give
+    elastic_engines: bool = False
     policy_model: str = "Qwen2.5-7B"  # policy shape, a name in pivotrl.sim.models.MODELS
     genrm_model: str = "Qwen2.5-7B"  # judge shape, a name in MODELS
     lengths: LengthsConfig = field(default_factory=LengthsConfig)  # response length distribution
@@ -100,7 +107,17 @@ class SimConfig:
             if getattr(self, name) not in MODELS:
                 raise ValueError(f"{name}: expected one of {', '.join(MODELS)}, got {getattr(self, name)!r}")
         _int_at_least(self, 1, "gpus", "instance_gpus", "prompt_len", "judge_output_len")
-        _int_at_least(self, 0, "judge_template_len")
+        _int_at_least(self, 0, "judge_template_len", "rollout_engine_gpus", "genrm_engine_gpus")
+        for name in ("rollout_engine_gpus", "genrm_engine_gpus"):
+            if self.instance_gpus % (getattr(self, name) or self.instance_gpus):
+                raise ValueError(
+                    f"{name}: expected 0 (one engine of the instance) or a divisor of instance_gpus "
+                    f"({self.instance_gpus}), got {getattr(self, name)}"
+                )
+        if not isinstance(self.elastic_engines, bool):
+            raise ValueError(f"elastic_engines: expected true or false, got {self.elastic_engines!r}")
+        if self.elastic_engines and self.instance_gpus == 1:
+            raise ValueError("elastic_engines: an instance of 1 GPU has one layout; needs instance_gpus >= 2")
         if self.gpus % self.instance_gpus:
             raise ValueError(
                 f"gpus: expected a multiple of instance_gpus ({self.instance_gpus}), got {self.gpus} "

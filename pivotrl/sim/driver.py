@@ -3,7 +3,9 @@
 Same interface as the runtime's drivers (``submit``, ``next_events``,
 ``start_clock``, ``slices``, ``close``) plus ``clock``, the controller's
 clock, so every timestamp of a simulated run is in virtual seconds. A
-control-plane device is one model instance of ``tp`` GPUs.
+control-plane device is one model instance of ``tp`` GPUs, which runs a role
+on one engine or on several smaller ones (``SimSpec.engine_tp``, priced by
+``pivotrl.sim.layout``).
 
 An event heap (vidur's loop): ``next_events`` pops the earliest completions,
 advances the clock to them and returns their events, all those of one virtual
@@ -75,6 +77,7 @@ from pivotrl.control.messages import (
 from pivotrl.sim import synthetic
 from pivotrl.sim.costs import SPREAD_KINDS, CostModel
 from pivotrl.sim.engine import ModeledEngine, SimSeq
+from pivotrl.sim.layout import EngineLayout, role_costs
 from pivotrl.sim.models import ModelSpec
 from pivotrl.sim.workload import LengthDist, correlated, normal_score
 from pivotrl.telemetry import Slice
@@ -120,26 +123,46 @@ class SimSpec:
     # the mean context of a decode step of each role: what a sequence holds in a paged cache on average
     rollout_decode_context: float = 0.0
     judge_decode_context: float = 0.0
+    # GPUs of each engine of a rollout and of a judge instance (0: one engine of the instance's ``tp``)
+    engine_tp: tuple[int, int] = (0, 0)
+    elastic: bool = False  # engines take the fastest layout of each decode span, for free: a bound (``layout``)
+    _role_costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def role_costs(self, role: Role) -> CostModel:
+        """What an instance costs in ``role``: ``costs`` over its engines' layout (training: ``costs``)."""
+        out = self._role_costs.get(role)
+        if out is None:
+            out = self.costs
+            if role is not Role.TRAIN:
+                out = role_costs(self.costs, self.tp, self.engine_tp[role is Role.GENRM], self.elastic)
+            self._role_costs[role] = out
+        return out
+
+    def engines(self, role: Role) -> int:
+        """Engines an instance of ``role`` runs (each of ``max_batch`` slots)."""
+        costs = self.role_costs(role)
+        return costs.engines if isinstance(costs, EngineLayout) else 1
 
     def kv_tokens(self, role: Role) -> int | None:
         """Tokens of paged KV cache an instance of ``role`` holds; None where sequences hold fixed slots."""
         if not self.paged:
             return None
-        return self.costs.kv_tokens(self.policy if role is Role.ROLLOUT else self.genrm, self.tp)
+        return self.role_costs(role).kv_tokens(self.policy if role is Role.ROLLOUT else self.genrm, self.tp)
 
     def capacity(self, role: Role) -> int:
-        """Sequences one instance of ``role`` runs at once: the engine's slots, or fewer if KV memory says
+        """Sequences one instance of ``role`` runs at once: its engines' slots, or fewer if KV memory says
         so. A paged cache holds as many as fit at the role's mean decode context, or none if its longest
-        sequence does not fit alone."""
+        sequence does not fit alone in one engine."""
         rollout = role is Role.ROLLOUT
         model, context = (self.policy, self.rollout_context) if rollout else (self.genrm, self.judge_context)
-        kv = self.kv_tokens(role)
+        engines = self.engines(role)
+        slots, kv = self.max_batch * engines, self.kv_tokens(role)
         if kv is None:
-            return min(self.max_batch, self.costs.max_batch(model, self.tp, context))
-        if kv < context:
+            return min(slots, self.role_costs(role).max_batch(model, self.tp, context))
+        if kv // engines < context:
             return 0
         typical = self.rollout_decode_context if rollout else self.judge_decode_context
-        return min(self.max_batch, max(1, math.floor(kv / max(typical, 1.0))))
+        return min(slots, max(1, math.floor(kv / max(typical, 1.0))))
 
 
 @dataclass(slots=True)
@@ -281,13 +304,13 @@ class SimDriver:
         if dev.engine is not None and dev.engine.has_work or dev.slice is not None:
             raise RuntimeError(f"device {dev.id}: shift to {cmd.role.value} with sequences in flight")
         model = spec.genrm if cmd.role is Role.GENRM else spec.policy
-        src = dev.role
+        src, costs = dev.role, spec.role_costs(cmd.role)
         if src is cmd.role is Role.ROLLOUT:
-            seconds = spec.costs.refresh(model, spec.tp)
+            seconds = costs.refresh(model, spec.tp)
         elif src is cmd.role is Role.TRAIN:  # the runtime rebuilds a trainer to change its version
-            seconds = spec.costs.shift(model, None, Role.TRAIN, spec.tp)
+            seconds = costs.shift(model, None, Role.TRAIN, spec.tp)
         else:
-            seconds = spec.costs.shift(model, src, cmd.role, spec.tp)
+            seconds = costs.shift(model, src, cmd.role, spec.tp)
         seconds = self._drawn(seconds, "shift", dev.id)
         # the weights; a trainer's optimizer shard comes at its optimizer step (``CostModel.optimizer_step``)
         nbytes = 0 if src is cmd.role is Role.GENRM else int(model.weight_bytes)
@@ -300,8 +323,8 @@ class SimDriver:
                 dev.engine = None
             elif src is not cmd.role or dev.engine is None:
                 kv = spec.kv_tokens(cmd.role)  # paged: as many sequences as the engine's slots and its cache allow
-                slots = spec.max_batch if kv is not None else spec.capacity(cmd.role)
-                dev.engine = ModeledEngine(spec.costs, model, spec.tp, slots, t1, kv)
+                slots = spec.max_batch * spec.engines(cmd.role) if kv is not None else spec.capacity(cmd.role)
+                dev.engine = ModeledEngine(costs, model, spec.tp, slots, t1, kv)
             if old is not None and dev.engine is not old:  # its preemptions outlive it
                 self._preempted += old.preempted
             name = f"{src.value if src else 'none'}->{cmd.role.value}"

@@ -205,6 +205,7 @@ def ideal_step(
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= samples:
         raise ValueError(f"group_size: got {group_size!r}, must be an int in [1, samples={samples}]")
     costs, tp, p = spec.costs, spec.tp, spec.prompt_len
+    rc, jc = spec.role_costs(Role.ROLLOUT), spec.role_costs(Role.GENRM)  # an instance's, over its engines
     b, bj = spec.capacity(Role.ROLLOUT), spec.capacity(Role.GENRM)
     if b < 1 or bj < 1:
         raise ValueError(f"an instance of {tp} GPU(s) holds no sequence (rollout {b}, judge {bj})")
@@ -216,10 +217,10 @@ def ideal_step(
     judge_context = decode_context(judge_prompt, spec.judge_lengths, judge_tokens, grid)
     n = samples
     gpu_seconds = {
-        "rollout_prefill": tp * n * costs.prefill(spec.policy, tp, b * p, p) / b,
-        "rollout_decode": tp * n * decode_steps * costs.decode_step(spec.policy, tp, b, context) / b,
-        "genrm_prefill": tp * n * costs.prefill(spec.genrm, tp, round(bj * judge_prompt), round(judge_prompt)) / bj,
-        "genrm_decode": tp * n * (out_len - 1) * costs.decode_step(spec.genrm, tp, bj, judge_context) / bj,
+        "rollout_prefill": tp * n * rc.prefill(spec.policy, tp, b * p, p) / b,
+        "rollout_decode": tp * n * decode_steps * rc.decode_step(spec.policy, tp, b, context) / b,
+        "genrm_prefill": tp * n * jc.prefill(spec.genrm, tp, round(bj * judge_prompt), round(judge_prompt)) / bj,
+        "genrm_decode": tp * n * (out_len - 1) * jc.decode_step(spec.genrm, tp, bj, judge_context) / bj,
         "train": costs.train_tokens(spec.policy, round(n * (p + mean_len)), 1, round(p + mean_len)),
         "optimizer": tp * costs.optimizer_step(spec.policy, tp),
     }
@@ -230,14 +231,14 @@ def ideal_step(
         quantile: the one length they all have where they do not spread), or (``first``) the shortest."""
         judged = p + length + spec.judge_template_len
         out = spec.judge_lengths.quantile(1 / (2 * company) if first else 1 - 1 / (2 * company))
-        decode = costs.decode_span(spec.genrm, tp, 1, judged + 1, max(0, min(out, judge_tokens) - 1))
-        return costs.prefill(spec.genrm, tp, judged, judged) + decode
+        decode = jc.decode_span(spec.genrm, tp, 1, judged + 1, max(0, min(out, judge_tokens) - 1))
+        return jc.prefill(spec.genrm, tp, judged, judged) + decode
 
     # for every length x, the k responses at least x long end no earlier than x on the path and the
     # longest of their k judgments follows; with judgments of one length the longest response binds
     ends = spread_ends(spec, n, rollout_tokens)
-    first = costs.prefill(spec.policy, tp, p, p)
-    critical = max(first + costs.decode_span(spec.policy, tp, 1, p + 1, length - 1) + judged_alone(length, k)
+    first = rc.prefill(spec.policy, tp, p, p)
+    critical = max(first + rc.decode_span(spec.policy, tp, 1, p + 1, length - 1) + judged_alone(length, k)
                    for length, k, _ in ends)  # fmt: skip
     judged_path = max(at + judged_alone(length, k) for length, k, at in ends)
     rollout = ends[-1][2]
@@ -278,7 +279,7 @@ def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:
 def spread_ends(spec: SimSpec, samples: int, rollout_tokens: int) -> list[tuple[int, int, float]]:
     """On the spread path, for every length the responses reach (shortest first): the length, how many
     responses are at least that long, and when those of that length have ended."""
-    costs, tp, p, d = spec.costs, spec.tp, spec.prompt_len, spec.devices
+    costs, tp, p, d = spec.role_costs(Role.ROLLOUT), spec.tp, spec.prompt_len, spec.devices
     b = spec.capacity(Role.ROLLOUT)
     lengths = sorted(min(spec.lengths.quantile((i + 0.5) / samples), rollout_tokens) for i in range(samples))
     seconds = costs.prefill(spec.policy, tp, min(b, -(-samples // d)) * p, p)
@@ -305,16 +306,17 @@ INSTANCE_SIZES = (1, 2, 4, 8)  # GPUs per model instance that ``ideals_by_size``
 
 def ideals_by_size(cfg: JobConfig, sizes: tuple[int, ...] = INSTANCE_SIZES) -> dict[int, IdealStep]:
     """The ideal step of job ``cfg`` with instances of each of ``sizes`` GPUs that divides the cluster and
-    holds both models; empty with measured costs (a profile is of the instance it measured). A step bound
-    by its longest responses more than by its work has its lowest floor on larger instances than its
-    highest ideal throughput."""
+    holds both models, each running a role on one engine; empty with measured costs (a profile is of the
+    instance it measured). A step bound by its longest responses more than by its work has its lowest
+    floor on larger instances than its highest ideal throughput."""
     if cfg.sim.costs != "roofline":
         return {}
     out: dict[int, IdealStep] = {}
     for tp in sizes:
         if cfg.sim.gpus % tp:
             continue
-        sim = dataclasses.replace(cfg.sim, instance_gpus=tp)
+        sim = dataclasses.replace(cfg.sim, instance_gpus=tp, rollout_engine_gpus=0, genrm_engine_gpus=0,
+                                  elastic_engines=False)  # fmt: skip
         try:  # (colocated: the job's split names devices of its own size)
             out[tp] = ideal_for_job(dataclasses.replace(cfg, mode="colocated", split="", sim=sim))
         except UserError:  # a model does not fit on tp GPUs
@@ -335,7 +337,7 @@ def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: 
     lock-step rollout, how many instances carry the responses still running. ``rest_gpu_s`` is the
     step's GPU-seconds besides the rollout's decode (at their ideal prices), ``after_s`` what must follow
     the last token (its judgment, its backward, the update)."""
-    costs, tp, p, d = spec.costs, spec.tp, spec.prompt_len, spec.devices
+    costs, tp, p, d = spec.role_costs(Role.ROLLOUT), spec.tp, spec.prompt_len, spec.devices
     b_max, gpus = spec.capacity(Role.ROLLOUT), spec.devices * spec.tp
     span = span_of(costs, spec.policy, tp)
     lengths = sorted(min(spec.lengths.quantile((i + 0.5) / samples), rollout_tokens) for i in range(samples))

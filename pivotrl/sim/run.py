@@ -30,6 +30,7 @@ from pivotrl.errors import UserError
 from pivotrl.log import logger
 from pivotrl.reward.genrm import GenRM
 from pivotrl.sim import synthetic
+from pivotrl.sim.config import SimConfig
 from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, RooflineCosts
 from pivotrl.sim.driver import SimDriver, SimSpec
 from pivotrl.sim.hardware import GPUS
@@ -112,6 +113,8 @@ def build(cfg: JobConfig) -> Simulation:
     lengths, replay, judge_lengths = _lengths(cfg), _replay(cfg), sim.judge_lengths(j.max_new_tokens)
     if sim.judge_output_sigma:
         _warn_capped_judgments(judge_lengths)
+    rollout_context = sim.prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens)
+    judge_context = sim.prompt_len + r.max_new_tokens + sim.judge_template_len + j.max_new_tokens
     spec = SimSpec(
         devices=sim.devices,
         tp=sim.instance_gpus,
@@ -124,8 +127,8 @@ def build(cfg: JobConfig) -> Simulation:
         seed=cfg.seed,
         prompt_len=sim.prompt_len,
         max_batch=r.max_batch,
-        rollout_context=sim.prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens),
-        judge_context=sim.prompt_len + r.max_new_tokens + sim.judge_template_len + j.max_new_tokens,
+        rollout_context=rollout_context,
+        judge_context=judge_context,
         judge_template_len=sim.judge_template_len,
         judge_lengths=judge_lengths,
         yes_probability=float(sim.yes_probability),
@@ -139,14 +142,27 @@ def build(cfg: JobConfig) -> Simulation:
             judge_lengths,
             j.max_new_tokens,
         ),
+        engine_tp=(
+            _engine_gpus(sim, costs, policy_model, sim.rollout_engine_gpus, rollout_context),
+            _engine_gpus(sim, costs, genrm_model, sim.genrm_engine_gpus, judge_context),
+        ),  # fmt: skip
+        elastic=sim.elastic_engines,
     )
-    for role, name, context in ((Role.ROLLOUT, sim.policy_model, spec.rollout_context),
-                                (Role.GENRM, sim.genrm_model, spec.judge_context)):  # fmt: skip
-        if spec.capacity(role) < 1:
+    checks = ((Role.ROLLOUT, sim.policy_model, spec.rollout_context, "rollout_engine_gpus"),
+              (Role.GENRM, sim.genrm_model, spec.judge_context, "genrm_engine_gpus"))  # fmt: skip
+    for role, name, context, key in checks:
+        if spec.capacity(role) >= 1:
+            continue
+        engine = getattr(sim, key)
+        if engine and engine < sim.instance_gpus:  # the instance may hold it, one of its engines does not
             raise UserError(
-                f"sim.instance_gpus: {name} with {context}-token sequences does not fit on "
-                f"{sim.instance_gpus} x {sim.gpu} (give an instance more GPUs)"
+                f"sim.{key}: {name} with {context}-token sequences does not fit on an engine of "
+                f"{engine} x {sim.gpu} (give each engine more GPUs, up to sim.instance_gpus = {sim.instance_gpus})"
             )
+        raise UserError(
+            f"sim.instance_gpus: {name} with {context}-token sequences does not fit on "
+            f"{sim.instance_gpus} x {sim.gpu} (give an instance more GPUs)"
+        )
     # an engine runs no more sequences than its KV memory holds; handing it more only queues them
     # inside it, out of reach of devices that join the role later
     judge_batch, judge_kv = spec.capacity(Role.GENRM), spec.kv_tokens(Role.GENRM)
@@ -165,6 +181,17 @@ def build(cfg: JobConfig) -> Simulation:
     heldout = synthetic.problems(cfg.eval.size, tag="h")
     loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0)
     return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
+
+
+def _engine_gpus(sim: SimConfig, costs: CostModel, model: ModelSpec, given: int, context: int) -> int:
+    """GPUs of each engine of a role: the job's, or with elastic engines and none given, the fewest
+    (a power of two dividing the instance) whose memory holds the model and one ``context``-token sequence."""
+    if given or not sim.elastic_engines:
+        return given
+    for g in (2**i for i in range(sim.instance_gpus.bit_length())):
+        if sim.instance_gpus % g == 0 and costs.max_batch(model, g, context):
+            return g
+    return 0
 
 
 CAPPED_JUDGMENTS_WARN = 0.05  # share of spread judgments reaching the cap worth a warning: they have no verdict
@@ -191,10 +218,12 @@ def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
     longer one, a prefill, a training pass):
     its first plans are made for these devices, not for the runtime's CPU defaults. Measurements
     of the run replace them as they come."""
-    c, tp, ref = spec.costs, spec.tp, 32
+    tp, ref = spec.tp, 32
     response = spec.lengths.quantile(0.5)
 
-    def profile(model: ModelSpec, context: int, capacity: int) -> RoleProfile:
+    def profile(role: Role, context: int) -> RoleProfile:
+        c, capacity = spec.role_costs(role), spec.capacity(role)
+        model = spec.policy if role is Role.ROLLOUT else spec.genrm
         # the step's line in the batch at ``context``, and how much a longer context adds to it
         longer = LONGER_WARMUP * context
         one, many = c.decode_step(model, tp, 1, context), c.decode_step(model, tp, ref, context)
@@ -208,13 +237,14 @@ def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
         return out
 
     judge_prompt = spec.prompt_len + response + spec.judge_template_len
-    profiles.rollout = profile(spec.policy, spec.prompt_len + response, spec.capacity(Role.ROLLOUT))
+    profiles.rollout = profile(Role.ROLLOUT, spec.prompt_len + response)
     judgment = spec.judge_lengths.quantile(0.5)
-    profiles.judge = profile(spec.genrm, judge_prompt + judgment // 2, spec.capacity(Role.GENRM))
+    profiles.judge = profile(Role.GENRM, judge_prompt + judgment // 2)
     tokens = 16 * (spec.prompt_len + response)
-    profiles.train = TrainProfile(device_rate=tokens / c.train_tokens(spec.policy, tokens, tp))
-    profiles.rollout.prefill_rate = 4096 / c.prefill(spec.policy, tp, 4096, spec.prompt_len + response)
-    profiles.judge.prefill_rate = judge_prompt / c.prefill(spec.genrm, tp, judge_prompt)
+    profiles.train = TrainProfile(device_rate=tokens / spec.costs.train_tokens(spec.policy, tokens, tp))
+    rollout, judge = spec.role_costs(Role.ROLLOUT), spec.role_costs(Role.GENRM)
+    profiles.rollout.prefill_rate = 4096 / rollout.prefill(spec.policy, tp, 4096, spec.prompt_len + response)
+    profiles.judge.prefill_rate = judge_prompt / judge.prefill(spec.genrm, tp, judge_prompt)
 
 
 def gps_bytes(spec: SimSpec) -> dict[str, int]:
@@ -306,18 +336,27 @@ def _bounds(job: JobConfig, spec: SimSpec, summary: dict[str, Any]) -> dict[str,
 def format_sizes(job: JobConfig) -> str | None:
     """A line naming the instance sizes whose floor (``pivotrl.sim.ideal.ideals_by_size``) allows 2% more
     than the job's own (None if none does, or with measured costs)."""
-    from pivotrl.sim.ideal import ideals_by_size
+    from pivotrl.sim.ideal import ideal_for_job, ideals_by_size
 
+    sim = job.sim
     floors = {tp: i.floor_samples_per_s for tp, i in ideals_by_size(job).items()}
-    own = floors.get(job.sim.instance_gpus)
+    own = floors.get(sim.instance_gpus)
+    engines = sim.rollout_engine_gpus or sim.genrm_engine_gpus or sim.elastic_engines
+    if own is not None and engines:
+        own = ideal_for_job(job).floor_samples_per_s  # its instances run a role on several engines
     better = {tp: rate for tp, rate in floors.items() if own is not None and rate > 1.02 * own}
     if not better:
         return None
-    sizes = ", ".join(f"{rate:.1f} samples/s on instances of {tp} GPUs" for tp, rate in sorted(better.items()))
+    what = "instances of {} GPUs, one engine a role" if engines else "instances of {} GPUs"
+    sizes = ", ".join(f"{rate:.1f} samples/s on {what.format(tp)}" for tp, rate in sorted(better.items()))
     best = max(better, key=lambda tp: better[tp])
+    try_ = f"sim.instance_gpus={best}"
+    for key, off in (("rollout_engine_gpus", 0), ("genrm_engine_gpus", 0), ("elastic_engines", "false")):
+        if getattr(sim, key):
+            try_ += f" sim.{key}={off}"
     return (
         f"the floor allows {sizes} ({own:.1f} here): these steps wait on their longest responses more than "
-        f"on their work; try sim.instance_gpus={best}"
+        f"on their work; try {try_}"
     )
 
 

@@ -131,6 +131,8 @@ def test_measured_costs_drive_a_simulation(tmp_path):
         (["sim.lengths_replay=true"], "sim.lengths_replay: needs a trace to replay (sim.lengths_file)"),
         (["sim.policy_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with"),
         (["mode=disaggregated", "split=rollout:2,genrm:1,train:1"], "uses 4 devices, but devices=128"),
+        (["sim.instance_gpus=4", "sim.rollout_engine_gpus=3"], "sim.rollout_engine_gpus: expected 0 (one engine"),
+        (["sim.elastic_engines=3"], "sim.elastic_engines: expected true or false, got 3"),
     ],
 )
 def test_a_bad_sim_setting_exits_2_with_one_line(args, message, capsys, tmp_path):
