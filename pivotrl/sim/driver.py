@@ -134,7 +134,8 @@ class SimSpec:
         if out is None:
             out = self.costs
             if role is not Role.TRAIN:
-                out = role_costs(self.costs, self.tp, self.engine_tp[role is Role.GENRM], self.elastic)
+                out = role_costs(self.costs, self.tp, self.engine_tp[role is Role.GENRM], self.elastic,
+                                 self.max_batch)  # fmt: skip
             self._role_costs[role] = out
         return out
 
@@ -151,18 +152,24 @@ class SimSpec:
 
     def capacity(self, role: Role) -> int:
         """Sequences one instance of ``role`` runs at once: its engines' slots, or fewer if KV memory says
-        so. A paged cache holds as many as fit at the role's mean decode context, or none if its longest
-        sequence does not fit alone in one engine."""
+        so (elastic engines: the most of any of their layouts)."""
         rollout = role is Role.ROLLOUT
         model, context = (self.policy, self.rollout_context) if rollout else (self.genrm, self.judge_context)
-        engines = self.engines(role)
-        slots, kv = self.max_batch * engines, self.kv_tokens(role)
-        if kv is None:
-            return min(slots, self.role_costs(role).max_batch(model, self.tp, context))
-        if kv // engines < context:
-            return 0
         typical = self.rollout_decode_context if rollout else self.judge_decode_context
-        return min(slots, max(1, math.floor(kv / max(typical, 1.0))))
+        costs = self.role_costs(role)
+        layouts = costs.layouts(model) if isinstance(costs, EngineLayout) else ((self.tp, 1, None),)
+        return max(self._held(model, g, k, context, typical) for g, k, _ in layouts)
+
+    def _held(self, model: ModelSpec, tp: int, engines: int, context: int, typical: float) -> int:
+        """Sequences ``engines`` engines of ``tp`` GPUs hold: their slots, or fewer if KV memory says so. A
+        paged cache holds as many as fit at the role's mean decode context, or none if its longest
+        sequence does not fit alone in one engine."""
+        slots, kv = self.max_batch * engines, self.costs.kv_tokens(model, tp) if self.paged else None
+        if kv is None:
+            return min(slots, engines * self.costs.max_batch(model, tp, context))
+        if kv < context:
+            return 0
+        return min(slots, max(1, math.floor(engines * kv / max(typical, 1.0))))
 
 
 @dataclass(slots=True)

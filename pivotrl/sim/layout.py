@@ -36,19 +36,20 @@ class EngineLayout:
     tp: int  # GPUs of the instance
     engine_tp: int  # GPUs of each engine (of the smallest, when elastic)
     elastic: bool = False
+    slots: int = 0  # sequences one engine runs at most (elastic: a layout must hold the batch); 0: no limit
     _spans: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # id(model) -> (model, Span)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "engine_tp"):
+        for name, least in (("tp", 1), ("engine_tp", 1), ("slots", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: got {value!r}, must be an int >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: got {value!r}, must be an int >= {least}")
         if self.tp % self.engine_tp:
             raise ValueError(f"engine_tp: got {self.engine_tp}, must divide the instance's {self.tp} GPUs")
 
     @property
     def engines(self) -> int:
-        """Engines of the instance in its smallest layout (the one it loads, and admits sequences by)."""
+        """Engines of the instance in its smallest layout (the one it loads, and the most it runs)."""
         return self.tp // self.engine_tp
 
     def layouts(self, model: ModelSpec) -> list[tuple[int, int, int | None]]:
@@ -69,7 +70,8 @@ class EngineLayout:
 
     def span_of(self, model: ModelSpec, tp: int) -> Span:
         """The instance's ``decode_span``: each engine's share of the batch, in parallel; or (elastic) the
-        shortest over the layouts whose engines' KV caches hold the batch at that context."""
+        shortest over the layouts whose engines hold their share (``slots``, and their KV cache at the
+        span's last context), the largest engines where none does."""
         hit = self._spans.get(id(model))
         if hit is not None and hit[0] is model:
             return hit[1]
@@ -80,17 +82,21 @@ class EngineLayout:
             def span(batch: int, context: float, steps: int) -> float:
                 return one(-(-batch // k), context, steps) if batch else 0.0
         else:
+            slots = self.slots
 
             def span(batch: int, context: float, steps: int) -> float:
                 if not batch:
                     return 0.0
                 best = None
-                for i, (each, k, kv) in enumerate(options):  # the smallest engines always (they admitted it)
+                for each, k, kv in options:
                     share = -(-batch // k)
-                    if i and kv is not None and share * (context + steps) > kv:
+                    if slots and share > slots or kv is not None and share * (context + steps) > kv:
                         continue
                     seconds = each(share, context, steps)
                     best = seconds if best is None or seconds < best else best
+                if best is None:
+                    each, k, _ = options[-1]
+                    best = each(-(-batch // k), context, steps)
                 return best
 
         self._spans[id(model)] = (model, span)
@@ -113,11 +119,20 @@ class EngineLayout:
         return min(on(g, k) for g, k, _ in self.layouts(model))
 
     def max_batch(self, model: ModelSpec, tp: int, context_len: int) -> int:
-        return self.engines * self.base.max_batch(model, self.engine_tp, context_len)
+        """Sequences of ``context_len`` tokens the instance holds: its engines' (elastic: the most of any
+        layout, each engine at most ``slots``)."""
+        most = 0
+        for g, k, _ in self.layouts(model):
+            each = self.base.max_batch(model, g, context_len)
+            most = max(most, k * (min(each, self.slots) if self.slots else each))
+        return most
 
     def kv_tokens(self, model: ModelSpec, tp: int) -> int | None:
-        kv = self.base.kv_tokens(model, self.engine_tp)
-        return None if kv is None else self.engines * kv
+        """KV cache tokens of the instance's engines together (elastic: the most of any layout)."""
+        kvs = [kv for _, _, kv in self.layouts(model)]
+        if None in kvs:
+            return None
+        return max(k * kv for (_, k, _), kv in zip(self.layouts(model), kvs, strict=True))
 
     def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
         return self.base.train_tokens(model, tokens, n_gpus, seq_len)
@@ -139,10 +154,11 @@ class EngineLayout:
         return self.base.spread(kind)
 
 
-def role_costs(base: CostModel, tp: int, engine_tp: int, elastic: bool) -> CostModel:
+def role_costs(base: CostModel, tp: int, engine_tp: int, elastic: bool, slots: int = 0) -> CostModel:
     """What an instance of ``tp`` GPUs costs in a role run on engines of ``engine_tp`` GPUs (0: one
-    engine of all of them): ``base`` itself where that is one engine and nothing is elastic."""
+    engine of all of them) of ``slots`` sequences each: ``base`` itself where that is one engine and
+    nothing is elastic."""
     engine_tp = engine_tp or tp
     if engine_tp == tp and not elastic:
         return base
-    return EngineLayout(base, tp, engine_tp, elastic)
+    return EngineLayout(base, tp, engine_tp, elastic, slots)

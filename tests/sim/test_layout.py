@@ -166,3 +166,28 @@ def test_the_hint_compares_with_one_engine_a_role():
                                            "rollout.prompts_per_step=512", "rollout.group_size=16"]))  # fmt: skip
     assert hint is not None and "instances of 4 GPUs, one engine a role" in hint
     assert hint.endswith("try sim.instance_gpus=4 sim.rollout_engine_gpus=0 sim.genrm_engine_gpus=0")
+
+
+def test_an_elastic_layout_must_hold_its_share_of_the_batch():
+    """Engines of ``slots`` sequences: a batch too large for the small engines runs on larger ones, and on
+    the largest where no layout holds it."""
+    elastic = EngineLayout(H100, 8, 1, elastic=True, slots=16)
+    fixed = {g: EngineLayout(H100, 8, g) for g in (1, 2, 4, 8)}
+    assert elastic.decode_span(QWEN7, 8, 64, 900.0, 10) == min(fixed[g].decode_span(QWEN7, 8, 64, 900.0, 10)
+                                                               for g in (1, 2))  # fmt: skip
+    assert elastic.decode_span(QWEN7, 8, 1000, 900.0, 10) == fixed[8].decode_span(QWEN7, 8, 1000, 900.0, 10)
+    assert elastic.max_batch(QWEN7, 8, 9000) == max(
+        k * min(16, H100.max_batch(QWEN7, 8 // k, 9000)) for k in (1, 2, 4, 8)
+    )
+    assert elastic.kv_tokens(QWEN7, 8) == max(k * H100.kv_tokens(QWEN7, 8 // k) for k in (1, 2, 4, 8))
+
+
+def test_elastic_engines_hold_what_their_roomiest_layout_holds():
+    """A 32B judge on one GPU has room for a few sequences beside its weights, on eight GPUs for hundreds:
+    the elastic instance admits what the roomiest layout holds, not what its smallest engines do."""
+    job = ["sim.gpus=64", "sim.instance_gpus=8", "sim.genrm_model=Qwen2.5-32B", "rollout.max_new_tokens=8192",
+           "rollout.max_batch=256"]  # fmt: skip
+    elastic = build(load_config(None, [*job, "sim.elastic_engines=true"])).spec
+    fixed = [build(load_config(None, [*job, f"sim.genrm_engine_gpus={g}"])).spec for g in (1, 2, 4, 8)]
+    assert elastic.engine_tp[1] == 1
+    assert elastic.capacity(Role.GENRM) == max(f.capacity(Role.GENRM) for f in fixed) > fixed[0].capacity(Role.GENRM)
