@@ -13,7 +13,7 @@ Two things that could change its table are left out there, and measured here on 
 * **The elastic bound** (``sim.elastic_engines``): every decode span on the layout that makes it
   shortest, from the smallest engines that hold the model up to one engine of the instance, changed
   for free. No engine does this; it is what elastic tensor parallelism inside an instance could give
-  at most, in every mode (the split at the split searched for one engine of ``--tp`` GPUs).
+  at most, in every mode (the split at the splits searched for one engine of 2 and of ``--tp`` GPUs).
 
 The question is whether the baselines were held back (a layout makes colocated or the split faster
 than ``paper.py``'s best) and whether a mechanism beside shifting could reach the reference's ratios.
@@ -91,8 +91,8 @@ def bench(group: Group, gpus: int, args: argparse.Namespace, pool: ThreadPoolExe
         split = f"split={split_text(best)}"
         r = run("disaggregated", layout, extra=(split,))
         r["split"], r["searched"] = split_text(best), len(tried)
-        if layout == (tp, tp, tp):  # the elastic bound on the split found for one engine of the same size
-            e = run("disaggregated", (tp, 0, 0), elastic=True, extra=(split,))
+        if layout[1] == layout[2] == layout[0]:  # the elastic bound on the split found for one engine that size
+            e = run("disaggregated", (layout[0], 0, 0), elastic=True, extra=(split,))
             e["split"] = split_text(best)
             return [r, e]
         return [r]
