@@ -18,7 +18,7 @@ times the efficiencies documented in ``pivotrl/sim/costs.py``).
 Tensor parallelism: every instance is one engine a role, of
 ``sim.instance_gpus`` GPUs, policy and judge alike (``layouts.py`` measures
 engines of their own size per role, and an elastic bound, beside these: they
-move no mode by more than a few percent). Each mode runs at the power of two from 1
+move no mode by more than 5%). Each mode runs at the power of two from 1
 to 8 where it is fastest, measured (``--tp`` forces one for all): a smaller
 instance has more of them and room for larger batches per GPU, a larger one
 decodes each token sooner (the weights and the KV cache read by more GPUs at
