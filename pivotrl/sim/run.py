@@ -306,7 +306,9 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
                       "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,
                       "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events,
-                      "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions()}  # fmt: skip
+                      "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions(),
+                      "engine_gpus": {"rollout": spec.engine_tp[0] or spec.tp, "genrm": spec.engine_tp[1] or spec.tp},
+                      "elastic_engines": spec.elastic}  # fmt: skip
     summary["sim_seconds"] = driver.clock()
     summary["sim"]["ideal"] = _bounds(job, spec, summary)
     title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
@@ -360,6 +362,15 @@ def format_sizes(job: JobConfig) -> str | None:
     )
 
 
+def _engines(sim: dict[str, Any]) -> str:
+    """``, rollout on 2 engines of 2``: how the instances run their roles, where not on one engine each."""
+    tp, engines = sim["instance_gpus"], sim.get("engine_gpus", {})
+    if sim.get("elastic_engines"):
+        sizes = ", ".join(f"{g} ({role})" for role, g in engines.items())
+        return f", engines elastic from {sizes} GPUs to {tp}: a bound"
+    return "".join(f", {role} on {tp // g} engines of {g}" for role, g in engines.items() if g != tp)
+
+
 def format_sim(summary: dict[str, Any]) -> str:
     """The simulator's lines under the run summary: what was modeled, virtual and real time, and how
     far the run is from what any schedule could do."""
@@ -368,7 +379,7 @@ def format_sim(summary: dict[str, Any]) -> str:
     ideal = sim["ideal"]
     return (
         f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
-        f"({summary['devices']} instances of {sim['instance_gpus']} GPU), {sim['policy_model']} policy, "
+        f"({summary['devices']} instances of {sim['instance_gpus']} GPU{_engines(sim)}), {sim['policy_model']} policy, "
         f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions); "
         f"{summary['wall_seconds']:.1f} s of wall time\n"
         f"ideal {ideal['samples_per_s']:.1f} samples/s; no schedule's step is shorter than "

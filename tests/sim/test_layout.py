@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from pivotrl.sim.layout import EngineLayout, role_costs
 from pivotrl.sim.models import MODELS
 from pivotrl.sim.run import build, format_sizes
 from tests.sim.test_driver import drain, shifted
+from tests.sim.test_run import EXAMPLE
 
 H100 = RooflineCosts(GPUS["H100"])
 QWEN7, QWEN32 = MODELS["Qwen2.5-7B"], MODELS["Qwen2.5-32B"]
@@ -191,3 +193,20 @@ def test_elastic_engines_hold_what_their_roomiest_layout_holds():
     fixed = [build(load_config(None, [*job, f"sim.genrm_engine_gpus={g}"])).spec for g in (1, 2, 4, 8)]
     assert elastic.engine_tp[1] == 1
     assert elastic.capacity(Role.GENRM) == max(f.capacity(Role.GENRM) for f in fixed) > fixed[0].capacity(Role.GENRM)
+
+
+def test_a_runs_summary_says_how_its_instances_run_their_roles(tmp_path, capsys):
+    from pivotrl.cli import main
+
+    job = ["sim.gpus=8", "sim.instance_gpus=4", "steps=1", "rollout.prompts_per_step=8", "rollout.group_size=2",
+           "rollout.max_new_tokens=256", "eval.size=8", "eval.max_new_tokens=256", "sim.lengths.median=64"]  # fmt: skip
+    assert main(["simulate", EXAMPLE, *job, "sim.rollout_engine_gpus=2", "--out", str(tmp_path / "a"),
+                 "--quiet"]) == 0  # fmt: skip
+    assert "(2 instances of 4 GPU, rollout on 2 engines of 2)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "a/summary.json").read_text())["sim"]
+    assert summary["engine_gpus"] == {"rollout": 2, "genrm": 4} and summary["elastic_engines"] is False
+    assert main(["simulate", EXAMPLE, *job, "sim.elastic_engines=true", "--out", str(tmp_path / "b"),
+                 "--quiet"]) == 0  # fmt: skip
+    assert "engines elastic from 1 (rollout), 1 (genrm) GPUs to 4: a bound" in capsys.readouterr().out
+    assert main(["simulate", EXAMPLE, *job, "--out", str(tmp_path / "c"), "--quiet"]) == 0
+    assert "(2 instances of 4 GPU)," in capsys.readouterr().out
