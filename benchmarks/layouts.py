@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from common import machine, write_report
-from paper import GROUPS, RESULTS, Group, job_overrides, search_split, simulate, split_text, text_table
+from paper import EXAMPLE, GROUPS, RESULTS, Group, job_overrides, search_split, simulate, split_text, text_table
+
+from pivotrl.config import load_config
 
 Layout = tuple[int, int, int]  # (GPUs an instance, GPUs a rollout engine, GPUs a judge engine)
-SAMPLES = 512 * 16  # a step's samples (sim128.yaml)
 
 
 def overrides(group: Group, gpus: int, layout: Layout, elastic: bool = False) -> list[str]:
@@ -181,8 +182,9 @@ def main() -> None:
         print(f"{g['name']}: shiftable {g['speedup_vs_colocated']:.2f}x colocated, "
               f"{g['speedup_vs_disaggregated']:.2f}x the split at their best layouts; with the elastic bound "
               f"{g['elastic_speedup_vs_colocated']:.2f}x, {g['elastic_speedup_vs_disaggregated']:.2f}x")  # fmt: skip
-    report = {"benchmark": "layouts", "steps": args.steps, "samples_per_step": SAMPLES, "groups": groups,
-              "wall_s": time.perf_counter() - t0, "machine": machine(load)}  # fmt: skip
+    rollout = load_config(EXAMPLE, []).rollout
+    report = {"benchmark": "layouts", "steps": args.steps, "groups": groups, "wall_s": time.perf_counter() - t0,
+              "samples_per_step": rollout.prompts_per_step * rollout.group_size, "machine": machine(load)}  # fmt: skip
     write_report(args.out, report)
 
 

@@ -21,7 +21,9 @@ elastic tensor parallelism inside an instance could give at most.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pivotrl.control.messages import Role
 from pivotrl.sim.costs import CostModel, Span, span_of
@@ -37,7 +39,8 @@ class EngineLayout:
     engine_tp: int  # GPUs of each engine (of the smallest, when elastic)
     elastic: bool = False
     slots: int = 0  # sequences one engine runs at most (elastic: a layout must hold the batch); 0: no limit
-    _spans: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # id(model) -> (model, Span)
+    # (what, id(model)) -> (model, its layouts or its span): asked for at every prefill and span of an engine
+    _kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, least in (("tp", 1), ("engine_tp", 1), ("slots", 0)):
@@ -52,10 +55,23 @@ class EngineLayout:
         """Engines of the instance in its smallest layout (the one it loads, and the most it runs)."""
         return self.tp // self.engine_tp
 
+    def _keep(self, what: str, model: ModelSpec, make: Callable[[], Any]) -> Any:
+        """``make()`` for ``model``, made once (keyed by its identity, checked: a model freed and another made
+        at its address must not find the old one's)."""
+        hit = self._kept.get((what, id(model)))
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        value = make()
+        self._kept[(what, id(model))] = (model, value)
+        return value
+
     def layouts(self, model: ModelSpec) -> list[tuple[int, int, int | None]]:
         """(GPUs per engine, engines, KV tokens per engine) of each layout the span may take, smallest
         engines first: the fixed one, or (elastic) every doubling that divides the instance and holds the
         model."""
+        return self._keep("layouts", model, lambda: self._layouts(model))
+
+    def _layouts(self, model: ModelSpec) -> list[tuple[int, int, int | None]]:
         out = []
         g = self.engine_tp
         while g <= self.tp:
@@ -72,9 +88,9 @@ class EngineLayout:
         """The instance's ``decode_span``: each engine's share of the batch, in parallel; or (elastic) the
         shortest over the layouts whose engines hold their share (``slots``, and their KV cache at the
         span's last context), the largest engines where none does."""
-        hit = self._spans.get(id(model))
-        if hit is not None and hit[0] is model:
-            return hit[1]
+        return self._keep("span", model, lambda: self._span(model))
+
+    def _span(self, model: ModelSpec) -> Span:
         options = [(span_of(self.base, model, g), k, kv) for g, k, kv in self.layouts(model)]
         if len(options) == 1:
             one, k, _ = options[0]
@@ -99,7 +115,6 @@ class EngineLayout:
                     best = each(-(-batch // k), context, steps)
                 return best
 
-        self._spans[id(model)] = (model, span)
         return span
 
     def decode_span(self, model: ModelSpec, tp: int, batch: int, context: float, steps: int) -> float:
@@ -119,20 +134,16 @@ class EngineLayout:
         return min(on(g, k) for g, k, _ in self.layouts(model))
 
     def max_batch(self, model: ModelSpec, tp: int, context_len: int) -> int:
-        """Sequences of ``context_len`` tokens the instance holds: its engines' (elastic: the most of any
-        layout, each engine at most ``slots``)."""
-        most = 0
-        for g, k, _ in self.layouts(model):
-            each = self.base.max_batch(model, g, context_len)
-            most = max(most, k * (min(each, self.slots) if self.slots else each))
-        return most
+        """Sequences of ``context_len`` tokens the memory of the instance's engines holds (elastic: the
+        most of any layout); their slots are the job's (``SimSpec.capacity``)."""
+        return max(k * self.base.max_batch(model, g, context_len) for g, k, _ in self.layouts(model))
 
     def kv_tokens(self, model: ModelSpec, tp: int) -> int | None:
         """KV cache tokens of the instance's engines together (elastic: the most of any layout)."""
-        kvs = [kv for _, _, kv in self.layouts(model)]
-        if None in kvs:
+        layouts = self.layouts(model)
+        if any(kv is None for _, _, kv in layouts):
             return None
-        return max(k * kv for (_, k, _), kv in zip(self.layouts(model), kvs, strict=True))
+        return max(k * kv for _, k, kv in layouts)
 
     def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
         return self.base.train_tokens(model, tokens, n_gpus, seq_len)

@@ -343,7 +343,10 @@ def format_sizes(job: JobConfig) -> str | None:
     sim = job.sim
     floors = {tp: i.floor_samples_per_s for tp, i in ideals_by_size(job).items()}
     own = floors.get(sim.instance_gpus)
-    engines = sim.rollout_engine_gpus or sim.genrm_engine_gpus or sim.elastic_engines
+    # (an engine of all the instance's GPUs is one engine a role)
+    engines = sim.elastic_engines or any(
+        0 < g < sim.instance_gpus for g in (sim.rollout_engine_gpus, sim.genrm_engine_gpus)
+    )
     if own is not None and engines:
         own = ideal_for_job(job).floor_samples_per_s  # its instances run a role on several engines
     better = {tp: rate for tp, rate in floors.items() if own is not None and rate > 1.02 * own}
@@ -354,7 +357,7 @@ def format_sizes(job: JobConfig) -> str | None:
     best = max(better, key=lambda tp: better[tp])
     try_ = f"sim.instance_gpus={best}"
     for key, off in (("rollout_engine_gpus", 0), ("genrm_engine_gpus", 0), ("elastic_engines", "false")):
-        if getattr(sim, key):
+        if engines and getattr(sim, key):
             try_ += f" sim.{key}={off}"
     return (
         f"the floor allows {sizes} ({own:.1f} here): these steps wait on their longest responses more than "
