@@ -212,6 +212,10 @@ class Trained:
     version: int  # the new version
     stats: dict[str, float]
     seconds: float
+    # a trainer that backpropagates at the step (sharded: in lockstep) reports that work here instead of in
+    # Accumulated events: tokens through forward and backward on all devices, and the seconds it took
+    backward_tokens: int = 0
+    backward_seconds: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)

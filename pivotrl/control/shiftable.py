@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pivotrl.control.messages import Accumulated, Event, Generated, Progress, Role, ShiftDone
+from pivotrl.control.messages import Accumulated, Event, Generated, Progress, Role, ShiftDone, Trained
 from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Planner
 from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload
@@ -111,6 +111,8 @@ class Shiftable:
                 p.lengths.observe(len(r.output_ids))
         elif isinstance(event, Accumulated) and event.tokens and event.seconds > 0:
             p.train.observe(event.tokens, event.seconds)
+        elif isinstance(event, Trained) and event.backward_tokens and event.backward_seconds > 0:
+            p.train.observe(event.backward_tokens / len(event.devices), event.backward_seconds)  # per device
         elif isinstance(event, ShiftDone) and event.seconds > 0:
             p.costs.observe(previous_role, event.role, event.seconds)
 

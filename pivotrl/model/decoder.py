@@ -17,8 +17,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from pivotrl.model.config import ModelConfig
+
+LOGIT_CHUNK_TOKENS = 1024  # positions whose logits exist at once when scoring tokens (x vocab x 4 bytes)
+
+
+def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    logits = F.linear(hidden, weight).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk: int = LOGIT_CHUNK_TOKENS
+) -> Tensor:
+    """``log p(targets[i] | hidden[i])`` in float32 for ``hidden [N, H]`` against the output embedding ``[V, H]``.
+
+    Why chunks: at a 152k vocabulary the float32 logits of 1,000 positions are
+    0.6 GB, and of a whole micro batch tens of GB. Each chunk's logits live only
+    while its log-probs are computed; under autograd the chunk is checkpointed,
+    so backward recomputes its logits instead of keeping them, and no
+    ``[N, V]`` tensor ever exists. Values equal the full computation's.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk):
+        h, t = hidden[start : start + chunk], targets[start : start + chunk]
+        if grad:
+            parts.append(checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(h, weight, t, temperature))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -158,11 +192,17 @@ class Backbone(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Causal LM: ``model(input_ids) -> logits [B, T, V]``."""
+    """Causal LM: ``model(input_ids) -> logits [B, T, V]``, or the log-probs of chosen tokens.
+
+    ``checkpoint_layers`` (activation checkpointing): training keeps only each
+    layer's input and recomputes the layer in backward, trading a second
+    forward for activations that no longer grow with the number of layers.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.checkpoint_layers = False
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -193,12 +233,30 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
         cos, sin = self._rope(positions, x.dtype)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, None, None)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, None, None, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, None, None)
         return self.model.norm(x)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return self.lm_head(self.hidden(input_ids))
+    def forward(
+        self, input_ids: Tensor, score: Tensor | None = None, temperature: float = 1.0, chunk: int = LOGIT_CHUNK_TOKENS
+    ) -> Tensor:
+        """Logits ``[B, T, V]``; or, with ``score`` (bool ``[B, T - 1]``, the next-token frame), the float32
+        log-probs of the next token at each scored position, ``log p(input_ids[b, t + 1] | input_ids[b, :t + 1])``,
+        flat in row-major order.
+
+        Scoring happens inside ``forward`` (not by the caller on the logits) so
+        that a sharded trainer, whose output embedding exists in full only
+        while ``forward`` runs, can use it; see :func:`chunked_logprobs`.
+        """
+        hidden = self.hidden(input_ids)
+        if score is None:
+            return self.lm_head(hidden)
+        targets = input_ids[:, 1:][score]
+        return chunked_logprobs(hidden[:, :-1][score], self.lm_head.weight, targets, temperature, chunk)
 
     def forward_cached(
         self, input_ids: Tensor, start: Tensor, lengths: Tensor, slots: Tensor, cache: KVCache

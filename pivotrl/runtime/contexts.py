@@ -23,8 +23,10 @@ from pivotrl.engine import Engine
 from pivotrl.gps import Kind, ParameterStore, Snapshot, module_tensors
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
 from pivotrl.model.loader import DTYPES
+from pivotrl.sample import Sample
+from pivotrl.train.config import TrainConfig
 
-POLICY, JUDGE = "policy", "judge"
+POLICY, JUDGE, REFERENCE = "policy", "judge", "reference"  # the reference: the frozen initial policy (KL)
 
 
 def checkpoint_meta(model: Decoder, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -89,18 +91,59 @@ class GenerationContext:
         del self.engine, self.model
 
 
-class TrainContext:
-    """Policy replica with gradients and optimizer state (restored from the GPS when published)."""
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if cfg.resolved_precision(device.type) == "bf16" else torch.float32
 
-    def __init__(self, version: int, store: ParameterStore, spec: ContextSpec, make_trainer: Any) -> None:
+
+class TrainContext:
+    """The train role on a device, for either trainer backend (``train.backend``).
+
+    Master weights are float32 whatever the checkpoint's dtype (``train.precision``
+    only sets the compute dtype), so AdamW never updates bfloat16 weights.
+
+    * replicated: a full replica with gradients and AdamW state, built here
+      (weights, and the optimizer state once there is one, from the GPS);
+      groups are backpropagated as they arrive.
+    * fsdp: nothing heavy is built at the shift: the shards depend on the
+      group, known at the step. Groups are buffered (``pending``) and the
+      worker builds :class:`~pivotrl.runtime.sharded.ShardedTrainer` over the
+      step's group (``sharded``), which then lives as long as this context.
+    """
+
+    def __init__(
+        self, version: int, store: ParameterStore, spec: ContextSpec, cfg: TrainConfig, temperature: float
+    ) -> None:
+        from pivotrl.runtime.dist_train import ElasticTrainer
+        from pivotrl.train.grpo import GRPOTrainer
+
+        device = torch.device(spec.device)
+        self.version, self.cfg, self.temperature = version, cfg, temperature
+        self.backend = cfg.resolved_backend(device.type)
+        self.compute = compute_dtype(cfg, device)
         snap = store.fetch(POLICY, version)
-        self.version, self.nbytes = version, snap.nbytes
-        self.model, self.tokenizer = build_model(snap, torch.device(spec.device), DTYPES[spec.policy_dtype])
+        self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version
+        self.nbytes = 0
+        self.pending: list[tuple[list[Sample], list[float]]] = []
+        self.sharded: Any = None  # ShardedTrainer, once the worker built it for a group
+        self.trainer: Any = None  # ElasticTrainer (replicated)
+        if self.backend == "fsdp":
+            return
+        self.model, self.tokenizer = build_model(snap, device, torch.float32)
+        self.model.checkpoint_layers = cfg.activation_checkpointing
+        self.nbytes = snap.nbytes
         for p in self.model.parameters():
             p.requires_grad_(True)
-        self.trainer = make_trainer(self.model, version)
+        ref = None
+        if cfg.kl_coef > 0:
+            ref_snap = store.fetch(REFERENCE, 0)
+            ref, _ = build_model(ref_snap, device, torch.float32)
+            ref.requires_grad_(False)
+            self.nbytes += ref_snap.nbytes
+        self.trainer = ElasticTrainer(GRPOTrainer(self.model, cfg, temperature, ref, self.compute), version=version)
         if version in store.versions(POLICY, Kind.OPTIMIZER):  # none before the first update
             self.nbytes += self.trainer.import_state(store, POLICY, version, weights=False)
 
     def release(self) -> None:
-        del self.trainer, self.model
+        self.trainer = self.sharded = self.pending = None
+        if self.backend != "fsdp":
+            del self.model

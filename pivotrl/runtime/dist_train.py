@@ -81,6 +81,18 @@ def backend_for(device: torch.device) -> str:
         ) from None
 
 
+def node_ip() -> str:
+    """This process's node address for a rendezvous: the Ray node's when in a Ray cluster, else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return "127.0.0.1"
+
+
 def listen(world_size: int, master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
     """Rank 0's end of a train group's rendezvous, bound now to a port the system picks (``.port``):
     the other ranks are told the port once it is taken. Hand it to :meth:`TrainGroup.join`."""
@@ -124,6 +136,7 @@ class TrainGroup:
         device: torch.device | str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         store: dist.TCPStore | None = None,
+        process_group: bool = False,
     ) -> TrainGroup:
         """Rendezvous with the other ``world_size - 1`` ranks at ``master_addr:master_port`` (rank 0 listens there).
 
@@ -144,8 +157,17 @@ class TrainGroup:
         backend = backend_for(device)
         if store is not None and rank != 0:
             raise ValueError(f"store: only rank 0 brings the end it listens on, got one for rank {rank}")
-        if world_size == 1:
+        if world_size == 1 and not process_group:
             return cls(0, 1, device, backend, None)
+        if world_size == 1:
+            if dist.is_initialized():
+                raise RuntimeError("this process is already in a train group (or another process group); leave() it")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            group = cls(0, 1, device, backend, "local")
+            group._joined = True
+            return group
         if store is not None:
             master_port = store.port
         if not isinstance(master_port, int) or not 0 < master_port < 65536:

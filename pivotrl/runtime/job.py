@@ -22,7 +22,7 @@ from pivotrl.gps import LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
 from pivotrl.reward import GenRM
-from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, build_model, publish_checkpoint
+from pivotrl.runtime.contexts import JUDGE, POLICY, REFERENCE, ContextSpec, build_model, publish_checkpoint
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.summary import loop_spec, sample_rows, summarize
@@ -59,6 +59,8 @@ def publish_initial(store: ParameterStore, cfg: JobConfig) -> None:
     """Policy version 0 and the judge go into the GPS; devices load only from there."""
     policy, ptok = load_model(cfg.policy.path, cfg.policy.dtype)
     publish_checkpoint(store, POLICY, 0, policy, ptok)
+    if cfg.train.kl_coef > 0:  # the KL reference outlives the policy versions the GPS keeps
+        publish_checkpoint(store, REFERENCE, 0, policy, ptok)
     judge, jtok = load_model(cfg.judge.path, cfg.judge.dtype)
     publish_checkpoint(store, JUDGE, 0, judge, jtok)
 

@@ -9,6 +9,7 @@ separate processes and is refused here.
 from __future__ import annotations
 
 from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate, Judge, Shift, Step
+from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import Worker
 from pivotrl.telemetry import Slice
 
@@ -24,6 +25,7 @@ class LocalDriver:
         self.workers = workers
         self.slice_seconds = SLICE_SECONDS if slice_seconds is None else slice_seconds
         self.events: list[Event] = []
+        self.groups = TrainGroups()
 
     def submit(self, cmd: Command) -> None:
         if isinstance(cmd, Shift):
@@ -37,7 +39,10 @@ class LocalDriver:
         elif isinstance(cmd, Step):
             if len(cmd.devices) != 1:
                 raise ValueError("the in-process driver steps on one device; use the Ray driver for more")
-            event = self.workers[cmd.devices[0]].step(cmd, rank=0, port=0)
+            worker = self.workers[cmd.devices[0]]
+            rendezvous, _ = self.groups.plan(cmd.devices, lambda d: self.workers[d].retire_group(), None)
+            event = worker.step(cmd, 0, rendezvous, self.groups.state_world)
+            self.groups.stepped(cmd.devices)
             assert event is not None
             self.events.append(event)
         elif isinstance(cmd, Abort):
@@ -63,4 +68,5 @@ class LocalDriver:
         return [s for w in self.workers for s in w.drain_slices()]
 
     def close(self) -> None:
-        pass
+        for w in self.workers:
+            w.close()

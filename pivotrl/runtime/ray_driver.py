@@ -22,6 +22,7 @@ from pivotrl.errors import UserError
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
 from pivotrl.runtime.contexts import ContextSpec
+from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
 
@@ -53,11 +54,17 @@ class DeviceActor:
     def accumulate(self, cmd: Accumulate) -> Event:
         return self.worker.accumulate(cmd)
 
-    def listen(self, world_size: int) -> int:
+    def listen(self, world_size: int) -> tuple[str, int]:
         return self.worker.listen(world_size)
 
-    def step(self, cmd: Step, rank: int, port: int) -> Event | None:
-        return self.worker.step(cmd, rank, port)
+    def retire_group(self) -> None:
+        self.worker.retire_group()
+
+    def step(self, cmd: Step, rank: int, rendezvous: Any, state_world: int, *after: object) -> Event | None:
+        return self.worker.step(cmd, rank, rendezvous, state_world)
+
+    def close(self) -> None:
+        self.worker.close()
 
     def drain_slices(self) -> list[Slice]:
         return self.worker.drain_slices()
@@ -115,6 +122,7 @@ class RayDriver:
         self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
         self.running: set[int] = set()  # devices with a run() in flight
         self.dirty: set[int] = set()  # devices given work since their run() was sent
+        self.groups = TrainGroups()
         logger.info("ray driver: %d device actors", cfg.devices)
 
     def start_clock(self, origin: float) -> None:
@@ -135,16 +143,23 @@ class RayDriver:
         elif isinstance(cmd, Accumulate):
             self.pending[self.actors[cmd.device].accumulate.remote(cmd)] = ("event", cmd.device)
         elif isinstance(cmd, Step):
-            # rank 0 binds its port before anyone is told it (a port found free and bound later can be taken
-            # in between); the others' calls wait for the port, Ray resolving it before they run
-            many = len(cmd.devices) > 1
-            port = self.actors[cmd.devices[0]].listen.remote(len(cmd.devices)) if many else 0
+            rendezvous, after = self.groups.plan(cmd.devices, self._retire, self._listen)
             for rank, d in enumerate(cmd.devices):
-                self.pending[self.actors[d].step.remote(cmd, rank, port)] = ("event", d)
+                ref = self.actors[d].step.remote(cmd, rank, rendezvous, self.groups.state_world, *after)
+                self.pending[ref] = ("event", d)
+            self.groups.stepped(cmd.devices)
         elif isinstance(cmd, Abort):
             self.pending[self.actors[cmd.device].abort.remote(cmd.uids)] = ("event", cmd.device)
         else:
             raise TypeError(f"unknown command {cmd!r}")
+
+    def _retire(self, device: int) -> Any:
+        return self.actors[device].retire_group.remote()
+
+    def _listen(self, device: int, world_size: int) -> Any:
+        # rank 0 binds its port before anyone is told it (a port found free and bound later can be taken in
+        # between); the others' step calls get it as an argument, Ray resolving it before they run
+        return self.actors[device].listen.remote(world_size)
 
     def _run(self, device: int) -> None:
         if device not in self.running:
@@ -181,6 +196,10 @@ class RayDriver:
     def close(self) -> None:
         import ray
 
+        try:
+            ray.get([a.close.remote() for a in self.actors], timeout=30)
+        except Exception as e:  # a device that cannot leave its group cleanly is killed below anyway
+            logger.warning("ray driver: closing the device actors: %s", e)
         for a in self.actors:
             ray.kill(a)
         self.store.shutdown()

@@ -37,12 +37,24 @@ from pivotrl.control.messages import (
 from pivotrl.engine import SamplingParams, SeqState
 from pivotrl.gps import Kind, ParameterStore, VersionError
 from pivotrl.log import logger
-from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, publish_checkpoint
-from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, listen
+from pivotrl.model import ModelConfig
+from pivotrl.model.loader import DTYPES
+from pivotrl.runtime.contexts import (
+    JUDGE,
+    POLICY,
+    REFERENCE,
+    ContextSpec,
+    GenerationContext,
+    TrainContext,
+    publish_checkpoint,
+)
+from pivotrl.runtime.dist_train import TrainGroup, listen, node_ip
+from pivotrl.runtime.sharded import ShardedTrainer
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import GRPOTrainer
+
+Rendezvous = tuple[str, int]  # (host, port) of rank 0's end of a new train group; port 0 for a group of one
 
 
 class WrongVersionError(RuntimeError):
@@ -76,6 +88,10 @@ class Worker:
         self.pending: dict[int, _Pending] = {}
         self.slices: list[Slice] = []
         self._rendezvous: dist.TCPStore | None = None  # rank 0's end of the next step's train group (``listen``)
+        # The train group persists across steps (and across shifts out of the train role) until the driver
+        # forms another: making a process group costs a rendezvous, and an NCCL one much more.
+        self.group: TrainGroup | None = None
+        self.group_devices: tuple[int, ...] = ()
 
     def now(self) -> float:
         return time.time() - self.origin
@@ -97,6 +113,8 @@ class Worker:
             nbytes = 0
         else:
             if self.ctx is not None:
+                if isinstance(self.ctx, TrainContext):
+                    self._save_shard(self.ctx)  # sharded train state leaves the device through the GPS
                 self.ctx.release()
                 self.ctx, self.role = None, None
             if role is Role.ROLLOUT:
@@ -104,7 +122,8 @@ class Worker:
             elif role is Role.GENRM:
                 self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec)
             else:
-                self.ctx = TrainContext(version, self.store, self.spec, self._make_trainer)
+                train = self.train_spec
+                self.ctx = TrainContext(version, self.store, self.spec, train.cfg, train.temperature)
             nbytes = self.ctx.nbytes
         self.role = role
         t1 = self.now()
@@ -112,9 +131,6 @@ class Worker:
         self.slices.append(Slice(self.device, "shift", name, t0, t1, {"bytes": nbytes, "version": version}))
         logger.debug("device %d: shift %s v%d, %d bytes in %.3f s", self.device, name, version, nbytes, t1 - t0)
         return ShiftDone(self.device, role, version, t1 - t0, nbytes)
-
-    def _make_trainer(self, model: torch.nn.Module, version: int) -> ElasticTrainer:
-        return ElasticTrainer(GRPOTrainer(model, self.train_spec.cfg, self.train_spec.temperature), version=version)
 
     # -- generation -----------------------------------------------------------------
     def generate(self, cmd: Generate) -> None:
@@ -249,6 +265,9 @@ class Worker:
             Sample(i, 0, "", "", list(p), 0, response_ids=list(r), logprobs=list(lp))
             for i, (p, r, lp) in enumerate(zip(shard.prompt_ids, shard.response_ids, shard.logprobs, strict=True))
         ]
+        if ctx.backend == "fsdp":  # backward runs in lockstep at the step; see pivotrl.runtime.sharded
+            ctx.pending.append((samples, list(shard.advantages)))
+            return Accumulated(self.device, len(samples), 0, self.now() - t0)
         stats = ctx.trainer.accumulate(samples, list(shard.advantages))
         t1 = self.now()
         tokens = int(stats.get("tokens", 0))
@@ -261,31 +280,110 @@ class Worker:
         processed = sum(len(p) + len(r) for p, r in zip(shard.prompt_ids, shard.response_ids, strict=True))
         return Accumulated(self.device, len(samples), processed, t1 - t0)
 
-    def listen(self, world_size: int) -> int:
-        """Open rank 0's end of the next step's train group of ``world_size`` devices; its port, for the others."""
-        self._rendezvous = listen(world_size)
-        return self._rendezvous.port
+    def listen(self, world_size: int) -> Rendezvous:
+        """Open rank 0's end of the next step's train group of ``world_size`` devices: its node's address
+        and the port it holds, for the others."""
+        host = node_ip()
+        self._rendezvous = listen(world_size, master_addr=host)
+        return host, self._rendezvous.port
 
-    def step(self, cmd: Step, rank: int, port: int) -> Trained | None:
-        """This device's part of the data-parallel optimizer step; rank 0 publishes the new version. Rank 0
-        of a group of several devices has called ``listen`` first; the others meet it at ``port``."""
+    def retire_group(self) -> None:
+        """The driver forms a new train group: write this device's sharded train state to the GPS (the new
+        group reads it there) and leave the old process group. A no-op for a device that holds neither."""
+        if isinstance(self.ctx, TrainContext):
+            self._save_shard(self.ctx)
+            self.ctx.sharded = None  # its shards belong to the old group's mesh
+        if self.group is not None:
+            self.group.leave()
+        self.group, self.group_devices = None, ()
+
+    def close(self) -> None:
+        """Leave the train group, if any (end of the run)."""
+        if self.group is not None:
+            self.group.leave()
+        self.group, self.group_devices = None, ()
+
+    def _save_shard(self, ctx: TrainContext) -> None:
+        if ctx.sharded is not None and not ctx.sharded.exported:
+            t0 = self.now()
+            nbytes = ctx.sharded.export_shard(self.store, POLICY)
+            self.slices.append(Slice(self.device, "shift", "train state -> GPS", t0, self.now(), {"bytes": nbytes}))
+
+    def _join(self, cmd: Step, rank: int, rendezvous: Rendezvous | None, process_group: bool) -> TrainGroup:
+        """The step's train group: the one held (``rendezvous`` None) or a new one met at ``rendezvous``."""
+        if rendezvous is None:
+            if self.group is None or self.group_devices != cmd.devices or self.group.rank != rank:
+                raise RuntimeError(
+                    f"device {self.device}: told to keep train group {cmd.devices} as rank {rank}, "
+                    f"but it holds {self.group_devices or 'none'}"
+                )
+            return self.group
+        if self.group is not None:
+            self.group.leave()
+        host, port = rendezvous
+        store, self._rendezvous = (self._rendezvous, None) if rank == 0 and len(cmd.devices) > 1 else (None, None)
+        self.group = TrainGroup.join(
+            rank, len(cmd.devices), host, port, device=self.spec.device, store=store, process_group=process_group
+        )
+        self.group_devices = cmd.devices
+        return self.group
+
+    def step(
+        self, cmd: Step, rank: int, rendezvous: Rendezvous | None, state_world: int = 0, *after: object
+    ) -> Trained | None:
+        """This device's part of the optimizer step; rank 0 publishes the new version.
+
+        ``rendezvous`` None keeps the train group this device holds for
+        ``cmd.devices``; otherwise a new group is met there (rank 0 of a group
+        of several devices has called ``listen`` first). ``state_world`` is the
+        size of the group that wrote the sharded train state of ``cmd.version``
+        to the GPS (0: none yet; a sharded trainer starts from the weights).
+        ``after`` are results the driver made this call wait for (the old
+        group's members writing their shards).
+        """
         ctx = self._train_ctx(cmd.version)
         t0 = self.now()
-        trainer = ctx.trainer
-        store, self._rendezvous = (self._rendezvous, None) if rank == 0 else (None, self._rendezvous)
-        trainer.group = TrainGroup.join(rank, len(cmd.devices), master_port=port, device=self.spec.device, store=store)
-        try:
+        group = self._join(cmd, rank, rendezvous, process_group=ctx.backend == "fsdp")
+        if ctx.backend == "fsdp":
+            stats, tokens, backward_s = self._sharded_step(ctx, cmd, group, state_world)
+        else:
+            trainer = ctx.trainer
+            trainer.group = group
             stats = trainer.step(cmd.total_tokens)
-        finally:
-            trainer.group.leave()
-            trainer.group = TrainGroup.join(0, 1, device=self.spec.device)
-        ctx.version = trainer.version
+            ctx.version = trainer.version
+            tokens, backward_s = 0, 0.0
+            if rank == 0:
+                self._publish(ctx)
         assert ctx.version == cmd.version + 1
-        if rank == 0:
-            self._publish(ctx)
         t1 = self.now()
         self.slices.append(Slice(self.device, "train", f"step v{cmd.version}->v{ctx.version}", t0, t1))
-        return Trained(cmd.devices, ctx.version, stats, t1 - t0) if rank == 0 else None
+        if rank != 0:
+            return None
+        return Trained(cmd.devices, ctx.version, stats, t1 - t0, tokens, backward_s)
+
+    def _sharded_step(
+        self, ctx: TrainContext, cmd: Step, group: TrainGroup, state_world: int
+    ) -> tuple[dict[str, float], int, float]:
+        store = self.store
+        if ctx.sharded is None or ctx.sharded.group is not group:
+            reference = store.fetch(REFERENCE, 0) if ctx.cfg.kl_coef > 0 else None
+            config = ModelConfig.from_hf(ctx.meta["config"])
+            ctx.sharded = ShardedTrainer(group, config, ctx.cfg, ctx.temperature, cmd.version, ctx.compute, reference)
+            if state_world:
+                ctx.sharded.import_shards(store, POLICY, cmd.version, state_world)
+            else:
+                ctx.sharded.load_weights(store.fetch(POLICY, cmd.version))
+        sharded = ctx.sharded
+        for samples, advantages in ctx.pending:
+            sharded.add(samples, advantages)
+        ctx.pending = []
+        stats, tokens, backward_s = sharded.step(cmd.total_tokens)
+        ctx.version = sharded.version
+        sharded.publish_weights(store, POLICY, DTYPES[self.spec.policy_dtype], ctx.meta)
+        if group.rank == 0:
+            sharded.free_imported(store, POLICY)
+            store.retain(POLICY, self.train_spec.keep_versions, Kind.WEIGHTS)
+        return stats, tokens, backward_s
 
     def _train_ctx(self, version: int) -> TrainContext:
         ctx = self.ctx

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["auto", "fsdp", "replicated"]
+Precision = Literal["auto", "fp32", "bf16"]
+BACKENDS = ("auto", "fsdp", "replicated")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(slots=True)
@@ -14,10 +20,17 @@ class TrainConfig:
     eps: float = 1e-8
     clip_low: float = 0.2  # PPO ratio clip range is [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
-    kl_coef: float = 0.0  # k3 KL to a frozen reference; only used when > 0
+    kl_coef: float = 0.0  # k3 KL to the frozen initial policy (the reference); only used when > 0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    micro_batch: int = 64  # sequences per forward/backward
+    micro_batch: int = 64  # at most this many sequences per forward/backward
+    micro_batch_tokens: int = 16384  # and at most this many (padded) tokens; 0 = no bound
     scale_by_std: bool = True  # False: Dr.GRPO, advantages only mean-centred
+    # fsdp: parameters, gradients and AdamW state sharded over the train devices (FSDP2); replicated: every train
+    # device holds all of them and gradients are summed; auto: fsdp on CUDA, replicated on CPU
+    backend: Backend = "auto"
+    # fp32 master weights and optimizer state always; bf16 = compute in bfloat16; auto: bf16 on CUDA, fp32 on CPU
+    precision: Precision = "auto"
+    activation_checkpointing: bool = False  # recompute each layer in backward instead of keeping its activations
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:
@@ -34,3 +47,22 @@ class TrainConfig:
         check("kl_coef", self.kl_coef >= 0, ">= 0")
         check("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables clipping)")
         check("micro_batch", isinstance(self.micro_batch, int) and self.micro_batch >= 1, "an integer >= 1")
+        check(
+            "micro_batch_tokens",
+            isinstance(self.micro_batch_tokens, int) and self.micro_batch_tokens >= 0,
+            "an integer >= 0 (0 = no bound)",
+        )
+        check("backend", self.backend in BACKENDS, f"one of {', '.join(BACKENDS)}")
+        check("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
+        check("activation_checkpointing", isinstance(self.activation_checkpointing, bool), "true or false")
+
+    def resolved_backend(self, device_type: str) -> str:
+        """``auto`` made concrete for a device type ("cuda" or "cpu")."""
+        if self.backend != "auto":
+            return self.backend
+        return "fsdp" if device_type == "cuda" else "replicated"
+
+    def resolved_precision(self, device_type: str) -> str:
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if device_type == "cuda" else "fp32"

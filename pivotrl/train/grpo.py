@@ -10,7 +10,9 @@ micro-batch size, gives the same update as one pass over the full batch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,17 +24,48 @@ from pivotrl.train.advantages import group_advantages  # noqa: F401  (re-exporte
 from pivotrl.train.config import TrainConfig
 
 
-def token_logprobs(model: nn.Module, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """``out[b, t] = log p(input_ids[b, t + 1] | input_ids[b, :t + 1])``, shape ``[B, T - 1]``.
+def token_logprobs(model: nn.Module, input_ids: Tensor, temperature: float = 1.0, mask: Tensor | None = None) -> Tensor:
+    """``out[b, t] = log p(input_ids[b, t + 1] | input_ids[b, :t + 1])``, shape ``[B, T - 1]``, float32.
 
-    Computed in float32 as target logit minus logsumexp, so no second
-    ``[B, T, V]`` log-softmax tensor is kept alongside the logits.
+    Only the positions of ``mask`` (bool ``[B, T - 1]``; all when ``None``) are
+    computed; the others are 0. The model scores them chunk by chunk (see
+    :func:`pivotrl.model.decoder.chunked_logprobs`), so no ``[B, T, V]``
+    logits tensor is built.
     """
-    logits = model(input_ids)[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    target = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return target - torch.logsumexp(logits, dim=-1)
+    b, t = input_ids.shape
+    if mask is None:
+        mask = torch.ones(b, t - 1, dtype=torch.bool, device=input_ids.device)
+    flat = model(input_ids, score=mask, temperature=temperature)
+    out = torch.zeros(b, t - 1, dtype=torch.float32, device=input_ids.device)
+    return out.masked_scatter(mask, flat)
+
+
+def micro_batches(lengths: Sequence[int], max_sequences: int, max_tokens: int = 0) -> list[list[int]]:
+    """Indices of ``lengths`` cut into micro batches, longest first, so each pads to lengths close to its own.
+
+    A micro batch holds at most ``max_sequences`` sequences and, when
+    ``max_tokens`` > 0, at most that many tokens once padded to its longest
+    member; a sequence longer than ``max_tokens`` goes alone. Depends only on
+    the lengths (ties keep input order), so every rank cuts the same way.
+    """
+    if max_sequences < 1:
+        raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        batch = out[-1] if out else None
+        if batch is not None and len(batch) < max_sequences:
+            longest = lengths[batch[0]]
+            if not max_tokens or (len(batch) + 1) * longest <= max_tokens:
+                batch.append(i)
+                continue
+        out.append([i])
+    return out
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """A sharded (DTensor) value made whole on every rank; a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def grpo_loss_sum(
@@ -95,10 +128,22 @@ def _merge(into: dict[str, float], stats: dict[str, float]) -> None:
 
 
 class GRPOTrainer:
-    """Accumulates GRPO gradients sample group by sample group, then takes one optimizer step."""
+    """Accumulates GRPO gradients sample group by sample group, then takes one optimizer step.
+
+    ``model`` holds the master weights (float32 for real training); with
+    ``compute_dtype=torch.bfloat16`` forward and backward run under autocast
+    in bfloat16 while AdamW updates the float32 weights. A sharded trainer
+    passes a model whose parameters are DTensors (FSDP2 casts them itself) and
+    leaves ``compute_dtype`` alone; nothing here depends on which.
+    """
 
     def __init__(
-        self, model: nn.Module, cfg: TrainConfig, temperature: float = 1.0, ref_model: nn.Module | None = None
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        temperature: float = 1.0,
+        ref_model: nn.Module | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (the rollout temperature), got {temperature}")
@@ -108,6 +153,7 @@ class GRPOTrainer:
         self.model = model
         self.cfg = cfg
         self.ref_model = ref_model
+        self.compute_dtype = compute_dtype
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=cfg.lr,
@@ -121,7 +167,8 @@ class GRPOTrainer:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        p = next(self.model.parameters())
+        return p.device if not hasattr(p, "to_local") else p.to_local().device
 
     @property
     def pending_tokens(self) -> int:
@@ -138,6 +185,11 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._stats, self._tokens = {}, 0
 
+    def _autocast(self) -> Any:
+        if self.compute_dtype is None or self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
     def _pack(self, samples: list[Sample]) -> tuple[Tensor, Tensor, Tensor]:
         """Right-padded ``prompt + response`` rows, and old log-probs and mask in the next-token frame."""
         width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -151,8 +203,8 @@ class GRPOTrainer:
             mask[b, p - 1 : p + r - 1] = True
         return ids.to(self.device), old.to(self.device), mask.to(self.device)
 
-    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
-        """Backward the unnormalised loss of these samples; gradients add up until ``step``."""
+    def check(self, samples: list[Sample], advantages: Sequence[float]) -> list[tuple[Sample, float]]:
+        """The (sample, advantage) pairs that carry response tokens; a malformed sample is refused here."""
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
         pairs = [(s, float(a)) for s, a in zip(samples, advantages, strict=True) if s.response_ids]
@@ -163,25 +215,41 @@ class GRPOTrainer:
                 )
             if not s.prompt_ids:
                 raise ValueError(f"sample {s.uid}: empty prompt_ids; the first response token needs a context")
-        # longest first, so each micro-batch pads to lengths close to its own
-        pairs.sort(key=lambda pa: len(pa[0].prompt_ids) + len(pa[0].response_ids), reverse=True)
+        return pairs
+
+    def plan(self, pairs: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
+        """The micro batches of ``pairs``, bounded in sequences and padded tokens (``train.micro_batch*``)."""
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s, _ in pairs]
+        cut = micro_batches(lengths, self.cfg.micro_batch, self.cfg.micro_batch_tokens)
+        return [[pairs[i] for i in mb] for mb in cut]
+
+    def backward(self, chunk: list[tuple[Sample, float]], weight: float = 1.0) -> dict[str, float]:
+        """Forward and backward of one micro batch's token-sum loss; its sums, or ``{}`` for a ``weight=0``
+        pass (a sharded rank with no samples left runs one so that its collectives match the others')."""
         cfg = self.cfg
-        stats: dict[str, float] = {}
-        for start in range(0, len(pairs), cfg.micro_batch):
-            chunk = pairs[start : start + cfg.micro_batch]
-            ids, old, mask = self._pack([s for s, _ in chunk])
-            adv = torch.tensor([a for _, a in chunk], device=self.device)
-            ref = None
+        ids, old, mask = self._pack([s for s, _ in chunk])
+        adv = torch.tensor([a for _, a in chunk], device=self.device)
+        ref = None
+        with self._autocast():
             if cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref = token_logprobs(self.ref_model, ids, self.temperature)
-            logp = token_logprobs(self.model, ids, self.temperature)
-            loss, mb_stats = grpo_loss_sum(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef)
-            loss.backward()
-            _merge(stats, mb_stats)
+                    ref = token_logprobs(self.ref_model, ids, self.temperature, mask)
+            logp = token_logprobs(self.model, ids, self.temperature, mask)
+            loss, stats = grpo_loss_sum(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef)
+        (loss * weight if weight != 1.0 else loss).backward()
+        return stats if weight else {}
+
+    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
+        """Backward the unnormalised loss of these samples; gradients add up until ``step``."""
+        stats: dict[str, float] = {}
+        for chunk in self.plan(self.check(samples, advantages)):
+            _merge(stats, self.backward(chunk))
+        self.add_stats(stats)
+        return stats
+
+    def add_stats(self, stats: dict[str, float]) -> None:
         self._tokens += int(stats.get("tokens", 0))
         _merge(self._stats, stats)
-        return stats
 
     def step(self, total_tokens: int | None = None, sums: dict[str, float] | None = None) -> dict[str, float]:
         """Turn the accumulated gradient sums into a token-mean gradient and update the weights.
@@ -205,7 +273,7 @@ class GRPOTrainer:
             return {"tokens": 0.0, "grad_norm": 0.0, "skipped": 1.0}
         for p in params:
             p.grad.div_(n)
-        grad_norm = get_total_norm([p.grad for p in params])
+        grad_norm = _full(get_total_norm([p.grad for p in params]))
         skipped = not bool(torch.isfinite(grad_norm))
         if skipped:
             logger.warning("non-finite grad norm %s; skipping the optimizer step", float(grad_norm))

@@ -46,7 +46,7 @@ CONTEXT_TYPE = {Role.ROLLOUT: GenerationContext, Role.GENRM: GenerationContext, 
 def train(w: Worker, device: int, version: int, shard: TrainShard, tokens: int):
     """One update on one device: the backward of the shard, then the optimizer step."""
     w.accumulate(Accumulate(device, version, shard))
-    return w.step(Step((device,), version, tokens), rank=0, port=0)
+    return w.step(Step((device,), version, tokens), 0, ("127.0.0.1", 0))  # a group of one, met anew
 
 
 def label(role: Role | None) -> str:

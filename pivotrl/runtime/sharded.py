@@ -1,0 +1,317 @@
+"""Sharded GRPO trainer: FSDP2 over the devices that hold the train role in a step.
+
+Why. A replica of a 7.6B policy with fp32 weights, gradients and AdamW state
+is ~120 GB: it fits no GPU. Here parameters, gradients and optimizer state are
+sharded over the W train devices (``fully_shard`` per decoder layer and on
+the root), so each holds ~16/W bytes per parameter plus one layer's gathered
+weights and its activations. Master weights and AdamW state are float32;
+with ``precision=bf16`` forward and backward run in bfloat16 (FSDP casts the
+gathered parameters) and gradients are reduced in float32.
+
+The update equals one device's. Losses are token *sums*: every rank's
+backward adds into sharded gradients whose reduce-scatter is a SUM (FSDP's
+default average is switched off), and :meth:`GRPOTrainer.step` divides once by
+the batch's token count and clips by the global norm. So the update does not
+depend on W or on which rank got which group (up to reduction order).
+
+Lockstep. Under FSDP every forward and backward is a collective, so ranks
+cannot each backward whatever groups reach them while the rollout tail runs,
+as the replicated trainer does. Groups are buffered as they arrive
+(:meth:`add`), and :meth:`step` first shares them (one small all-gather of
+token ids), splits them evenly by tokens in an order every rank computes
+alike, cuts micro batches, and has a rank that runs out early run weight-0
+passes so that all ranks make the same collectives::
+
+    rank r: add(groups) ... add ──┐
+                                   ├─ step(): all-gather samples → same split on every rank
+    rank s: add(groups) ... add ──┘          micro batches in lockstep (reduce-scatter SUM per backward)
+                                             gather stats → divide, clip, AdamW on the local shards
+
+State between steps. While the train set is unchanged the shards stay on the
+devices. When it changes, or a device leaves the train role, each rank writes
+its shard to the GPS (:meth:`export_shard`: its rows of the fp32 weights and
+of each AdamW moment, under ``<model>.shard<r>of<W>``) and the next set
+reads the rows that fall in its own shards from whichever old shards hold
+them (:meth:`import_shards`). Shards are cut along dimension 0 the way
+``torch.chunk`` cuts (what FSDP2 does), so row ranges are pure arithmetic
+(:func:`row_range`).
+
+Publishing for generation: each parameter is gathered in the rollout dtype,
+one at a time, and rank 0 writes it into the GPS version; no full fp32 copy
+is ever gathered on one rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError
+from pivotrl.log import logger
+from pivotrl.model import Decoder, ModelConfig
+from pivotrl.runtime.dist_train import TrainGroup
+from pivotrl.sample import Sample
+from pivotrl.train.config import TrainConfig
+from pivotrl.train.grpo import GRPOTrainer, _merge
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def shard_name(model_name: str, rank: int, world_size: int) -> str:
+    """GPS name of rank ``rank``'s train-state shard in a group of ``world_size``."""
+    return f"{model_name}.shard{rank}of{world_size}"
+
+
+def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a tensor of ``rows`` rows that rank ``rank`` of ``world_size`` holds.
+
+    ``torch.chunk``'s cut, which FSDP2 uses: chunks of ceil(rows / W) rows, the
+    last ones shorter or empty.
+    """
+    size = -(-rows // world_size)
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+def balance(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices of ``lengths`` dealt to ``world_size`` ranks, longest first to the least loaded (ties: lowest
+    index, lowest rank): every rank computes the same split from the same lengths."""
+    loads = [0] * world_size
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        out[r].append(i)
+        loads[r] += lengths[i]
+    return out
+
+
+def _shard_model(config: ModelConfig, group: TrainGroup, compute: torch.dtype, checkpointing: bool) -> Decoder:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(group.device.type, (group.world_size,))
+    with torch.device("meta"):
+        model = Decoder(config)
+    model.checkpoint_layers = checkpointing
+    if compute == torch.float32:
+        policy = MixedPrecisionPolicy()
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=group.device)
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = torch.tensor(config.inv_freq(), dtype=torch.float32, device=group.device)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sums, not means: the step divides by the batch's tokens
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    return model
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load_rows(model: Decoder, snap: Snapshot, rank: int, world_size: int) -> None:
+    """Copy this rank's rows of every parameter from a full (unsharded) GPS version."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in snap.tensors:
+                raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {name!r}")
+            full = snap.tensors[name]
+            if tuple(full.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: stored shape {tuple(full.shape)} vs model {tuple(p.shape)}")
+            start, stop = row_range(full.shape[0], rank, world_size)
+            local = _local(p)
+            assert local.shape[0] == stop - start, f"{name}: FSDP holds {local.shape[0]} rows, expected {stop - start}"
+            local.copy_(full[start:stop])
+
+
+class ShardedTrainer:
+    """One rank's part of an FSDP2 GRPO trainer over ``group``, holding policy ``version``."""
+
+    def __init__(
+        self,
+        group: TrainGroup,
+        config: ModelConfig,
+        cfg: TrainConfig,
+        temperature: float,
+        version: int,
+        compute_dtype: torch.dtype = torch.float32,
+        reference: Snapshot | None = None,
+    ) -> None:
+        self.group, self.config, self.cfg, self.version = group, config, cfg, version
+        self.model = _shard_model(config, group, compute_dtype, cfg.activation_checkpointing)
+        ref = None
+        if cfg.kl_coef > 0:
+            if reference is None:
+                raise ValueError(f"train.kl_coef is {cfg.kl_coef} (> 0), which needs the reference policy")
+            ref = _shard_model(config, group, compute_dtype, False)
+            load_rows(ref, reference, group.rank, group.world_size)
+            ref.requires_grad_(False)
+        self.trainer = GRPOTrainer(self.model, cfg, temperature, ref_model=ref)
+        self.pending: list[tuple[Sample, float]] = []
+        self.imported: tuple[int, int] | None = None  # (version, world size) of the GPS shards this state came from
+        self.exported = False  # this version's shard is in the GPS already
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    # -- state in and out ------------------------------------------------------------------------------------------
+    def load_weights(self, snap: Snapshot) -> None:
+        """Start from a published weights version with fresh optimizer state (the first update of a run)."""
+        load_rows(self.model, snap, self.rank, self.group.world_size)
+        self.version = snap.version
+
+    def export_shard(self, store: ParameterStore, model_name: str) -> int:
+        """Write this rank's rows of the master weights and AdamW moments to the GPS; returns bytes written."""
+        if self.pending or any(p.grad is not None for p in self.model.parameters()):
+            raise RuntimeError("export_shard with buffered samples or gradients: step() first")
+        tensors: dict[str, Tensor] = {}
+        rows: dict[str, int] = {}
+        steps: dict[str, float] = {}
+        state = self.trainer.optimizer.state
+        for name, p in self.model.named_parameters():
+            rows[name] = p.shape[0]
+            tensors[f"param.{name}"] = _local(p.detach())
+            if p in state and state[p]:
+                steps[name] = float(state[p]["step"])
+                for key in _STATE_KEYS:
+                    tensors[f"{key}.{name}"] = _local(state[p][key])
+        meta = {"rank": self.rank, "world_size": self.group.world_size, "rows": rows, "step": steps}
+        name = shard_name(model_name, self.rank, self.group.world_size)
+        try:
+            info = store.publish(name, self.version, tensors, Kind.OPTIMIZER, meta)
+        except VersionError:  # written already (released, then asked again): versions are immutable
+            return 0
+        self.exported = True
+        return info.nbytes
+
+    def import_shards(self, store: ParameterStore, model_name: str, version: int, world_size: int) -> int:
+        """Take up the state of ``version`` written by a group of ``world_size``: each local shard is filled from
+        the old shards whose rows overlap it. Returns the bytes read."""
+        snaps = [store.fetch(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER) for r in range(world_size)]
+        spans = [(s, {n: row_range(rows, r, world_size) for n, rows in s.manifest.meta["rows"].items()})
+                 for r, s in enumerate(snaps)]  # fmt: skip
+        start_of = self.rank
+        state = self.trainer.optimizer.state
+        nbytes = 0
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                a, b = row_range(p.shape[0], start_of, self.group.world_size)
+                targets = {"param": _local(p)}
+                step = snaps[0].manifest.meta["step"].get(name)
+                if step is not None:
+                    moments = {key: torch.zeros_like(p) for key in _STATE_KEYS}
+                    targets |= {key: _local(t) for key, t in moments.items()}
+                for snap, ranges in spans:
+                    lo, hi = ranges[name]
+                    lo, hi = max(lo, a), min(hi, b)
+                    if lo >= hi:
+                        continue
+                    base = ranges[name][0]
+                    for key, target in targets.items():
+                        src = snap.tensors[f"{key}.{name}"][lo - base : hi - base]
+                        target[lo - a : hi - a].copy_(src)
+                        nbytes += src.numel() * src.element_size()
+                if step is not None:
+                    state[p] = {"step": torch.tensor(step, dtype=torch.float32), **moments}
+        self.version, self.imported, self.exported = version, (version, world_size), False
+        return nbytes
+
+    def free_imported(self, store: ParameterStore, model_name: str) -> None:
+        """Drop the GPS shards this state was read from (rank 0, once the group has stepped past them)."""
+        if self.imported is None:
+            return
+        version, world_size = self.imported
+        for r in range(world_size):
+            try:
+                store.free(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER)
+            except VersionError:
+                pass
+        self.imported = None
+
+    def publish_weights(
+        self, store: ParameterStore, model_name: str, dtype: torch.dtype, meta: dict[str, Any]
+    ) -> int:
+        """Publish the current weights in ``dtype`` as ``self.version``: every rank gathers one parameter at
+        a time (a collective), rank 0 keeps a host copy and writes the version. Returns the bytes published."""
+        host: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                full = p.detach().to(dtype)
+                full = full.full_tensor() if hasattr(full, "full_tensor") else full
+                if self.rank == 0:
+                    host[name] = full.to("cpu", non_blocking=False)
+                del full
+        if self.rank != 0:
+            return 0
+        return store.publish(model_name, self.version, host, Kind.WEIGHTS, meta).nbytes
+
+    # -- the step --------------------------------------------------------------------------------------------------
+    def add(self, samples: list[Sample], advantages: Sequence[float]) -> int:
+        """Buffer judged samples until the step; returns their response tokens."""
+        pairs = self.trainer.check(samples, advantages)
+        self.pending += pairs
+        return sum(len(s.response_ids) for s, _ in pairs)
+
+    def step(self, total_tokens: int | None = None) -> tuple[dict[str, float], int, float]:
+        """Backward every rank's buffered samples in lockstep, then the optimizer step on every rank.
+
+        Returns the group's numbers (identical on every rank, plus ``world_size``
+        and the new ``version``), the tokens that went through forward and
+        backward on all ranks (prompts and responses) and the seconds that took.
+        """
+        group, world = self.group, self.group.world_size
+        mine = [(s.prompt_ids, s.response_ids, s.logprobs, a) for s, a in self.pending]
+        self.pending = []
+        shared: list[Any] = [None] * world
+        if world > 1:
+            dist.all_gather_object(shared, (self.version, mine))
+        else:
+            shared = [(self.version, mine)]
+        versions = [v for v, _ in shared]
+        if len(set(versions)) > 1:
+            self.trainer.discard()
+            raise RuntimeError(
+                f"train group {group.address}: ranks hold different policy versions {versions} (by rank); "
+                "a device that newly takes the train role must import the current version's state first"
+            )
+        pairs = [
+            (Sample(i, 0, "", "", list(p), 0, response_ids=list(r), logprobs=list(lp)), a)
+            for i, (p, r, lp, a) in enumerate(x for _, part in shared for x in part)
+        ]
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s, _ in pairs]
+        split = balance(lengths, world)
+        plans = [self.trainer.plan([pairs[i] for i in sorted(idx)]) for idx in split]
+        passes = max((len(p) for p in plans), default=0)
+        start = time.perf_counter()
+        stats: dict[str, float] = {}
+        for i in range(passes):
+            if i < len(plans[self.rank]):
+                _merge(stats, self.trainer.backward(plans[self.rank][i]))
+            else:
+                self.trainer.backward([pairs[0]], weight=0.0)  # nothing left here: match the others' collectives
+        backward_s = time.perf_counter() - start
+        if world > 1:
+            every: list[Any] = [None] * world
+            dist.all_gather_object(every, stats)
+            stats = {}
+            for part in every:
+                _merge(stats, part)
+        out = self.trainer.step(total_tokens, stats)
+        self.version += 1
+        self.exported = False
+        out["world_size"] = float(world)
+        out["version"] = float(self.version)
+        logger.debug("sharded step v%d on %d ranks: %d samples, %d passes", self.version, world, len(pairs), passes)
+        return out, sum(lengths), backward_s
