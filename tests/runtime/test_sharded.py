@@ -1,0 +1,242 @@
+"""Sharded (FSDP2) trainer: the update does not depend on how many ranks hold the shards.
+
+One spawn of three real processes (gloo on loopback) plays every scenario in
+turn: groups of 1, 2 and 3 ranks, a membership change 2 -> 3 -> 2 with the
+train state moving through the GPS as shards, a tied-embedding model, the KL
+term against a sharded reference, and bf16 compute. Each rank writes what it
+got to a file; the tests compare with one plain, unsharded trainer in this
+process, within 1e-5 in fp32.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
+from pivotrl.model import Decoder
+from pivotrl.runtime.dist_train import TrainGroup
+from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_name
+from pivotrl.train.config import TrainConfig
+from pivotrl.train.grpo import GRPOTrainer
+from tests.conftest import tiny_config
+from tests.runtime.test_dist_train import Batch, batch_tokens, free_ports, local_share, make_batch, max_diff
+
+MODEL = "policy"
+CFG = TrainConfig(micro_batch=5, micro_batch_tokens=40, grad_clip=0.5)  # cuts by count and by tokens; clip active
+KL = TrainConfig(micro_batch=5, grad_clip=0.5, kl_coef=0.1)
+TIMEOUT_S = 60.0
+
+
+def initial(tied: bool = False, seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(tiny_config(tied=tied)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # norms and biases off their defaults, so every row matters
+    return model
+
+
+def weights(model: Decoder) -> Snapshot:
+    store = LocalStore()
+    store.publish(MODEL, 0, module_tensors(model))
+    return store.fetch(MODEL, 0)
+
+
+class FileStore:
+    """Stand-in for a GPS shared between processes (a RayStore in the runtime): shards go through files."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def put(self, store: LocalStore, name: str, version: int) -> None:
+        snap = store.fetch(name, version, Kind.OPTIMIZER)
+        tmp = self.root / f"{name}.v{version}.tmp"
+        tmp.write_bytes(pickle.dumps((snap.manifest, snap.buffer)))
+        tmp.rename(self.root / f"{name}.v{version}")
+
+    def get(self, name: str, version: int) -> LocalStore:
+        store = LocalStore()
+        manifest, buffer = pickle.loads((self.root / f"{name}.v{version}").read_bytes())
+        snap = Snapshot.of(manifest, buffer)
+        store.publish(name, version, snap.tensors, Kind.OPTIMIZER, manifest.meta)
+        return store
+
+
+def _group(rank: int, world: int, port: int) -> TrainGroup:
+    return TrainGroup.join(rank, world, master_port=port, device="cpu", timeout_s=TIMEOUT_S, process_group=True)
+
+
+def _step(trainer: ShardedTrainer, batch: Batch) -> dict[str, float]:
+    trainer.add(*local_share(batch, trainer.group.world_size, trainer.rank))
+    stats, tokens, seconds = trainer.step(batch_tokens(batch))
+    assert tokens > 0 and seconds > 0
+    return stats
+
+
+def _published(trainer: ShardedTrainer) -> dict[str, torch.Tensor]:
+    store = LocalStore()
+    trainer.publish_weights(store, MODEL, torch.float32, {})
+    if trainer.rank != 0:
+        return {}
+    return store.fetch(MODEL, trainer.version).state_dict(copy=True)
+
+
+def _worker(rank: int, ports: list[int], batches: list[Batch], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    files = FileStore(out)
+
+    def save(name: str, trainer: ShardedTrainer, stats: list[dict[str, float]]) -> None:
+        state = _published(trainer)  # a collective: every rank of the group takes part
+        torch.save({"state": state, "stats": stats}, out / f"{name}.{rank}.pt")
+
+    def run(name: str, world: int, port: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False) -> None:
+        if rank >= world:
+            return
+        with _group(rank, world, port) as group:
+            ref = weights(initial(tied)) if cfg.kl_coef > 0 else None
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            trainer = ShardedTrainer(group, tiny_config(tied=tied), cfg, 1.0, 0, dtype, ref)
+            trainer.load_weights(weights(initial(tied)))
+            stats = [_step(trainer, b) for b in batches[:2]]
+            save(name, trainer, stats)
+
+    run("w1", 1, ports[0], CFG)
+    run("w2", 2, ports[1], CFG)
+    run("w3", 3, ports[2], CFG, tied=True)
+    run("kl", 2, ports[3], KL)
+    run("bf16", 2, ports[4], CFG, bf16=True)
+
+    # membership: 2 ranks step v0 -> v1, write shards; 3 ranks read them and step v1 -> v2; 2 ranks again for v3
+    stats: list[dict[str, float]] = []
+    if rank < 2:
+        with _group(rank, 2, ports[5]) as group:
+            trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+            trainer.load_weights(weights(initial()))
+            stats.append(_step(trainer, batches[0]))
+            local = LocalStore()
+            trainer.export_shard(local, MODEL)
+            files.put(local, shard_name(MODEL, rank, 2), 1)  # before the next group meets: it exists once all have
+    with _group(rank, 3, ports[6]) as group:
+        trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+        shared = LocalStore()
+        for r in range(2):
+            name = shard_name(MODEL, r, 2)
+            snap = files.get(name, 1).fetch(name, 1, Kind.OPTIMIZER)
+            shared.publish(name, 1, snap.tensors, Kind.OPTIMIZER, snap.manifest.meta)
+        trainer.import_shards(shared, MODEL, 1, 2)
+        stats.append(_step(trainer, batches[1]))
+        local = LocalStore()
+        trainer.export_shard(local, MODEL)
+        files.put(local, shard_name(MODEL, rank, 3), 2)
+    if rank < 2:
+        with _group(rank, 2, ports[7]) as group:
+            trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+            shared = LocalStore()
+            for r in range(3):
+                name = shard_name(MODEL, r, 3)
+                snap = files.get(name, 2).fetch(name, 2, Kind.OPTIMIZER)
+                shared.publish(name, 2, snap.tensors, Kind.OPTIMIZER, snap.manifest.meta)
+            trainer.import_shards(shared, MODEL, 2, 3)
+            stats.append(_step(trainer, batches[2]))
+            save("member", trainer, stats)
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[Batch]:
+    return [make_batch(6, seed=1), make_batch(4, seed=2), make_batch(3, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sharded")
+    mp.spawn(_worker, args=(free_ports(8), batches, str(out)), nprocs=3, join=True)
+    return out
+
+
+def one_device(batches: list[Batch], cfg: TrainConfig = CFG, tied: bool = False):
+    ref = initial(tied).requires_grad_(False) if cfg.kl_coef > 0 else None
+    trainer = GRPOTrainer(initial(tied), cfg, ref_model=ref)
+    stats = [trainer.train_batch(*b) for b in batches]
+    return module_tensors(trainer.model), stats
+
+
+def assert_same_stats(got: dict[str, float], want: dict[str, float]) -> None:
+    for key in ("tokens", "loss", "pg_loss", "clip_frac", "grad_norm", "ratio_max", "ratio_min"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def load(runs: Path, name: str) -> dict:
+    return torch.load(runs / f"{name}.0.pt")
+
+
+@pytest.mark.parametrize(("name", "world", "tied"), [("w1", 1, False), ("w2", 2, False), ("w3", 3, True)])
+def test_world_size_does_not_change_the_update(runs, batches, name, world, tied):
+    state, stats = one_device(batches[:2], tied=tied)
+    got = load(runs, name)
+    assert max_diff(got["state"], state) < 1e-5
+    assert max_diff(state, module_tensors(initial(tied))) > 3e-4  # a real update (2 steps of lr 3e-4), 30x the tolerance
+    for got_step, want_step in zip(got["stats"], stats, strict=True):
+        assert_same_stats(got_step, want_step)
+        assert got_step["world_size"] == world
+    assert [s["version"] for s in got["stats"]] == [1.0, 2.0]
+
+
+def test_membership_change_moves_the_state_through_shards(runs, batches):
+    state, stats = one_device(batches)
+    got = load(runs, "member")
+    assert max_diff(got["state"], state) < 1e-5
+    for got_step, want_step in zip(got["stats"], stats, strict=True):
+        assert_same_stats(got_step, want_step)
+    assert [s["world_size"] for s in got["stats"]] == [2.0, 3.0, 2.0]
+
+
+def test_kl_against_a_sharded_reference(runs, batches):
+    state, stats = one_device(batches[:2], KL)
+    got = load(runs, "kl")
+    assert max_diff(got["state"], state) < 1e-5
+    assert got["stats"][1]["kl"] == pytest.approx(stats[1]["kl"], rel=1e-5, abs=1e-7)
+    assert got["stats"][1]["kl"] > 0  # the second step moved away from the reference
+
+
+def test_bf16_compute_updates_fp32_master_weights_close_to_fp32(runs, batches):
+    state, _ = one_device(batches[:2])
+    got = load(runs, "bf16")
+    assert all(t.dtype == torch.float32 for t in got["state"].values())
+    diff = max_diff(got["state"], state)
+    assert 0 < diff < 2e-2  # bf16 rounding shows, but it is the same update
+
+
+@pytest.mark.parametrize(
+    ("rows", "world", "want"),
+    [
+        (8, 2, [(0, 4), (4, 8)]),
+        (5, 3, [(0, 2), (2, 4), (4, 5)]),
+        (4, 3, [(0, 2), (2, 4), (4, 4)]),  # torch.chunk leaves the last rank empty
+        (1, 2, [(0, 1), (1, 1)]),
+        (7, 1, [(0, 7)]),
+    ],
+)
+def test_row_range_cuts_as_torch_chunk(rows, world, want):
+    assert [row_range(rows, r, world) for r in range(world)] == want
+    chunks = torch.arange(rows).chunk(world)
+    got = [torch.arange(rows)[a:b] for a, b in want]
+    assert all(torch.equal(c, g) for c, g in zip(chunks, got, strict=False))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "world", "want"),
+    [
+        ([5, 5, 5, 5], 2, [[0, 2], [1, 3]]),
+        ([9, 1, 1, 1, 6], 2, [[0], [4, 1, 2, 3]]),
+        ([3], 3, [[0], [], []]),
+        ([], 2, [[], []]),
+    ],
+)
+def test_balance_deals_longest_first_to_the_least_loaded(lengths, world, want):
+    assert balance(lengths, world) == want
