@@ -240,9 +240,7 @@ class ShardedTrainer:
                 pass
         self.imported = None
 
-    def publish_weights(
-        self, store: ParameterStore, model_name: str, dtype: torch.dtype, meta: dict[str, Any]
-    ) -> int:
+    def publish_weights(self, store: ParameterStore, model_name: str, dtype: torch.dtype, meta: dict[str, Any]) -> int:
         """Publish the current weights in ``dtype`` as ``self.version``: every rank gathers one parameter at
         a time (a collective), rank 0 keeps a host copy and writes the version. Returns the bytes published."""
         host: dict[str, Tensor] = {}

@@ -180,7 +180,7 @@ def test_world_size_does_not_change_the_update(runs, batches, name, world, tied)
     state, stats = one_device(batches[:2], tied=tied)
     got = load(runs, name)
     assert max_diff(got["state"], state) < 1e-5
-    assert max_diff(state, module_tensors(initial(tied))) > 3e-4  # a real update (2 steps of lr 3e-4), 30x the tolerance
+    assert max_diff(state, module_tensors(initial(tied))) > 3e-4  # a real update (2 steps of lr 3e-4): 30x the bound
     for got_step, want_step in zip(got["stats"], stats, strict=True):
         assert_same_stats(got_step, want_step)
         assert got_step["world_size"] == world
