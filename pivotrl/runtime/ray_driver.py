@@ -179,7 +179,9 @@ class RayDriver:
         self.pg: Any = None
         if self.started_ray:
             kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False, "log_to_driver": True}
-            if address is None:  # our own instance, never one that runs beside us
+            if address is None:  # our own instance, never one that runs beside us. (Ray 2.60 turns the loopback
+                # node address into the machine's own and listens on all interfaces; the token auth it turns on
+                # for a local instance is what guards it.)
                 gpus = dev.local_gpus() if cfg.device != dev.CPU else 0
                 ray.init(address="local", num_cpus=max(2, cfg.devices), num_gpus=gpus, _node_ip_address=dev.LOOPBACK,
                          **kwargs)  # fmt: skip
