@@ -19,8 +19,9 @@ from pivotrl.log import logger, setup_logging
 USAGE_ERROR = 2
 
 
-def check_inputs(cfg: JobConfig) -> None:
-    """Fail before any work starts if a file the job needs is missing or unusable."""
+def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
+    """Fail before any work starts if a file the job needs is missing or unusable, or the device it asks for
+    is not here (a cluster's devices are checked once it is joined)."""
     from pivotrl.model import CheckpointError, UnsupportedModelError
     from pivotrl.model.loader import read_config
 
@@ -41,11 +42,19 @@ def check_inputs(cfg: JobConfig) -> None:
         make_policy(cfg.mode, cfg.devices, parse_split(cfg.split))
     except ValueError as e:
         raise UserError(str(e)) from None
+    if ray_address is None:
+        from pivotrl.runtime import devices
+
+        devices.resolve(cfg.device, devices.local_gpus())
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.ray_address:  # before anything imports ray, which reads RAY_AUTH_MODE once
+        from pivotrl.runtime.devices import enable_cluster_token
+
+        enable_cluster_token()
     cfg = load_config(args.config, args.overrides)
-    check_inputs(cfg)
+    check_inputs(cfg, args.ray_address)
     from pivotrl.runtime.job import run_job
 
     out = Path(args.out)

@@ -37,6 +37,7 @@ from pivotrl.train.config import TrainConfig
 ROLES = ("rollout", "genrm", "train")
 Mode = Literal["colocated", "disaggregated", "shiftable"]
 Dtype = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cuda", "cpu"]
 
 
 class ConfigError(ValueError):
@@ -169,6 +170,11 @@ class JobConfig:
     seed: int = 0  # seeds data order, sampling and initialisation
     mode: Mode = "colocated"  # how roles share devices
     devices: int = 1  # devices the job runs on
+    device: Device = "auto"  # what a device is; auto: cuda when there are GPUs (locally: torch sees CUDA; with
+    # --ray-address: the cluster declares GPU resources), else cpu. On Ray, devices hold GPU shares wherever the
+    # cluster declares GPUs; under auto one whose torch sees no CUDA computes on the CPU, under cuda it is an error
+    gpus_per_device: float = 1.0  # share of one GPU each cuda device holds, in (0, 1]; 0.25 puts 4 devices on a GPU
+    threads_per_device: int = 0  # torch threads per device; 0 = the node's cores shared among its devices (>= 1)
     split: str = ""  # disaggregated role layout, e.g. "rollout:2,genrm:1,train:1"; "" = automatic
     steps: int = 60  # training steps
     task: TaskConfig = field(default_factory=TaskConfig)  # data and prompt format
@@ -182,6 +188,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         _at_least(self, 0, "seed")
         _at_least(self, 1, "devices", "steps")
+        _at_least(self, 0, "threads_per_device")
+        _check(self, "gpus_per_device", lambda v: 0 < v <= 1, "a number in (0, 1] (the share of one GPU per device)")
         parse_split(self.split)
 
     def to_dict(self) -> dict[str, Any]:

@@ -81,18 +81,6 @@ def backend_for(device: torch.device) -> str:
         ) from None
 
 
-def node_ip() -> str:
-    """This process's node address for a rendezvous: the Ray node's when in a Ray cluster, else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:  # pragma: no cover - ray is a dependency
-        pass
-    return "127.0.0.1"
-
-
 def listen(world_size: int, master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
     """Rank 0's end of a train group's rendezvous, bound now to a port the system picks (``.port``):
     the other ranks are told the port once it is taken. Hand it to :meth:`TrainGroup.join`."""

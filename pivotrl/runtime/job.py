@@ -22,6 +22,7 @@ from pivotrl.gps import LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
 from pivotrl.reward import GenRM
+from pivotrl.runtime import devices as dev
 from pivotrl.runtime.contexts import JUDGE, POLICY, REFERENCE, ContextSpec, build_model, publish_checkpoint
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.worker import TrainSpec, Worker
@@ -102,14 +103,16 @@ def run_job(
     if not in_process:
         from pivotrl.runtime.ray_driver import RayDriver
 
+        # the devices' kind is known once the cluster is: the driver puts it in the spec
         driver: Any = RayDriver(cfg, context_spec(cfg, train_set + heldout), origin, ray_address)
         store = driver.store
-    else:
+    else:  # devices in this process: they share its cores (and its one GPU, when it has one)
         store = LocalStore()
         spec = TrainSpec(cfg.train, cfg.rollout.temperature)
-        driver = LocalDriver(
-            [Worker(d, store, context_spec(cfg, train_set + heldout), spec, origin) for d in range(cfg.devices)]
-        )
+        kind = dev.bind(dev.resolve(cfg.device, dev.local_gpus()))
+        cspec = context_spec(cfg, train_set + heldout, device=kind)
+        threads = dev.thread_shares(["local"] * cfg.devices, {"local": dev.machine_cores()}, cfg.threads_per_device)
+        driver = LocalDriver([Worker(d, store, cspec, spec, origin, threads=threads[d]) for d in range(cfg.devices)])
     writer = RunWriter(out)  # only once the devices are up: a failed start leaves no half-written run
     writer.write_json("config.json", cfg.to_dict())
     try:

@@ -1,11 +1,14 @@
 """Ray driver: one actor per device, each a ``Worker`` with its own torch.
 
-The embedded default starts a local Ray instance (no dashboard, loopback
-only); ``ray_address`` joins an existing cluster instead (``ray start --head``
-then ``--ray-address auto``). Weights travel through the GPS in Ray's object
-store. Generation is time-sliced: the driver keeps one ``run`` call in
-flight per busy device and turns what each returns into events, so rewards
-stream and shifts are picked up between slices.
+The embedded default starts a local Ray instance of its own (no dashboard,
+loopback only), whatever else runs on the machine; ``ray_address`` joins an
+existing cluster instead (``ray start --head`` then ``--ray-address auto``).
+Each device actor holds one bundle of a placement group packed per node (a
+GPU share when devices are cuda; see ``pivotrl.runtime.devices``). Weights
+travel through the GPS in Ray's object store. Generation is time-sliced: the
+driver keeps one ``run`` call in flight per busy device and turns what each
+returns into events, so rewards stream and shifts are picked up between
+slices.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from pivotrl.config import JobConfig
@@ -21,19 +24,49 @@ from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate
 from pivotrl.errors import UserError
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
+from pivotrl.runtime import devices as dev
 from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
 
 SLICE_SECONDS = 0.05
+PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
 
 
 class DeviceActor:
     """The Ray face of a Worker (methods run one at a time, in call order)."""
 
-    def __init__(self, device: int, store: RayStore, spec: ContextSpec, train: TrainSpec, origin: float) -> None:
-        self.worker = Worker(device, store, spec, train, origin, threads=1)
+    def __init__(
+        self,
+        device: int,
+        store: RayStore,
+        spec: ContextSpec,
+        train: TrainSpec,
+        origin: float,
+        threads: int,
+        bundle: int | None = None,
+    ) -> None:
+        spec = replace(spec, device=dev.bind(spec.device))  # see the devices module for a GPU torch cannot see
+        self.bundle = bundle  # the placement-group bundle it was scheduled into (Ray does not tell an actor)
+        self.worker = Worker(device, store, spec, train, origin, threads=threads)
+
+    def binding(self) -> dev.Binding:
+        """What this actor holds, as it sees it."""
+        import ray
+        import torch
+
+        ctx = ray.get_runtime_context()
+        return dev.Binding(
+            device=self.worker.device,
+            bundle=self.bundle,
+            placement_group=ctx.get_placement_group_id(),
+            node_ip=dev.node_address(),
+            gpu_ids=tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", [])),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            kind=dev.CUDA if self.worker.spec.device == dev.CUDA else dev.CPU,
+            threads=torch.get_num_threads(),
+        )
 
     def shift(self, role: Any, version: int) -> Event:
         return self.worker.shift(role, version)
@@ -84,14 +117,11 @@ def check_reachable(address: str) -> None:
 
 
 def _join_cluster(address: str, kwargs: dict[str, Any]) -> None:
-    """Join an existing cluster. Clusters started with ``ray start`` use token auth by
-    default; a client finds the token in ~/.ray/auth_token (or RAY_AUTH_TOKEN) but only
-    uses it when RAY_AUTH_MODE=token, so set that when a token is there."""
+    """Join an existing cluster, with its token when one is at hand (see ``devices.enable_cluster_token``;
+    the CLI enables it before ray is imported, which covers a client of any Ray version)."""
     import ray
 
-    has_token = "RAY_AUTH_TOKEN" in os.environ or (Path.home() / ".ray" / "auth_token").is_file()
-    if "RAY_AUTH_MODE" not in os.environ and has_token:
-        os.environ["RAY_AUTH_MODE"] = "token"
+    dev.enable_cluster_token()
     try:
         ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError) as e:
@@ -102,28 +132,97 @@ def _join_cluster(address: str, kwargs: dict[str, Any]) -> None:
         ) from None
 
 
+def _place(kind: dev.Kind, cfg: JobConfig, address: str | None) -> Any:
+    """Reserve one bundle per device, packed per node; a clear error when the cluster cannot hold them."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    wanted = dev.bundles(kind, cfg.devices, cfg.gpus_per_device)
+    where = f"the Ray cluster at {address}" if address else "the local Ray instance"
+    ask = f"devices={cfg.devices}" + (f", gpus_per_device={cfg.gpus_per_device:g}" if kind == dev.CUDA else "")
+    total = ray.cluster_resources()
+    short = dev.shortfall(wanted, total)
+    if short:
+        need = ", ".join(f"{sum(b.get(k, 0) for b in wanted):g} {k}" for k in short)
+        has = ", ".join(f"{total.get(k, 0):g} {k}" for k in short)
+        lower = "devices or gpus_per_device" if "GPU" in short else "devices"
+        raise UserError(f"{ask}: {where} has {has}, the devices need {need}; lower {lower}")
+    pg = placement_group(wanted, strategy="PACK", name=f"pivotrl-devices-{uuid.uuid4().hex[:8]}")
+    logger.info("waiting for %d device bundles of %s on %s", cfg.devices, wanted[0], where)
+    if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
+        remove_placement_group(pg)
+        raise UserError(
+            f"{ask}: {where} could not place {cfg.devices} bundles of {wanted[0]} within "
+            f"{PLACEMENT_TIMEOUT_S:g} s (each must fit on one node, beside what else runs there); "
+            "lower devices or gpus_per_device"
+        )
+    return pg
+
+
+def _threads(pg: Any, cfg: JobConfig, local: bool) -> list[int]:
+    """Torch threads per device: see ``devices.thread_shares``. A local instance's node is this machine
+    (its declared CPUs are only a scheduling budget); a cluster node has the CPUs it declares."""
+    import ray
+
+    table = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    nodes = [table[d] for d in range(cfg.devices)]
+    if local:
+        cores = dict.fromkeys(nodes, dev.machine_cores())
+    else:
+        cores = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n["Alive"]}
+    return dev.thread_shares(nodes, cores, cfg.threads_per_device)
+
+
 class RayDriver:
     def __init__(self, cfg: JobConfig, spec: ContextSpec, origin: float, address: str | None = None) -> None:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if address is not None:
             check_reachable(address)
         self.started_ray = not ray.is_initialized()
+        self.store: RayStore | None = None
+        self.actors: list[Any] = []
+        self.pg: Any = None
         if self.started_ray:
             kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False, "log_to_driver": True}
-            if address is None:
-                ray.init(num_cpus=max(2, cfg.devices), _node_ip_address="127.0.0.1", **kwargs)
+            if address is None:  # our own instance, never one that runs beside us. (Ray 2.60 turns the loopback
+                # node address into the machine's own and listens on all interfaces; the token auth it turns on
+                # for a local instance is what guards it.)
+                gpus = dev.local_gpus() if cfg.device != dev.CPU else 0
+                ray.init(address="local", num_cpus=max(2, cfg.devices), num_gpus=gpus, _node_ip_address=dev.LOOPBACK,
+                         **kwargs)  # fmt: skip
             else:
                 _join_cluster(address, kwargs)
-        self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
-        actor = ray.remote(DeviceActor).options(num_cpus=0)  # torch threads are set per worker; see Worker
-        train = TrainSpec(cfg.train, cfg.rollout.temperature)
-        self.actors = [actor.remote(d, self.store, spec, train, origin) for d in range(cfg.devices)]
+        try:
+            where = f"the Ray cluster at {address}" if address else "this machine"
+            self.kind = dev.resolve(cfg.device, ray.cluster_resources().get("GPU", 0.0), where)
+            self.pg = _place(self.kind, cfg, address)
+            threads = _threads(self.pg, cfg, local=address is None)
+            self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
+            spec = replace(spec, device=self.kind)
+            train = TrainSpec(cfg.train, cfg.rollout.temperature)
+            gpus = cfg.gpus_per_device if self.kind == dev.CUDA else 0
+            for d in range(cfg.devices):
+                where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
+                actor = ray.remote(DeviceActor).options(num_cpus=1, num_gpus=gpus, scheduling_strategy=where_d)
+                self.actors.append(actor.remote(d, self.store, spec, train, origin, threads[d], d))
+            self.bindings: list[dev.Binding] = ray.get([a.binding.remote() for a in self.actors])
+            dev.check_bindings(cfg.device, self.kind, self.bindings)
+        except BaseException:
+            self.close()
+            raise
         self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
         self.running: set[int] = set()  # devices with a run() in flight
         self.dirty: set[int] = set()  # devices given work since their run() was sent
         self.groups = TrainGroups()
-        logger.info("ray driver: %d device actors", cfg.devices)
+        if self.kind == dev.CUDA and any(b.kind != dev.CUDA for b in self.bindings):
+            logger.warning("device actors hold GPU shares but their torch sees no CUDA: they compute on the CPU")
+        for b in self.bindings:
+            logger.info(
+                "device %d: %s on %s, bundle %s, GPU %s, %d threads",
+                b.device, b.kind, b.node_ip, b.bundle, ",".join(b.gpu_ids) or "-", b.threads,
+            )  # fmt: skip
 
     def start_clock(self, origin: float) -> None:
         """Wait until every device actor is up, then share the run clock's origin."""
@@ -195,6 +294,7 @@ class RayDriver:
 
     def close(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         try:
             ray.get([a.close.remote() for a in self.actors], timeout=30)
@@ -202,6 +302,9 @@ class RayDriver:
             logger.warning("ray driver: closing the device actors: %s", e)
         for a in self.actors:
             ray.kill(a)
-        self.store.shutdown()
+        if self.store is not None:
+            self.store.shutdown()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()

@@ -48,7 +48,8 @@ from pivotrl.runtime.contexts import (
     TrainContext,
     publish_checkpoint,
 )
-from pivotrl.runtime.dist_train import TrainGroup, listen, node_ip
+from pivotrl.runtime.devices import node_address
+from pivotrl.runtime.dist_train import TrainGroup, listen
 from pivotrl.runtime.sharded import ShardedTrainer
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
@@ -283,7 +284,7 @@ class Worker:
     def listen(self, world_size: int) -> Rendezvous:
         """Open rank 0's end of the next step's train group of ``world_size`` devices: its node's address
         and the port it holds, for the others."""
-        host = node_ip()
+        host = node_address()
         self._rendezvous = listen(world_size, master_addr=host)
         return host, self._rendezvous.port
 

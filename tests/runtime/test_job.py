@@ -26,6 +26,7 @@ def small_job(ckpt: dict[str, Path], *extra: str):
             "judge.max_new_tokens=12",
             "eval.size=16",
             "eval.every=2",
+            "threads_per_device=1",  # every device alike, in process or in an actor: same samples, no thread barriers
             *extra,
         ],
     )
