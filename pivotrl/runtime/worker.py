@@ -37,7 +37,16 @@ from pivotrl.control.messages import (
 from pivotrl.engine import SamplingParams, SeqState
 from pivotrl.gps import Kind, ParameterStore, VersionError
 from pivotrl.log import logger
-from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, publish_checkpoint
+from pivotrl.runtime.contexts import (
+    JUDGE,
+    POLICY,
+    ContextSpec,
+    GenerationContext,
+    Skeleton,
+    TrainContext,
+    publish_checkpoint,
+    release_device_memory,
+)
 from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, listen
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
@@ -73,6 +82,7 @@ class Worker:
         self.device, self.store, self.spec, self.train_spec, self.origin = device, store, spec, train, origin
         self.role: Role | None = None
         self.ctx: GenerationContext | TrainContext | None = None
+        self.skeletons: dict[str, Skeleton] = {}  # generation models released here, to come back to (no memory)
         self.pending: dict[int, _Pending] = {}
         self.slices: list[Slice] = []
         self._rendezvous: dist.TCPStore | None = None  # rank 0's end of the next step's train group (``listen``)
@@ -96,13 +106,11 @@ class Worker:
         elif role is self.role and role is Role.GENRM:
             nbytes = 0
         else:
-            if self.ctx is not None:
-                self.ctx.release()
-                self.ctx, self.role = None, None
+            self._release()
             if role is Role.ROLLOUT:
-                self.ctx = GenerationContext(POLICY, version, self.store, self.spec)
+                self.ctx = GenerationContext(POLICY, version, self.store, self.spec, self.skeletons.pop(POLICY, None))
             elif role is Role.GENRM:
-                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec)
+                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec, self.skeletons.pop(JUDGE, None))
             else:
                 self.ctx = TrainContext(version, self.store, self.spec, self._make_trainer)
             nbytes = self.ctx.nbytes
@@ -112,6 +120,18 @@ class Worker:
         self.slices.append(Slice(self.device, "shift", name, t0, t1, {"bytes": nbytes, "version": version}))
         logger.debug("device %d: shift %s v%d, %d bytes in %.3f s", self.device, name, version, nbytes, t1 - t0)
         return ShiftDone(self.device, role, version, t1 - t0, nbytes)
+
+    def _release(self) -> None:
+        """Leave the current role: its context frees its device memory (a generation context leaves its
+        skeleton behind), then torch's cached blocks go back to the device, here and nowhere else."""
+        if self.ctx is None:
+            return
+        if isinstance(self.ctx, GenerationContext):
+            self.skeletons[self.ctx.name] = self.ctx.release()
+        else:
+            self.ctx.release()
+        self.ctx, self.role = None, None
+        release_device_memory(self.spec.device)
 
     def _make_trainer(self, model: torch.nn.Module, version: int) -> ElasticTrainer:
         return ElasticTrainer(GRPOTrainer(model, self.train_spec.cfg, self.train_spec.temperature), version=version)
