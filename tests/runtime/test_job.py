@@ -3,7 +3,7 @@ from pathlib import Path
 
 from pivotrl.config import load_config
 from pivotrl.control.controller import sequence_seed
-from pivotrl.runtime.job import run_job
+from pivotrl.runtime.job import context_spec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,3 +87,12 @@ def test_shiftable_run_writes_its_decision_log(tiny_checkpoints, tmp_path):
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert decisions and all(d["moves"] and d["reason"] for d in decisions)
     assert {m[2] for d in decisions for m in d["moves"]} == {"rollout", "genrm", "train"}
+
+
+def test_context_spec_carries_the_rollout_dtype_and_kv_budget():
+    cfg = load_config(None, ["policy.dtype=float32", "rollout.kv_cache_gb=2.5"])
+    on_gpu, on_cpu = context_spec(cfg, device="cuda"), context_spec(cfg)
+    assert (on_gpu.device, on_gpu.rollout_dtype, on_gpu.policy_dtype) == ("cuda", "bfloat16", "float32")
+    assert (on_cpu.device, on_cpu.rollout_dtype) == ("cpu", "float32")
+    assert on_gpu.kv_cache_bytes == on_cpu.kv_cache_bytes == 2_500_000_000
+    assert context_spec(load_config(None, [])).kv_cache_bytes == 0  # auto
