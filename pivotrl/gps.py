@@ -462,14 +462,15 @@ class Snapshot:
         master weights into a bf16 rollout copy).
 
         On a GPU (``bucketed`` None means: when every tensor is on one CUDA
-        device) the bytes move in buckets of about ``bucket_bytes``: one
-        non-blocking host-to-device copy per bucket from page-locked memory,
-        straight into the target when the bucket is a piece of one tensor of
-        the same dtype, else into a staging buffer on the device from which
-        each tensor is copied, and cast there, so converting fp32 to bf16
-        costs the GPU microseconds instead of the CPU a pass over the bytes.
-        One synchronize at the end: when this returns the weights are in place.
-        On a CPU, one ``copy_`` per tensor.
+        device) every copy is a non-blocking host-to-device copy from
+        page-locked memory. Tensors whose dtype matches go straight into the
+        parameters' bytes (large ones in pieces of ``bucket_bytes``). Tensors
+        to convert travel in buckets of about ``bucket_bytes`` (small tensors
+        together) into a staging buffer on the device, and are cast from there
+        into the parameters: converting fp32 to bf16 then costs the GPU
+        microseconds instead of the CPU a pass over the bytes, and only the
+        stored bytes cross the bus. One synchronize at the end: when this
+        returns the weights are in place. On a CPU, one ``copy_`` per tensor.
         """
         targets = module.state_dict(keep_vars=True)
         groups: dict[int, list[str]] = {}
@@ -522,11 +523,10 @@ class Snapshot:
         buckets = plan_buckets(entries, bucket_bytes)
         staging: Tensor | None = None
         for bucket in buckets:
-            first = bucket.pieces[0]
-            target = targets[first.entry.name]
-            if len(bucket.pieces) == 1 and target.dtype == DTYPES[first.entry.dtype]:
-                dst = _bytes_of(target)[first.start - first.entry.offset : first.end - first.entry.offset]
-                _copy_bytes(dst, flat, bucket.start, bucket.end, pinned)
+            if all(targets[p.entry.name].dtype == DTYPES[p.entry.dtype] for p in bucket.pieces):
+                for p in bucket.pieces:  # no cast: straight into the parameters' bytes
+                    dst = _bytes_of(targets[p.entry.name])[p.start - p.entry.offset : p.end - p.entry.offset]
+                    _copy_bytes(dst, flat, p.start, p.end, pinned)
                 continue
             if staging is None:
                 staging = torch.empty(max(b.end - b.start for b in buckets), dtype=torch.uint8, device=device)

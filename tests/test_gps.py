@@ -412,6 +412,23 @@ def test_bucketed_load_equals_plain_load(bucket: int, stored: torch.dtype, targe
         assert not torch.equal(plain.model.norm.weight.to(stored), source.model.norm.weight)
 
 
+def test_bucketed_load_of_mixed_dtypes() -> None:
+    """A bucket holding tensors that need a cast beside tensors that do not (bf16 weights, fp32 norms)."""
+    source = tiny(0).to(torch.bfloat16)
+    source.model.norm.float()
+    for layer in source.model.layers:
+        layer.input_layernorm.float()
+    store = LocalStore()
+    publish_model(store, "m", 0, source)
+    dtypes = {e.dtype for e in store.fetch("m", 0).manifest.entries}
+    assert dtypes == {"bfloat16", "float32"}
+    for target_dtype in (torch.bfloat16, torch.float32):
+        plain, bucketed = tiny(1).to(target_dtype), tiny(2).to(target_dtype)
+        store.fetch("m", 0).load_into(plain, bucketed=False)
+        store.fetch("m", 0).load_into(bucketed, bucketed=True, bucket_bytes=4096)
+        assert_same(module_tensors(bucketed), module_tensors(plain))
+
+
 def test_bucketed_load_handles_strided_targets() -> None:
     source, plain, bucketed = Strided(), Strided(), Strided()
     with torch.no_grad():
