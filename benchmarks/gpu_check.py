@@ -543,7 +543,7 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10) -> di
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     seconds = time.perf_counter() - t0
-    result: dict[str, Any] = {"models": models, "command": " ".join(cmd[2:]), "seconds": round(seconds, 1)}
+    result: dict[str, Any] = {"models": models, "command": "pivotrl " + " ".join(cmd[3:]), "seconds": sig(seconds)}
     result["returncode"] = proc.returncode
     if proc.returncode != 0:
         result["stderr_tail"] = proc.stderr[-2000:]
@@ -551,7 +551,9 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10) -> di
         return result
     summary = json.loads((run_dir / "summary.json").read_text())
     steps_done = len((run_dir / "metrics.jsonl").read_text().splitlines())
-    result |= {k: summary.get(k) for k in ("samples_per_s", "tokens_per_s", "shifts", "wall_s") if k in summary}
+    for key in ("samples_per_s", "tokens_per_s", "shifts", "wall_s"):
+        if isinstance(summary.get(key), int | float):
+            result[key] = sig(summary[key])
     result["steps"] = steps_done
     result["pass"] = steps_done == steps
     return result
