@@ -238,7 +238,10 @@ def engine_throughput(
     hf.generation_config.eos_token_id = None  # no stop token: every request runs to its own length
     hf.generation_config.pad_token_id = 0
     ours = Decoder.empty(shape.model_config(), device, td)
-    ours.load_state_dict(hf.state_dict())
+    weights = hf.state_dict()
+    if shape.tied:  # whether a tied alias is listed is transformers' business; ours lists both names
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    ours.load_state_dict(weights)
     ours.eval()
     requests = work.make(shape.vocab)
     max_len = work.prompt[1] + work.new[1]
