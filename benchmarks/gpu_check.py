@@ -318,7 +318,7 @@ def _load_timings(store: Any, name: str, shape: Shape, device: str, repeats: int
     """Registration, first load and warm loads of version 0 of ``name`` into an fp32 and a bf16 copy."""
     import torch
 
-    from pivotrl.gps import PINS
+    from pivotrl.gps_transfer import PINS
     from pivotrl.model import Decoder
 
     out: dict[str, Any] = {}

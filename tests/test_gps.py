@@ -22,7 +22,6 @@ from pivotrl.gps import (
     ALIGN,
     PAGE,
     TOTAL,
-    HostPins,
     Kind,
     LoadError,
     LocalStore,
@@ -32,13 +31,12 @@ from pivotrl.gps import (
     VersionError,
     module_tensors,
     pack,
-    page_interior,
-    plan_buckets,
     publish_model,
     publish_optimizer,
     restore_optimizer,
     unpack,
 )
+from pivotrl.gps_transfer import HostPins, page_interior, plan_buckets
 from pivotrl.model import Decoder, ModelConfig
 from tests.conftest import tiny_config
 
