@@ -84,7 +84,7 @@ class ContextSpec:
     judge_max_len: int = 512  # judge sequences: template + question + reference + response + judgment
     judge_template: str = "{response}"
     kv_cache_bytes: int = 0  # KV-cache budget per device (rollout.kv_cache_gb); 0 = auto
-    memory_share: float = 1.0  # share of the GPU this device may use when device actors share one
+    memory_share: float = 1.0  # share of the GPU this device may use when device actors share one (gpus_per_device)
 
 
 @dataclass(slots=True)
