@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: install prepare run test lint bench clean
+.PHONY: install prepare run test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/engine.py
+
+# On a machine with one CUDA GPU: parity, engine, GPS load, shifts, a shared-GPU job (< 8 min);
+# writes benchmarks/results/gpu_check.json. Without CUDA it says so and exits 0.
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf runs models

@@ -38,6 +38,7 @@ ROLES = ("rollout", "genrm", "train")
 Mode = Literal["colocated", "disaggregated", "shiftable"]
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cuda", "cpu"]
+RolloutDtype = Literal["auto", "float32", "bfloat16"]
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,18 @@ class TaskConfig:
 class ModelRef:
     path: str = "models/policy"  # checkpoint directory (config.json, safetensors, tokenizer)
     dtype: Dtype = "float32"  # parameter dtype on device
+    rollout_dtype: RolloutDtype = "auto"  # dtype of the rollout copy; auto = bfloat16 on CUDA, else `dtype`
+
+    def resolved_rollout_dtype(self, device: str) -> Dtype:
+        """The dtype rollout devices run the policy in on ``device`` ("cpu" or "cuda").
+
+        Generation is bound by memory bandwidth, so on a GPU it runs in bf16
+        whatever the trainer keeps (fp32 master weights are for the update, not
+        for sampling); on a CPU bf16 matmuls are slow, so auto follows ``dtype``.
+        """
+        if self.rollout_dtype != "auto":
+            return self.rollout_dtype
+        return "bfloat16" if device == "cuda" else self.dtype
 
 
 @dataclass(slots=True)
@@ -144,6 +157,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     max_batch: int = 64  # engine slots (concurrent sequences) per device
+    kv_cache_gb: float = 0.0  # KV-cache budget per device (10^9 bytes, rollout and judge engines); 0 = auto
     rebalance: bool = True  # once no sequence is queued, even out those in flight over the rollout devices
 
     def __post_init__(self) -> None:
@@ -152,6 +166,7 @@ class RolloutConfig:
         _at_least(self, 0, "top_k")
         _check(self, "temperature", lambda v: v > 0, "a number > 0")
         _check(self, "top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
+        _check(self, "kv_cache_gb", lambda v: math.isfinite(v) and v >= 0, "a number of GB >= 0 (0 = auto)")
 
 
 @dataclass(slots=True)

@@ -114,6 +114,7 @@ def test_yaml_boolean_trap_is_explained(tmp_path):
 def test_bad_enum():
     assert error_of(None, "mode=foo") == "mode: must be one of colocated, disaggregated, shiftable, got 'foo'"
     assert "policy.dtype: must be one of float32, bfloat16" in error_of(None, "policy.dtype=fp16")
+    assert "policy.rollout_dtype: must be one of auto, float32, bfloat16" in error_of(None, "policy.rollout_dtype=fp8")
 
 
 @pytest.mark.parametrize(
@@ -127,6 +128,8 @@ def test_bad_enum():
         ("eval.every=-1", "eval.every: expected an integer >= 0, got -1"),
         ("devices=0", "devices: expected an integer >= 1, got 0"),
         ("train.lr=-1e-4", "train.lr"),  # TrainConfig's own check, still named by its full path
+        ("rollout.kv_cache_gb=-1", "rollout.kv_cache_gb: expected a number of GB >= 0 (0 = auto), got -1.0"),
+        ("rollout.kv_cache_gb=.inf", "rollout.kv_cache_gb: expected a number of GB >= 0"),
     ],
 )
 def test_bad_range_names_full_dotted_path(override, expected):
@@ -226,3 +229,18 @@ def test_round_trip_through_yaml(tmp_path):
     path = write(tmp_path, yaml.safe_dump(cfg.to_dict()))
     assert load_config(path) == cfg
     assert load_config(None) == load_config(write(tmp_path, yaml.safe_dump(JobConfig().to_dict()), "d.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("rollout_dtype", "dtype", "device", "expected"),
+    [
+        ("auto", "float32", "cuda", "bfloat16"),  # generation on a GPU is bandwidth-bound: bf16
+        ("auto", "float32", "cpu", "float32"),  # on a CPU the trainer's dtype
+        ("auto", "bfloat16", "cpu", "bfloat16"),
+        ("float32", "float32", "cuda", "float32"),  # asked for: kept
+        ("bfloat16", "float32", "cpu", "bfloat16"),
+    ],
+)
+def test_rollout_dtype_resolution(rollout_dtype, dtype, device, expected):
+    cfg = load_config(None, [f"policy.rollout_dtype={rollout_dtype}", f"policy.dtype={dtype}"])
+    assert cfg.policy.resolved_rollout_dtype(device) == expected

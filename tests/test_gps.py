@@ -20,12 +20,14 @@ import torch
 
 from pivotrl.gps import (
     ALIGN,
+    PAGE,
     TOTAL,
     Kind,
     LoadError,
     LocalStore,
     ParameterStore,
     RayStore,
+    TensorEntry,
     VersionError,
     module_tensors,
     pack,
@@ -34,6 +36,7 @@ from pivotrl.gps import (
     restore_optimizer,
     unpack,
 )
+from pivotrl.gps_transfer import HostPins, page_interior, plan_buckets
 from pivotrl.model import Decoder, ModelConfig
 from tests.conftest import tiny_config
 
@@ -327,3 +330,197 @@ def test_ray_version_outlives_its_publisher(
     assert_same(ray_store.fetch(name, 0).state_dict(), expected)
     assert_same(ray.get(reader.read.remote(ray_store, name, 0)), expected)
     assert np.array_equal(ray_store.fetch(name, 0).buffer, pack(expected)[0])  # byte for byte, padding included
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading at memory speed: buckets, casts on the device, page-locked buffers (bookkeeping tested without a GPU)
+
+
+def entries_of(sizes: list[int]) -> list[TensorEntry]:
+    tensors = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
+    from pivotrl.gps import layout
+
+    return list(layout(tensors)[0])
+
+
+@pytest.mark.parametrize(
+    ("sizes", "bucket", "expected_buckets"),
+    [
+        pytest.param([10, 20, 30], 1024, 1, id="small-tensors-share-one-bucket"),
+        pytest.param([1000, 1000, 1000], 1024, 3, id="one-per-bucket-when-two-do-not-fit"),
+        pytest.param([5000], 1024, 5, id="large-tensor-cut-in-pieces"),
+        pytest.param([100, 5000, 100], 1024, 7, id="cut-tensor-between-small-ones"),
+        pytest.param([0, 64, 0], 100, 1, id="empty-tensors-carry-nothing"),
+        pytest.param([3], 10, 1, id="bucket-rounded-up-to-align"),
+    ],
+)
+def test_plan_buckets_cover_every_byte_once(sizes: list[int], bucket: int, expected_buckets: int) -> None:
+    entries = entries_of(sizes)
+    buckets = plan_buckets(entries, bucket)
+    assert len(buckets) == expected_buckets
+    limit = max(ALIGN, bucket // ALIGN * ALIGN)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for b in buckets:
+        assert b.end - b.start <= limit and b.start == b.pieces[0].start and b.end == b.pieces[-1].end
+        for p in b.pieces:
+            assert (p.start - b.start) % ALIGN == 0  # each piece viewable as its dtype inside the staging buffer
+            assert p.entry.offset <= p.start < p.end <= p.entry.offset + p.entry.nbytes
+            covered.setdefault(p.entry.name, []).append((p.start, p.end))
+    for e in entries:
+        spans = covered.get(e.name, [])
+        assert sum(b - a for a, b in spans) == e.nbytes, e.name
+        assert all(a2 == b1 for (_, b1), (a2, _) in zip(spans, spans[1:], strict=False))
+
+
+class Strided(torch.nn.Module):
+    """A parameter whose storage is not in row-major order: it cannot take a slice of flat bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(6, 5).t())
+        self.b = torch.nn.Parameter(torch.empty(7))
+
+
+@pytest.mark.parametrize("bucket", [64, 1000, 2**20])
+@pytest.mark.parametrize(
+    ("stored", "target", "tied"),
+    [
+        (torch.float32, torch.bfloat16, False),  # fp32 master weights into a bf16 rollout copy
+        (torch.float32, torch.bfloat16, True),
+        (torch.bfloat16, torch.float32, False),
+        (torch.float32, torch.float32, True),  # same dtype: bytes straight into the parameters
+    ],
+)
+def test_bucketed_load_equals_plain_load(bucket: int, stored: torch.dtype, target: torch.dtype, tied: bool) -> None:
+    """The path a GPU takes, run on the CPU: byte buckets, then per-tensor casts, give what ``copy_`` gives."""
+    source = tiny(0, tied).to(stored)
+    with torch.no_grad():
+        for p in source.parameters():  # values bf16 cannot hold exactly: the cast must happen, and only once
+            p.add_(torch.randn_like(p) * 1e-3)
+    store = LocalStore()
+    publish_model(store, "m", 0, source)
+    snap = store.fetch("m", 0)
+    plain, bucketed = tiny(1, tied).to(target), tiny(2, tied).to(target)
+    snap.load_into(plain, bucketed=False)
+    snap.load_into(bucketed, bucketed=True, bucket_bytes=bucket)
+    assert_same(module_tensors(bucketed), module_tensors(plain))
+    if tied:
+        assert bucketed.lm_head.weight is bucketed.model.embed_tokens.weight
+    if (stored, target) == (torch.float32, torch.bfloat16):  # a real, rounding conversion took place
+        assert not torch.equal(plain.model.norm.weight.to(stored), source.model.norm.weight)
+
+
+def test_bucketed_load_of_mixed_dtypes() -> None:
+    """A bucket holding tensors that need a cast beside tensors that do not (bf16 weights, fp32 norms)."""
+    source = tiny(0).to(torch.bfloat16)
+    source.model.norm.float()
+    for layer in source.model.layers:
+        layer.input_layernorm.float()
+    store = LocalStore()
+    publish_model(store, "m", 0, source)
+    dtypes = {e.dtype for e in store.fetch("m", 0).manifest.entries}
+    assert dtypes == {"bfloat16", "float32"}
+    for target_dtype in (torch.bfloat16, torch.float32):
+        plain, bucketed = tiny(1).to(target_dtype), tiny(2).to(target_dtype)
+        store.fetch("m", 0).load_into(plain, bucketed=False)
+        store.fetch("m", 0).load_into(bucketed, bucketed=True, bucket_bytes=4096)
+        assert_same(module_tensors(bucketed), module_tensors(plain))
+
+
+def test_bucketed_load_handles_strided_targets() -> None:
+    source, plain, bucketed = Strided(), Strided(), Strided()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.copy_(torch.randn(p.shape))
+    store = LocalStore()
+    store.publish("s", 0, module_tensors(source))
+    store.fetch("s", 0).load_into(plain, bucketed=False)
+    store.fetch("s", 0).load_into(bucketed, bucketed=True, bucket_bytes=64)
+    assert not bucketed.w.is_contiguous()
+    assert torch.equal(bucketed.w, source.w) and torch.equal(bucketed.b, source.b)
+    assert torch.equal(plain.w, source.w)
+
+
+@pytest.mark.parametrize(
+    ("address", "nbytes", "expected"),
+    [
+        (0, 3 * PAGE, (0, 3 * PAGE)),  # page-aligned, whole pages: all of it
+        (0, 3 * PAGE + 10, (0, 3 * PAGE)),  # the last partial page is left out
+        (10, 3 * PAGE, (PAGE - 10, 3 * PAGE - 10)),  # both partial pages left out
+        (10, PAGE, (0, 0)),  # no whole page inside
+        (PAGE - 1, PAGE + 1, (1, PAGE + 1)),
+    ],
+)
+def test_page_interior(address: int, nbytes: int, expected: tuple[int, int]) -> None:
+    assert page_interior(address, nbytes) == expected
+
+
+class FakeCuda:
+    """Stands in for cudaHostRegister/Unregister: records calls, refuses what it is told to."""
+
+    def __init__(self, accept: bool = True) -> None:
+        self.accept = accept
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def register(self, address: int, nbytes: int) -> bool:
+        self.calls.append(("register", address))
+        assert address % PAGE == 0 and nbytes % PAGE == 0
+        assert all(address + nbytes <= a or a + n <= address for a, n in self.registered.items()), "pages twice"
+        if self.accept:
+            self.registered[address] = nbytes
+        return self.accept
+
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", address))
+        del self.registered[address]
+
+
+def test_pins_register_once_per_buffer_and_let_go_with_the_last_user() -> None:
+    import gc
+
+    cuda = FakeCuda()
+    pins = HostPins(cuda.register, cuda.unregister)
+    raw = np.empty(6 * PAGE, dtype=np.uint8)
+    first = raw[100 : 100 + 4 * PAGE]  # a version in shared memory, not page-aligned
+    lo, hi = pins.pin(first)  # type: ignore[misc]
+    assert (first.ctypes.data + lo) % PAGE == 0 and hi - lo == 3 * PAGE
+    assert pins.pin(first) == (lo, hi)  # the same buffer again: nothing new
+    second = first[:]  # another fetch of the same object: another array over the same memory
+    assert pins.pin(second) == (lo, hi)
+    assert [c for c, _ in cuda.calls] == ["register"] and pins.registered_bytes == 3 * PAGE
+    del first
+    gc.collect()
+    assert [c for c, _ in cuda.calls] == ["register"]  # still in use by the second snapshot
+    del second
+    gc.collect()
+    assert [c for c, _ in cuda.calls] == ["register", "unregister"] and not cuda.registered
+    assert pins.registered_bytes == 0
+
+
+def test_pins_that_cuda_refuses_fall_back_to_pageable_copies(caplog: pytest.LogCaptureFixture) -> None:
+    cuda = FakeCuda(accept=False)
+    pins = HostPins(cuda.register, cuda.unregister)
+    buffers = [np.empty(3 * PAGE, dtype=np.uint8) for _ in range(2)]
+    with caplog.at_level("WARNING", logger="pivotrl"):
+        assert pins.pin(buffers[0]) is None and pins.pin(buffers[1]) is None
+    assert len([r for r in caplog.records if "page-lock" in r.message]) == 1  # said once, not per load
+    assert pins.pin(np.empty(10, dtype=np.uint8)) is None  # no whole page: nothing asked of CUDA
+    assert len(cuda.calls) == 2
+
+
+def test_without_cuda_nothing_touches_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_cuda() -> None:
+        raise AssertionError("the CUDA runtime was called on a machine without CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_cuda)
+    store = LocalStore()
+    publish_model(store, "m", 0, tiny(0))
+    snap = store.fetch("m", 0)
+    assert snap.pin() is False
+    for bucketed in (None, True, False):
+        target = tiny(1)
+        snap.load_into(target, bucketed=bucketed)
+        assert_same(module_tensors(target), snap.tensors)

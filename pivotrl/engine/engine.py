@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pivotrl.engine.kv_budget import KVBudget, KVPlan
 from pivotrl.engine.sampling import sample
 from pivotrl.model.decoder import Decoder, KVCache
 
@@ -74,20 +75,40 @@ class EngineStats:
 
 
 class Engine:
-    """Continuous-batching generator for one model on one device."""
+    """Continuous-batching generator for one model on one device.
 
-    def __init__(self, model: Decoder, max_batch: int = 64, max_len: int = 512, max_prefill_tokens: int = 8192) -> None:
+    ``max_batch`` is the most sequences asked to run at once; ``kv_budget``
+    (see :mod:`pivotrl.engine.kv_budget`) may cut the cache to fewer slots,
+    ``self.max_batch`` then being the slots it holds: the rest wait their turn.
+    """
+
+    def __init__(
+        self,
+        model: Decoder,
+        max_batch: int = 64,
+        max_len: int = 512,
+        max_prefill_tokens: int = 8192,
+        kv_budget: KVBudget | None = None,
+    ) -> None:
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.cache = KVCache(model.config, max_batch, max_len, self.dtype, self.device)
-        self.max_batch, self.max_len, self.max_prefill_tokens = max_batch, max_len, max_prefill_tokens
+        self.requested_batch, self.kv_budget = max_batch, kv_budget or KVBudget()
+        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[SeqState] = deque()
         self.running: dict[int, SeqState] = {}  # uid -> state
         self.slot_of: dict[int, int] = {}  # uid -> cache slot
         self.cached: dict[int, int] = {}  # uid -> tokens held in the cache
-        self.free_slots = list(range(max_batch - 1, -1, -1))
         self.stats = EngineStats()
+        self._allocate(max_len)
+
+    def _allocate(self, max_len: int) -> None:
+        """(Re)build the cache for sequences of ``max_len`` tokens, as many slots as the budget holds."""
+        self.plan: KVPlan = self.kv_budget.plan(self.model.config, self.dtype, max_len, self.requested_batch)
+        self.cache = None  # type: ignore[assignment]  # free the old cache before the new one takes its place
+        self.cache = KVCache(self.model.config, self.plan.slots, max_len, self.dtype, self.device)
+        self.max_batch, self.max_len = self.plan.slots, max_len
+        self.free_slots = list(range(self.max_batch - 1, -1, -1))
 
     # -- requests ---------------------------------------------------------
     def add(self, state: SeqState) -> None:
@@ -107,13 +128,13 @@ class Engine:
         self.waiting.append(state)
 
     def ensure_capacity(self, max_len: int) -> None:
-        """Grow the KV cache to hold sequences of ``max_len`` tokens (only while idle)."""
+        """Grow the KV cache to hold sequences of ``max_len`` tokens (only while idle); under a budget,
+        longer sequences mean fewer slots."""
         if max_len <= self.max_len:
             return
         if self.has_work:
             raise RuntimeError("cannot resize the KV cache while sequences are in flight")
-        self.cache = KVCache(self.model.config, self.max_batch, max_len, self.dtype, self.device)
-        self.max_len = max_len
+        self._allocate(max_len)
 
     def abort(self, uid: int) -> SeqState:
         """Take a waiting or running sequence out; returns its state for resumption elsewhere."""

@@ -9,6 +9,23 @@
 A shift releases one context and loads the next, always from the Global
 Parameter Storage (never from disk or another device). Loading checks the
 version: a context serves only the version it was loaded with.
+
+Device memory across shifts (generation contexts):
+
+* staying in rollout (a new policy version): weights and KV cache are kept
+  and the new version is copied into the same buffers (``refresh``);
+* leaving rollout or genrm: the KV cache, the engine and the weights' device
+  storage are all freed, so the next role (or another device actor sharing the
+  GPU) can take the memory; the worker then hands torch's cached blocks back to
+  the device in one place (``Worker._release``). What is kept is a
+  :class:`Skeleton`: the module tree on the meta device (no storage), the
+  tokenizer and the dtype, a few kilobytes of host memory;
+* coming back to that role: the skeleton is given fresh device storage and the
+  version is loaded into it from the GPS, so a return costs the allocation
+  plus the copy, not rebuilding the model and its tokenizer.
+
+The KV cache is sized in tokens from a memory budget (``rollout.kv_cache_gb``,
+see :mod:`pivotrl.engine.kv_budget`), once the weights are on the device.
 """
 
 from __future__ import annotations
@@ -20,7 +37,9 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from pivotrl.engine import Engine
+from pivotrl.engine.kv_budget import GB, KVBudget, auto_budget, check_fits
 from pivotrl.gps import Kind, ParameterStore, Snapshot, module_tensors
+from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
 from pivotrl.model.loader import DTYPES
 from pivotrl.sample import Sample
@@ -58,24 +77,111 @@ def build_model(snap: Snapshot, device: torch.device, dtype: torch.dtype) -> tup
 class ContextSpec:
     """How a device builds its contexts (plain values: it travels to Ray actors)."""
 
-    device: str = "cpu"
-    policy_dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda" (the device actor's own GPU)
+    policy_dtype: str = "float32"  # the trainer's copy
+    rollout_dtype: str = "float32"  # the rollout copy (policy.rollout_dtype, resolved: never "auto")
     judge_dtype: str = "float32"
     max_batch: int = 64
     max_len: int = 256  # policy sequences: prompt + response tokens
     judge_max_len: int = 512  # judge sequences: template + question + reference + response + judgment
     judge_template: str = "{response}"
+    kv_cache_bytes: int = 0  # KV-cache budget per device (rollout.kv_cache_gb); 0 = auto
+    memory_share: float = 1.0  # share of the GPU this device may use when device actors share one (gpus_per_device)
+
+
+@dataclass(slots=True)
+class Skeleton:
+    """What a released generation context leaves on its device: no device memory at all.
+
+    ``model`` is the module tree on the meta device (parameters without
+    storage, in the rollout dtype), ``tokenizer`` the parsed tokenizer.
+    """
+
+    name: str
+    model: Decoder
+    tokenizer: Tokenizer
+
+
+def _materialize(model: Decoder, device: torch.device) -> Decoder:
+    """Fresh (unset) storage on ``device`` for a skeleton's tensors; ties and the RoPE table restored."""
+    model.to_empty(device=device)
+    if model.config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = torch.tensor(model.config.inv_freq(), dtype=torch.float32, device=device)
+    return model
+
+
+def kv_budget(spec: ContextSpec, device: torch.device, weights_bytes: int) -> KVBudget:
+    """The KV-cache budget of a generation context whose weights are already on ``device``.
+
+    Explicit (``spec.kv_cache_bytes``): that many bytes, refused up front if the
+    GPU cannot hold the cache it implies (checked by the engine's caller).
+    Auto on CUDA: a fraction of what this device may still take
+    (:func:`~pivotrl.engine.kv_budget.auto_budget`), counting the blocks
+    torch's allocator caches in this process as free. Auto on a CPU: no budget.
+    """
+    explicit = spec.kv_cache_bytes > 0
+    if device.type != "cuda":
+        return KVBudget(spec.kv_cache_bytes if explicit else None, explicit, weights_bytes)
+    if explicit:
+        return KVBudget(spec.kv_cache_bytes, True, weights_bytes)
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    held = torch.cuda.memory_allocated(device)
+    return KVBudget(auto_budget(free + cached, total, held, spec.memory_share), False, weights_bytes)
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on ``device`` can take (None on a CPU: not checked)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def release_device_memory(device: str) -> None:
+    """Hand the blocks torch's CUDA allocator caches back to the device, so another process can use them.
+
+    Within one process the allocator would reuse them anyway; but device actors
+    sharing a GPU are separate processes, and the auto KV budget reads the
+    memory the device reports free. Called once per shift, after a release.
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class GenerationContext:
-    """Rollout (policy) or judge context: weights plus an engine with its KV cache."""
+    """Rollout (policy) or judge context: weights plus an engine with its KV cache.
 
-    def __init__(self, name: str, version: int, store: ParameterStore, spec: ContextSpec) -> None:
-        dtype = DTYPES[spec.policy_dtype if name == POLICY else spec.judge_dtype]
+    The policy runs in ``spec.rollout_dtype``, the judge in ``spec.judge_dtype``.
+    Given the ``skeleton`` a released context of the same model left, the model
+    is materialized from it instead of being built (see the module docstring).
+    """
+
+    def __init__(
+        self, name: str, version: int, store: ParameterStore, spec: ContextSpec, skeleton: Skeleton | None = None
+    ) -> None:
+        dtype = DTYPES[spec.rollout_dtype if name == POLICY else spec.judge_dtype]
+        device = torch.device(spec.device)
         snap = store.fetch(name, version)
         self.name, self.version, self.nbytes = name, version, snap.nbytes
-        self.model, self.tokenizer = build_model(snap, torch.device(spec.device), dtype)
-        self.engine = Engine(self.model, spec.max_batch, spec.max_len if name == POLICY else spec.judge_max_len)
+        if skeleton is not None and skeleton.name == name and next(skeleton.model.parameters()).dtype == dtype:
+            self.model, self.tokenizer = _materialize(skeleton.model, device), skeleton.tokenizer
+            snap.load_into(self.model)
+        else:
+            self.model, self.tokenizer = build_model(snap, device, dtype)
+        weights = sum(t.numel() * t.element_size() for t in module_tensors(self.model).values())
+        max_len = spec.max_len if name == POLICY else spec.judge_max_len
+        budget = kv_budget(spec, device, weights)
+        free = device_free_bytes(device)
+        if budget.explicit and free is not None:  # refuse before allocating, with the key's name, not an OOM
+            check_fits(budget.plan(self.model.config, dtype, max_len, spec.max_batch), free, weights)
+        self.engine = Engine(self.model, spec.max_batch, max_len, kv_budget=budget)
+        if self.engine.max_batch < spec.max_batch:
+            logger.info(
+                "%s: KV cache of %d sequences x %d tokens (%.3g GB) holds fewer than rollout.max_batch=%d",
+                name, self.engine.max_batch, max_len, self.engine.plan.nbytes / GB, spec.max_batch,
+            )  # fmt: skip
 
     def refresh(self, store: ParameterStore, version: int) -> int:
         """Load another version of the same model in place (the engine must be idle)."""
@@ -86,9 +192,12 @@ class GenerationContext:
         self.version = version
         return snap.nbytes
 
-    def release(self) -> None:
+    def release(self) -> Skeleton:
+        """Free the KV cache, the engine and the weights' device storage; what is left to come back with."""
         self.engine.cache = None  # type: ignore[assignment]  # drop the KV cache first, it is the largest part
+        model, tokenizer = self.model, self.tokenizer
         del self.engine, self.model
+        return Skeleton(self.name, model.to("meta"), tokenizer)
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:

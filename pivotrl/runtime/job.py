@@ -18,6 +18,7 @@ import torch
 from pivotrl.config import JobConfig, parse_split
 from pivotrl.control.controller import Controller
 from pivotrl.control.modes import AllocationPolicy, make_policy
+from pivotrl.engine.kv_budget import GB
 from pivotrl.gps import LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
@@ -48,11 +49,13 @@ def context_spec(cfg: JobConfig, problems: list[Problem] | None = None, device: 
     return ContextSpec(
         device=device,
         policy_dtype=cfg.policy.dtype,
+        rollout_dtype=cfg.policy.resolved_rollout_dtype(device),
         judge_dtype=cfg.judge.dtype,
         max_batch=cfg.rollout.max_batch,
         max_len=prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens),
         judge_max_len=judge_prompt + 2 * cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens,
         judge_template=cfg.judge.template,
+        kv_cache_bytes=int(cfg.rollout.kv_cache_gb * GB),
     )
 
 

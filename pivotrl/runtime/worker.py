@@ -45,8 +45,10 @@ from pivotrl.runtime.contexts import (
     REFERENCE,
     ContextSpec,
     GenerationContext,
+    Skeleton,
     TrainContext,
     publish_checkpoint,
+    release_device_memory,
 )
 from pivotrl.runtime.devices import node_address
 from pivotrl.runtime.dist_train import TrainGroup, listen
@@ -86,6 +88,7 @@ class Worker:
         self.device, self.store, self.spec, self.train_spec, self.origin = device, store, spec, train, origin
         self.role: Role | None = None
         self.ctx: GenerationContext | TrainContext | None = None
+        self.skeletons: dict[str, Skeleton] = {}  # generation models released here, to come back to (no memory)
         self.pending: dict[int, _Pending] = {}
         self.slices: list[Slice] = []
         self._rendezvous: dist.TCPStore | None = None  # rank 0's end of the next step's train group (``listen``)
@@ -113,15 +116,11 @@ class Worker:
         elif role is self.role and role is Role.GENRM:
             nbytes = 0
         else:
-            if self.ctx is not None:
-                if isinstance(self.ctx, TrainContext):
-                    self._save_shard(self.ctx)  # sharded train state leaves the device through the GPS
-                self.ctx.release()
-                self.ctx, self.role = None, None
+            self._release()
             if role is Role.ROLLOUT:
-                self.ctx = GenerationContext(POLICY, version, self.store, self.spec)
+                self.ctx = GenerationContext(POLICY, version, self.store, self.spec, self.skeletons.pop(POLICY, None))
             elif role is Role.GENRM:
-                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec)
+                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec, self.skeletons.pop(JUDGE, None))
             else:
                 train = self.train_spec
                 self.ctx = TrainContext(version, self.store, self.spec, train.cfg, train.temperature)
@@ -132,6 +131,20 @@ class Worker:
         self.slices.append(Slice(self.device, "shift", name, t0, t1, {"bytes": nbytes, "version": version}))
         logger.debug("device %d: shift %s v%d, %d bytes in %.3f s", self.device, name, version, nbytes, t1 - t0)
         return ShiftDone(self.device, role, version, t1 - t0, nbytes)
+
+    def _release(self) -> None:
+        """Leave the current role: its context frees its device memory (a generation context leaves its
+        skeleton behind; sharded train state goes to the GPS first), then torch's cached blocks go back to
+        the device, here and nowhere else."""
+        if self.ctx is None:
+            return
+        if isinstance(self.ctx, GenerationContext):
+            self.skeletons[self.ctx.name] = self.ctx.release()
+        else:
+            self._save_shard(self.ctx)  # sharded train state leaves the device through the GPS
+            self.ctx.release()
+        self.ctx, self.role = None, None
+        release_device_memory(self.spec.device)
 
     # -- generation -----------------------------------------------------------------
     def generate(self, cmd: Generate) -> None:
@@ -380,7 +393,7 @@ class Worker:
         ctx.pending = []
         stats, tokens, backward_s = sharded.step(cmd.total_tokens)
         ctx.version = sharded.version
-        sharded.publish_weights(store, POLICY, DTYPES[self.spec.policy_dtype], ctx.meta)
+        sharded.publish_weights(store, POLICY, DTYPES[self.spec.rollout_dtype], ctx.meta)  # what rollout runs in
         if group.rank == 0:
             sharded.free_imported(store, POLICY)
             store.retain(POLICY, self.train_spec.keep_versions, Kind.WEIGHTS)

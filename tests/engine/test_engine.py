@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pivotrl.engine import Engine, SamplingParams, SeqState
+from pivotrl.engine.kv_budget import KEY, KVBudget, KVBudgetError, bytes_per_token
 from pivotrl.model import Decoder
 from tests.conftest import tiny_config
 
@@ -412,3 +413,25 @@ def test_state_survives_copy(model, reference):
     b.add(copied)
     drain(a, b)
     assert_same({uid: copied}, {uid: reference[uid]})
+
+
+# -- a KV-cache budget ---------------------------------------------------------------
+
+
+def test_engine_under_a_budget_runs_fewer_sequences_at_once_with_the_same_tokens(model, reference) -> None:
+    budget = KVBudget(3 * MAX_LEN * bytes_per_token(model.config, torch.float32) + 5)
+    engine = Engine(model, max_batch=64, max_len=MAX_LEN, kv_budget=budget)
+    assert engine.max_batch == 3 and engine.cache.k.shape[1] == 3 and engine.cache.nbytes == engine.plan.nbytes
+    assert_same(by_uid(engine.generate(requests())), reference)
+
+
+def test_growing_the_cache_under_a_budget_trades_slots_for_length(model) -> None:
+    per_token = bytes_per_token(model.config, torch.float32)
+    engine = Engine(model, max_batch=8, max_len=32, kv_budget=KVBudget(4 * 32 * per_token))
+    assert (engine.max_batch, engine.max_len) == (4, 32)
+    engine.ensure_capacity(64)
+    assert (engine.max_batch, engine.max_len) == (2, 64) and engine.cache.k.shape[1] == 2
+    assert sorted(engine.free_slots) == [0, 1]
+    with pytest.raises(KVBudgetError, match=KEY):
+        engine.ensure_capacity(4 * 32 + 1)
+    assert (engine.max_batch, engine.max_len) == (2, 64)  # a refused resize leaves the cache as it was

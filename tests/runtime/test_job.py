@@ -3,7 +3,7 @@ from pathlib import Path
 
 from pivotrl.config import load_config
 from pivotrl.control.controller import sequence_seed
-from pivotrl.runtime.job import run_job
+from pivotrl.runtime.job import context_spec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +96,12 @@ def test_kl_to_the_initial_policy_is_trained_and_reported(tiny_checkpoints, tmp_
     run_job(small_job(tiny_checkpoints, "steps=2", "train.kl_coef=0.05"), tmp_path, progress=False)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("train_kl" in m and m["train_kl"] >= 0 for m in lines)
+
+
+def test_context_spec_carries_the_rollout_dtype_and_kv_budget():
+    cfg = load_config(None, ["policy.dtype=float32", "rollout.kv_cache_gb=2.5"])
+    on_gpu, on_cpu = context_spec(cfg, device="cuda"), context_spec(cfg)
+    assert (on_gpu.device, on_gpu.rollout_dtype, on_gpu.policy_dtype) == ("cuda", "bfloat16", "float32")
+    assert (on_cpu.device, on_cpu.rollout_dtype) == ("cpu", "float32")
+    assert on_gpu.kv_cache_bytes == on_cpu.kv_cache_bytes == 2_500_000_000
+    assert context_spec(load_config(None, [])).kv_cache_bytes == 0  # auto

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from pivotrl.control.messages import (
     Trained,
     TrainShard,
 )
+from pivotrl.engine.kv_budget import KVBudgetError, bytes_per_token
 from pivotrl.gps import Kind, LocalStore, VersionError, module_tensors, publish_optimizer
 from pivotrl.model import char_tokenizer
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, publish_checkpoint
@@ -210,6 +212,84 @@ def test_shift_rollout_to_train_releases_engine_and_kv_cache(store):
     gc.collect()
     assert isinstance(w.ctx, TrainContext) and w.ctx is not old_ctx()
     assert old_ctx() is None and engine() is None and cache() is None
+
+
+def test_leaving_a_generation_role_frees_its_memory_at_once(store):
+    """Weights and KV cache go when the shift returns, not at the next garbage collection: another role, or
+    another device actor on the same GPU, can take the memory right away. Only a storage-less skeleton stays."""
+    w = make_worker(store)
+    w.shift(Role.ROLLOUT, 0)
+    cache = weakref.ref(w.ctx.engine.cache.k)
+    weight = weakref.ref(w.ctx.model.model.layers[0].mlp.up_proj.weight)
+    gc.disable()
+    try:
+        w.shift(Role.GENRM, 0)
+        assert cache() is None and weight() is None
+    finally:
+        gc.enable()
+    skeleton = w.skeletons[POLICY]
+    assert {p.device.type for p in skeleton.model.parameters()} == {"meta"}
+
+
+@pytest.mark.parametrize("via", [Role.GENRM, Role.TRAIN], ids=label)
+def test_returning_to_a_generation_role_reloads_into_its_skeleton(store, via):
+    w = make_worker(store)
+    w.shift(Role.ROLLOUT, 0)
+    model, tokenizer = w.ctx.model, w.ctx.tokenizer
+    w.shift(via, 0)
+    w.shift(Role.ROLLOUT, 1)  # back, at another version
+    assert w.ctx.model is model and w.ctx.tokenizer is tokenizer and POLICY not in w.skeletons
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again
+    assert_holds(model, store, POLICY, 1)
+    w.generate(Generate(0, gen_requests(4), version=1))
+    fresh = make_worker(store, device=1)
+    fresh.shift(Role.ROLLOUT, 1)
+    fresh.generate(Generate(1, gen_requests(4), version=1))
+    assert [r.output_ids for r in drain(w)] == [r.output_ids for r in drain(fresh)]
+
+
+def test_rollout_runs_in_its_own_dtype(store):
+    w = Worker(0, store, replace(SPEC, rollout_dtype="bfloat16"), TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    w.shift(Role.ROLLOUT, 0)
+    assert {p.dtype for p in w.ctx.model.parameters()} == {torch.bfloat16}
+    assert w.ctx.engine.cache.k.dtype == torch.bfloat16
+    w.generate(Generate(0, gen_requests(2), version=0))
+    assert all(r.output_ids for r in drain(w))
+    w.shift(Role.GENRM, 0)
+    assert {p.dtype for p in w.ctx.model.parameters()} == {torch.float32}  # the judge keeps judge.dtype
+    w.shift(Role.TRAIN, 0)
+    assert {p.dtype for p in w.ctx.model.parameters()} == {torch.float32}  # the trainer keeps policy.dtype
+
+
+@pytest.mark.parametrize("role", [Role.ROLLOUT, Role.GENRM], ids=label)
+def test_a_kv_budget_below_one_sequence_names_its_key(store, role):
+    spec = replace(SPEC, kv_cache_bytes=1000)
+    w = Worker(0, store, spec, TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    with pytest.raises(KVBudgetError, match=r"rollout\.kv_cache_gb=1e-06 gives a KV budget"):
+        w.shift(role, 0)
+
+
+def test_a_kv_budget_limits_the_slots_of_every_generation_engine(store):
+    per_seq = bytes_per_token(tiny_model().config, torch.float32) * SPEC.judge_max_len
+    w = Worker(0, store, replace(SPEC, kv_cache_bytes=3 * per_seq), TrainSpec(TrainConfig(), 1.0), time.time())
+    w.shift(Role.GENRM, 0)
+    assert w.ctx.engine.max_batch == 3 and w.ctx.engine.cache.nbytes <= 3 * per_seq
+    w.judge(Judge(0, judge_requests(5)))  # more requests than slots: they wait their turn
+    assert len(drain(w)) == 5
+    w.shift(Role.ROLLOUT, 0)
+    assert w.ctx.engine.max_batch == min(SPEC.max_batch, 3 * SPEC.judge_max_len // SPEC.max_len)
+
+
+def test_shifts_on_a_cpu_never_touch_cuda(store, monkeypatch):
+    def no_cuda() -> None:
+        raise AssertionError("CUDA called for a CPU device")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", no_cuda)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_cuda)
+    w = make_worker(store)
+    for role in (Role.ROLLOUT, Role.GENRM, Role.TRAIN, Role.ROLLOUT):
+        w.shift(role, 0)
 
 
 def test_rollout_to_rollout_refreshes_weights_in_place(store):

@@ -1,0 +1,704 @@
+"""GPU acceptance check: what a maintainer runs on any machine with one CUDA GPU (``make gpu-check``).
+
+Under eight minutes, each section guarded (a failure is recorded, the rest
+still run), a table printed and ``benchmarks/results/gpu_check.json`` written:
+
+a. ``parity``: logits of pivotrl's decoder against transformers on the same
+   random Qwen2 checkpoint, on the GPU, in fp32 (max difference within 1e-3)
+   and bf16 (our error against the fp32 reference at most 1.5x transformers'
+   own bf16 error), plus the KV-cached path against the full forward.
+b. ``engine``: tokens/s of the native engine against ``transformers.generate``
+   on a randomly initialised Qwen2-0.5B-shaped model in bf16: 256 requests of
+   mixed prompt and response lengths, 64 at a time, greedy, the same requests
+   to both (transformers runs them in static batches of 64 in the same order;
+   only the tokens each request asked for are counted).
+c. ``gps_load``: a version of about 2 GB (the 0.5B shape in fp32) brought onto
+   the GPU by ``fetch`` + ``load_into`` from a LocalStore, into an fp32 copy
+   (bytes straight into the parameters) and a bf16 copy (cast on the GPU),
+   against a plain page-locked host-to-device copy of the same bytes (ratio,
+   GB/s); the one-off page-locking of the buffer is timed apart.
+   ``gps_load_ray``: the same from Ray's object store (shared memory mapped
+   into this process, registered at its first load).
+d. ``shifts``: wall time of ``Worker.shift`` per role pair on device "cuda"
+   with a LocalStore (0.5B-shaped policy and judge, rollout and judge in bf16),
+   and the device memory held after each shift (a role's memory is released
+   when it is left).
+e. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
+   device=cuda gpus_per_device=0.25`` in a subprocess, four device actors
+   sharing the GPU; with tiny random checkpoints and a small job when the
+   bundled models are not built (``make prepare``), which the output says.
+f. ``fsdp``: the FSDP2 trainer on one GPU (see :func:`fsdp_check`).
+
+Without CUDA it prints one line and exits 0. Nothing is downloaded. Each
+section function takes the device and its sizes, so the small versions run on
+a CPU in tests/benchmarks/test_gpu_check.py.
+
+    .venv/bin/python benchmarks/gpu_check.py                 # everything
+    .venv/bin/python benchmarks/gpu_check.py --only parity,gps_load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
+BUDGET_S = 8 * 60
+NOT_RUN = "not run"
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A Qwen2-style decoder's size (the tests use a tiny one)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool = True
+
+    def hf_config(self) -> Any:
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            intermediate_size=self.intermediate,
+            max_position_embeddings=4096,
+            tie_word_embeddings=self.tied,
+            architectures=["Qwen2ForCausalLM"],
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+
+    def model_config(self) -> Any:
+        from pivotrl.model import ModelConfig
+
+        return ModelConfig.from_hf(self.hf_config().to_dict())
+
+
+QWEN2_05B = Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)
+PARITY = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=1024, tied=False)
+TINY = Shape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=128)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(device: str, fn: Callable[[], Any]) -> float:
+    """Seconds ``fn`` takes, the device's queued work included."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def peak_memory(device: str) -> int | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+
+
+def reset_peak(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits: tiny CPU-test sizes and GPU sizes read alike in the report."""
+    return float(f"{x:.{digits}g}")
+
+
+def gb(nbytes: float | None) -> float | None:
+    return None if nbytes is None else sig(nbytes / 1e9)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a. logits parity
+
+
+def parity(device: str, shape: Shape = PARITY, rows: int = 4, length: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Our decoder against transformers on one random checkpoint, in fp32 and bf16 on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pivotrl.model import KVCache, char_tokenizer, load_model
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(shape.hf_config(), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2)  # large weights: every parameter moves the logits
+    hf = hf.float().eval()
+    ids = torch.randint(0, shape.vocab, (rows, length), generator=torch.Generator().manual_seed(seed + 1))
+    out: dict[str, Any] = {"shape": asdict(shape), "rows": rows, "length": length}
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        hf.save_pretrained(tmp)
+        char_tokenizer().save(tmp)
+        ids = ids.to(device)
+        reference = hf.to(device)(input_ids=ids).logits.float()  # transformers in fp32: the reference
+        for dtype in ("float32", "bfloat16"):
+            td = getattr(torch, dtype)
+            theirs = hf.to(device, td)(input_ids=ids).logits.float()
+            ours_model = load_model(tmp, dtype)[0].to(device)
+            ours = ours_model(ids).float()
+            cache = KVCache(ours_model.config, rows, length, td, torch.device(device))
+            zeros = torch.zeros(rows, dtype=torch.long, device=device)
+            lengths = torch.full((rows,), length, dtype=torch.long, device=device)
+            slots = torch.arange(rows, device=device)
+            cached = ours_model.forward_cached(ids, zeros, lengths, slots, cache).float()
+            row: dict[str, Any] = {
+                "max_abs_vs_transformers": float((ours - theirs).abs().max()),
+                "ours_max_abs_err": float((ours - reference).abs().max()),
+                "ours_mean_abs_err": float((ours - reference).abs().mean()),
+                "transformers_max_abs_err": float((theirs - reference).abs().max()),
+                "transformers_mean_abs_err": float((theirs - reference).abs().mean()),
+                "cached_vs_full_max_abs": float((cached - ours[:, -1]).abs().max()),
+                "logit_std": float(reference.std()),
+            }
+            if dtype == "float32":
+                row["pass"] = row["max_abs_vs_transformers"] <= 1e-3 and row["cached_vs_full_max_abs"] <= 1e-3
+            else:  # both sides round; ours must not round worse than theirs
+                row["pass"] = row["ours_mean_abs_err"] <= 1.5 * row["transformers_mean_abs_err"] + 1e-4 and row[
+                    "cached_vs_full_max_abs"
+                ] <= 0.05 * float(reference.abs().max())
+            out[dtype] = row
+            del ours_model, cache
+    out["pass"] = out["float32"]["pass"] and out["bfloat16"]["pass"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# b. engine tokens/s against transformers.generate
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    requests: int = 256
+    batch: int = 64
+    prompt: tuple[int, int] = (16, 256)  # prompt tokens, uniform in [lo, hi]
+    new: tuple[int, int] = (16, 256)  # tokens asked for per request, uniform in [lo, hi]
+    seed: int = 0
+
+    def make(self, vocab: int) -> list[tuple[list[int], int]]:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        out = []
+        for _ in range(self.requests):
+            n = int(torch.randint(self.prompt[0], self.prompt[1] + 1, (), generator=g))
+            new = int(torch.randint(self.new[0], self.new[1] + 1, (), generator=g))
+            out.append((torch.randint(1, vocab, (n,), generator=g).tolist(), new))
+        return out
+
+
+def engine_throughput(
+    device: str, shape: Shape = QWEN2_05B, work: Workload = Workload(), dtype: str = "bfloat16"
+) -> dict[str, Any]:
+    """Both generators on the same random model and the same requests; tokens/s of the tokens asked for."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pivotrl.engine import Engine, SamplingParams, SeqState
+    from pivotrl.model import Decoder
+
+    td = getattr(torch, dtype)
+    torch.manual_seed(work.seed)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=td).eval()
+    hf.generation_config.eos_token_id = None  # no stop token: every request runs to its own length
+    hf.generation_config.pad_token_id = 0
+    ours = Decoder.empty(shape.model_config(), device, td)
+    weights = hf.state_dict()
+    if shape.tied:  # whether a tied alias is listed is transformers' business; ours lists both names
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    ours.load_state_dict(weights)
+    ours.eval()
+    requests = work.make(shape.vocab)
+    max_len = work.prompt[1] + work.new[1]
+
+    def run_ours(reqs: list[tuple[list[int], int]]) -> list[list[int]]:
+        engine = Engine(ours, max_batch=work.batch, max_len=max_len)
+        states = [SeqState(i, p, i, SamplingParams(max_new_tokens=n, temperature=0.0)) for i, (p, n) in enumerate(reqs)]
+        engine.generate(states)
+        return [s.output_ids for s in states]
+
+    @torch.inference_mode()
+    def run_theirs(reqs: list[tuple[list[int], int]]) -> tuple[list[list[int]], int]:
+        outputs, computed = [], 0
+        for i in range(0, len(reqs), work.batch):
+            chunk = reqs[i : i + work.batch]
+            width, new = max(len(p) for p, _ in chunk), max(n for _, n in chunk)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
+            gen = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+            outputs += [row[width : width + n].tolist() for row, (_, n) in zip(gen, chunk, strict=True)]
+            computed += len(chunk) * new
+        return outputs, computed
+
+    warm = requests[:2]
+    run_ours([(p, 4) for p, _ in warm])
+    run_theirs([(p, 4) for p, _ in warm])
+    asked = sum(n for _, n in requests)
+    result: dict[str, Any] = {"shape": asdict(shape), "workload": asdict(work), "dtype": dtype, "tokens": asked}
+    for name, fn in (("pivotrl", run_ours), ("transformers", run_theirs)):
+        reset_peak(device)
+        got: Any = None
+
+        def call(fn: Any = fn) -> None:
+            nonlocal got
+            got = fn(requests)
+
+        seconds = timed(device, call)
+        outputs, computed = got if name == "transformers" else (got, asked)
+        assert [len(o) for o in outputs] == [n for _, n in requests], f"{name} did not generate what was asked"
+        result[name] = {
+            "seconds": sig(seconds),
+            "tokens_per_s": round(asked / seconds, 1),
+            "tokens_computed": computed,
+            "peak_gb": gb(peak_memory(device)),
+        }
+        result[f"{name}_outputs"] = outputs
+    same = sum(a == b for a, b in zip(result.pop("pivotrl_outputs"), result.pop("transformers_outputs"), strict=True))
+    result["greedy_agreement"] = sig(same / len(requests))  # informational: bf16 near-ties may differ
+    result["speedup"] = sig(result["pivotrl"]["tokens_per_s"] / result["transformers"]["tokens_per_s"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# c. GPS load against a plain page-locked copy
+
+
+def _random_state(shape: Shape, dtype: str = "float32") -> dict[str, Any]:
+    """A model's tensors on the CPU with random values, without building (and initialising) the model."""
+    import torch
+
+    from pivotrl.gps import module_tensors
+    from pivotrl.model import Decoder
+
+    with torch.device("meta"):
+        skeleton = Decoder(shape.model_config())
+    g = torch.Generator().manual_seed(0)
+    return {
+        n: torch.empty(t.shape, dtype=getattr(torch, dtype)).uniform_(-1, 1, generator=g)
+        for n, t in module_tensors(skeleton).items()
+    }
+
+
+def _load_timings(store: Any, name: str, shape: Shape, device: str, repeats: int) -> dict[str, Any]:
+    """Registration, first load and warm loads of version 0 of ``name`` into an fp32 and a bf16 copy."""
+    import torch
+
+    from pivotrl.gps_transfer import PINS
+    from pivotrl.model import Decoder
+
+    out: dict[str, Any] = {}
+    held = store.fetch(name, 0)  # held throughout, as a device holds the version it serves: registered once
+    nbytes = held.nbytes
+    t0 = time.perf_counter()
+    out["pinned"] = held.pin()
+    out["pin_seconds"] = sig(time.perf_counter() - t0)
+    out["pinned_bytes"] = PINS.registered_bytes if device.startswith("cuda") else 0
+    for dtype in ("float32", "bfloat16"):
+        target = Decoder.empty(shape.model_config(), device, getattr(torch, dtype))
+        runs = [timed(device, lambda target=target: store.fetch(name, 0).load_into(target)) for _ in range(repeats)]
+        stored = store.fetch(name, 0).tensors
+        probe = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+        ok = all(
+            torch.equal(dict(target.named_parameters())[k].cpu(), stored[k].to(getattr(torch, dtype))) for k in probe
+        )
+        med = statistics.median(runs)
+        out[dtype] = {
+            "first_s": sig(runs[0]),
+            "median_s": sig(med),
+            "gb_per_s": sig(nbytes / med / 1e9),
+            "correct": ok,
+        }
+        del target
+    del held
+    return out
+
+
+def _plain_copy(nbytes: int, device: str, repeats: int) -> dict[str, Any]:
+    """The physical limit: page-locked host bytes to the device, one copy; and the same from pageable memory."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda).fill_(1)
+    pageable = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, src in (("pinned", pinned), ("pageable", pageable)):
+        runs = [timed(device, lambda src=src: dst.copy_(src, non_blocking=cuda)) for _ in range(repeats)]
+        med = statistics.median(runs)
+        out[name] = {"median_s": sig(med), "gb_per_s": sig(nbytes / med / 1e9)}
+    return out
+
+
+def gps_load(device: str, shape: Shape = QWEN2_05B, repeats: int = 5) -> dict[str, Any]:
+    """fetch + load_into from a LocalStore against a plain page-locked copy of the same bytes."""
+    from pivotrl.gps import LocalStore
+
+    store = LocalStore()
+    store.publish("policy", 0, _random_state(shape))
+    nbytes = store.memory()["policy"]
+    out: dict[str, Any] = {"version_gb": gb(nbytes), "store": "local"}
+    out["plain_copy"] = _plain_copy(nbytes, device, repeats)
+    out |= _load_timings(store, "policy", shape, device, repeats)
+    plain = out["plain_copy"]["pinned"]["median_s"]
+    out["ratio_fp32"] = sig(plain / out["float32"]["median_s"])  # 1.0 = as fast as the plain copy
+    out["ratio_bf16"] = sig(plain / out["bfloat16"]["median_s"])
+    out["pass"] = out["float32"]["correct"] and out["bfloat16"]["correct"]
+    return out
+
+
+def gps_load_ray(device: str, shape: Shape = QWEN2_05B, repeats: int = 5) -> dict[str, Any]:
+    """The same load from Ray's object store (started here, prefaulted, just large enough)."""
+    import ray
+
+    from pivotrl.gps import RayStore
+
+    state = _random_state(shape)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=max(int(2.5 * nbytes), 256 * 2**20),
+            _system_config={"preallocate_plasma_memory": True},
+        )
+    store = RayStore.create(f"gpu-check-{os.getpid()}")
+    try:
+        store.publish("policy", 0, state)
+        del state
+        out: dict[str, Any] = {"version_gb": gb(nbytes), "store": "ray"}
+        out |= _load_timings(store, "policy", shape, device, repeats)
+        out["pass"] = out["float32"]["correct"] and out["bfloat16"]["correct"]
+        return out
+    finally:
+        store.shutdown()
+        if started:
+            ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# d. shift wall time per role pair
+
+
+def shifts(device: str, shape: Shape = QWEN2_05B, cycles: int = 2) -> dict[str, Any]:
+    """``Worker.shift`` through every role pair a step produces, on ``device``, from a LocalStore."""
+    import torch
+
+    threads = torch.get_num_threads()  # a Worker sets the process's torch threads; given back at the end
+    try:
+        return _shift_cycles(device, shape, cycles)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shift_cycles(device: str, shape: Shape, cycles: int) -> dict[str, Any]:
+    import torch
+
+    from pivotrl.control.messages import Role
+    from pivotrl.gps import LocalStore, publish_optimizer
+    from pivotrl.model import Decoder, char_tokenizer
+    from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, publish_checkpoint
+    from pivotrl.runtime.worker import TrainSpec, Worker
+    from pivotrl.train.config import TrainConfig
+    from pivotrl.train.grpo import GRPOTrainer
+
+    cuda = device.startswith("cuda")
+    store, tok = LocalStore(), char_tokenizer()
+    model = Decoder.empty(shape.model_config(), device, torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.05, 0.05)
+    publish_checkpoint(store, POLICY, 0, model, tok)
+    publish_checkpoint(store, JUDGE, 0, model, tok)
+    optimizer = GRPOTrainer(model, TrainConfig()).optimizer
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()  # AdamW state, as a device leaving train would have parked it
+    publish_checkpoint(store, POLICY, 1, model, tok)
+    publish_optimizer(store, POLICY, 1, optimizer, model)
+    del model, optimizer
+    if cuda:
+        torch.cuda.empty_cache()
+    low = "bfloat16" if cuda else "float32"
+    spec = ContextSpec(device=device, rollout_dtype=low, judge_dtype=low, max_batch=64, max_len=512, judge_max_len=512)
+    worker = Worker(0, store, spec, TrainSpec(TrainConfig(), 1.0), origin=time.time(), threads=torch.get_num_threads())
+    cycle = [
+        (Role.ROLLOUT, 0), (Role.GENRM, 0), (Role.TRAIN, 0), (Role.ROLLOUT, 0),
+        (Role.ROLLOUT, 1), (Role.TRAIN, 1), (Role.GENRM, 1), (Role.ROLLOUT, 1),
+    ]  # fmt: skip
+    pairs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(cycles):
+        for role, version in cycle:
+            before = worker.role.value if worker.role else "none"
+            reset_peak(device)
+            seconds = timed(device, lambda role=role, version=version: worker.shift(role, version))
+            done = worker.slices[-1]
+            pairs.setdefault(f"{before}->{role.value}", []).append(
+                {
+                    "seconds": sig(seconds),
+                    "worker_seconds": sig(done.end - done.start),
+                    "bytes": done.args["bytes"],
+                    "held_gb_after": gb(torch.cuda.memory_allocated()) if cuda else None,
+                    "peak_gb": gb(peak_memory(device)),
+                }
+            )
+    rows = {}
+    for pair, runs in pairs.items():
+        warm = runs[1:] or runs  # the first of each pair warms up (CUDA, allocator, kernels), when there are more
+        rows[pair] = {
+            "median_s": sig(statistics.median(r["seconds"] for r in warm)),
+            "gb": gb(warm[0]["bytes"]),
+            "held_gb_after": warm[-1]["held_gb_after"],
+            "peak_gb": max((r["peak_gb"] or 0) for r in warm) or None,
+            "runs": runs,
+        }
+    return {"shape": asdict(shape), "rollout_dtype": low, "pairs": rows}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# e. a 10-step shiftable job on 4 devices sharing the GPU
+
+
+def _tiny_checkpoints(root: Path) -> dict[str, Path]:
+    """A random policy and judge over the character tokenizer, as tests/conftest.py builds them."""
+    import torch
+
+    from pivotrl.model import Decoder, char_tokenizer, save_model
+
+    tok = char_tokenizer()
+    paths = {}
+    for name, arch, seed in (("policy", "Qwen2ForCausalLM", 0), ("judge", "LlamaForCausalLM", 1)):
+        shape = Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=tok.vocab_size)
+        cfg = replace(
+            shape.model_config(),
+            architecture=arch,
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=list(tok.eos_token_ids),
+        )
+        torch.manual_seed(seed)
+        model = Decoder(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.3)
+        save_model(model, tok, root / name)
+        paths[name] = root / name
+    return paths
+
+
+def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10) -> dict[str, Any]:
+    """``pivotrl train`` in a subprocess: four device actors on one GPU, shiftable mode."""
+    bundled = all((ROOT / "models" / m / "config.json").is_file() for m in ("policy", "judge"))
+    overrides = [f"steps={steps}", "devices=4", "mode=shiftable"]
+    if device.startswith("cuda"):
+        overrides += ["device=cuda", "gpus_per_device=0.25"]
+    if bundled:
+        models = "bundled (models/policy, models/judge)"
+    else:
+        ckpt = _tiny_checkpoints(out / "checkpoints")
+        models = "tiny random checkpoints (models/ not built: run `make prepare` for the real job)"
+        overrides += [
+            f"policy.path={ckpt['policy']}", f"judge.path={ckpt['judge']}", "rollout.prompts_per_step=8",
+            "rollout.group_size=4", "rollout.max_new_tokens=16", "judge.max_new_tokens=16", "eval.size=32",
+            "eval.max_new_tokens=16",
+        ]  # fmt: skip
+    run_dir = out / "run"
+    cmd = [sys.executable, "-m", "pivotrl.cli", "train", str(ROOT / "examples/default.yaml"), *overrides]
+    cmd += ["--out", str(run_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    seconds = time.perf_counter() - t0
+    result: dict[str, Any] = {"models": models, "command": "pivotrl " + " ".join(cmd[3:]), "seconds": sig(seconds)}
+    result["returncode"] = proc.returncode
+    if proc.returncode != 0:
+        result["stderr_tail"] = proc.stderr[-2000:]
+        result["pass"] = False
+        return result
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps_done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    for key in ("samples_per_s", "tokens_per_s", "shifts", "wall_s"):
+        if isinstance(summary.get(key), int | float):
+            result[key] = sig(summary[key])
+    result["steps"] = steps_done
+    result["pass"] = steps_done == steps
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# f. the FSDP2 trainer on one GPU
+
+
+def fsdp_check(device: str) -> dict[str, Any]:
+    """PLACEHOLDER, to be written with the FSDP2 trainer: one GPU, bf16 compute, fp32 master weights.
+
+    Until then the section records "not run" and the script carries on.
+    """
+    raise NotImplementedError("filled in by the trainer work")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# driver
+
+
+def run_section(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """One section, guarded: its result, or what went wrong; never an exception."""
+    t0 = time.perf_counter()
+    try:
+        result = fn()
+    except NotImplementedError as e:
+        return {"status": NOT_RUN, "reason": str(e), "seconds": round(time.perf_counter() - t0, 1)}
+    except Exception as e:  # a failed section is a finding; the others still run
+        return {
+            "status": "failed",
+            "error": f"{type(e).__name__}: {e}"[:2000],
+            "traceback": traceback.format_exc()[-4000:],
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+    status = "ok" if result.get("pass", True) else "failed"
+    return {"status": status, "result": result, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def headline(name: str, section: dict[str, Any]) -> str:
+    """The one line of numbers the table shows for a section."""
+    r = section.get("result")
+    if r is None:
+        return section.get("error") or section.get("reason") or ""
+    if name == "parity":
+        return (
+            f"fp32 max|d| {r['float32']['max_abs_vs_transformers']:.2e}; bf16 mean err ours "
+            f"{r['bfloat16']['ours_mean_abs_err']:.3g} vs transformers {r['bfloat16']['transformers_mean_abs_err']:.3g}"
+        )
+    if name == "engine":
+        return (
+            f"pivotrl {r['pivotrl']['tokens_per_s']:.0f} tok/s vs transformers {r['transformers']['tokens_per_s']:.0f}"
+            f" ({r['speedup']:.2f}x), greedy agreement {r['greedy_agreement']:.2f}"
+        )
+    if name.startswith("gps_load"):
+        plain = r.get("plain_copy", {}).get("pinned", {}).get("gb_per_s")
+        head = f"{r['version_gb']} GB: fp32 {r['float32']['gb_per_s']} GB/s, bf16 {r['bfloat16']['gb_per_s']} GB/s"
+        head += f", pin {r['pin_seconds']} s"
+        return head + (f"; plain pinned {plain} GB/s (ratio {r['ratio_fp32']}, {r['ratio_bf16']})" if plain else "")
+    if name == "shifts":
+        return ", ".join(f"{k} {v['median_s']:.3f}s" for k, v in r["pairs"].items())
+    if name == "job":
+        return f"{r.get('steps')} steps in {r['seconds']} s, {r.get('samples_per_s')} samples/s; models: {r['models']}"
+    return json.dumps(r)[:200]
+
+
+def print_table(sections: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{'section':<13} {'status':<8} {'s':>6}  result")
+    for name, s in sections.items():
+        print(f"{name:<13} {s['status']:<8} {s.get('seconds', 0):>6.1f}  {headline(name, s)[:300]}")
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "gpu_memory_gb": gb(props.total_memory),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "job")
+ESTIMATE_S = {"parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "job": 120}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="JSON report")
+    args = ap.parse_args(argv)
+    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--only: unknown sections {unknown}; allowed: {', '.join(SECTIONS)}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        print(f"gpu-check: no CUDA device here (torch {torch.__version__}, {built}); nothing to check")
+        return 0
+
+    start = time.perf_counter()
+    device = "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {
+        "parity": lambda: parity(device),
+        "gps_load": lambda: gps_load(device),
+        "gps_load_ray": lambda: gps_load_ray(device),
+        "shifts": lambda: shifts(device),
+        "engine": lambda: engine_throughput(device),
+        "fsdp": lambda: fsdp_check(device),
+    }
+    sections: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in wanted:
+            left = BUDGET_S - (time.perf_counter() - start)
+            if name == "job":
+                fn: Callable[[], dict[str, Any]] = lambda left=left: job(device, Path(tmp), max(30.0, left - 20))
+            else:
+                fn = jobs[name]
+            if left < ESTIMATE_S[name] / 2:
+                sections[name] = {"status": "skipped", "reason": f"{left:.0f} s of the 8-minute budget left"}
+                continue
+            print(f"gpu-check: {name} ...", flush=True)
+            sections[name] = run_section(name, fn)
+            torch.cuda.empty_cache()
+    total = time.perf_counter() - start
+    print_table(sections)
+    report = {"machine": machine(), "total_seconds": round(total, 1), "sections": sections}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} ({total:.0f} s)")
+    return 1 if any(s["status"] == "failed" for s in sections.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
