@@ -42,14 +42,16 @@ def test_unknown_section_is_refused() -> None:
     assert info.value.code == 2
 
 
-def test_a_failing_section_is_recorded_and_a_placeholder_is_not_run() -> None:
+def test_a_failing_section_is_recorded_and_one_that_cannot_run_is_not_run() -> None:
     def broken() -> dict:
         raise RuntimeError("out of memory")
 
     failed = gpu_check.run_section("x", broken)
     assert failed["status"] == "failed" and "RuntimeError: out of memory" in failed["error"]
     assert "broken" in failed["traceback"]
-    assert gpu_check.run_section("fsdp", lambda: gpu_check.fsdp_check("cpu"))["status"] == gpu_check.NOT_RUN
+    assert gpu_check.run_section("n", lambda: (_ for _ in ()).throw(NotImplementedError("later")))["status"] == (
+        gpu_check.NOT_RUN
+    )
     assert gpu_check.run_section("y", lambda: {"pass": False})["status"] == "failed"  # a check that did not hold
     assert gpu_check.run_section("z", lambda: {"pass": True, "n": 1}) == {
         "status": "ok",
@@ -91,3 +93,9 @@ def test_shifts_section_on_cpu() -> None:
     assert expected | {"rollout->train", "train->genrm", "genrm->rollout"} == set(pairs)
     assert all(p["median_s"] > 0 and p["gb"] > 0 for p in pairs.values())
     assert pairs["rollout->train"]["gb"] > pairs["rollout->rollout"]["gb"]  # v1 train brings its AdamW state too
+
+
+def test_fsdp_section_on_cpu() -> None:
+    r = gpu_check.fsdp_check("cpu", gpu_check.TINY, sequences=4, length=32)
+    assert r["pass"] and r["fp32_max_abs_vs_plain"] < 1e-5 and r["tokens_per_s"] > 0
+    assert "bf16 step" in gpu_check.headline("fsdp", {"result": r})
