@@ -322,3 +322,23 @@ def test_transformers_loads_saved_model(checkpoint, tmp_path):
     assert type(theirs).__name__ == model.config.architecture
     ids = token_batch()
     assert max_diff(hf_logits(theirs, ids), model(ids)) <= TOL
+
+
+def test_chunked_logprobs_equal_the_full_computation_in_values_and_gradients():
+    """Log-probs scored chunk by chunk (with recomputation in backward) equal log_softmax over full logits."""
+    from pivotrl.model.decoder import chunked_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (11,))
+    full = torch.log_softmax((hidden @ weight.T) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (g_full_h, g_full_w) = torch.autograd.grad((full * torch.arange(11.0)).sum(), (hidden, weight))
+    for chunk in (1, 3, 11, 64):
+        got = chunked_logprobs(hidden, weight, targets, 0.7, chunk)
+        torch.testing.assert_close(got, full, rtol=1e-6, atol=1e-5)  # logsumexp vs log_softmax: float rounding
+        g_h, g_w = torch.autograd.grad((got * torch.arange(11.0)).sum(), (hidden, weight))
+        torch.testing.assert_close(g_h, g_full_h, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_w, g_full_w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        chunked_logprobs(hidden, weight, targets, 1.0, 0)
