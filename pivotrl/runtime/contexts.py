@@ -125,10 +125,11 @@ def kv_budget(spec: ContextSpec, device: torch.device, weights_bytes: int) -> KV
         return KVBudget(spec.kv_cache_bytes if explicit else None, explicit, weights_bytes)
     if explicit:
         return KVBudget(spec.kv_cache_bytes, True, weights_bytes)
-    free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    _, total = torch.cuda.mem_get_info(device)
+    free = device_free_bytes(device)
+    assert free is not None
     held = torch.cuda.memory_allocated(device)
-    return KVBudget(auto_budget(free + cached, total, held, spec.memory_share), False, weights_bytes)
+    return KVBudget(auto_budget(free, total, held, spec.memory_share), False, weights_bytes)
 
 
 def device_free_bytes(device: torch.device) -> int | None:

@@ -13,15 +13,17 @@ rank then runs the same ``GRPOTrainer.step(total_tokens)`` (divide, clip by
 global norm, AdamW) on identical gradients and identical optimizer state, so
 the replicas stay identical without ever exchanging weights.
 
-Layout: plain replicated data parallelism. Every train device holds the full
-weights and the full AdamW state. ZeRO-style sharding of optimizer state (and
-gradients) over the group is future work; it would make a membership change
-re-shard state through the GPS instead of copying it whole.
+Layout: plain replicated data parallelism (``train.backend=replicated``). Every
+train device holds the full weights and the full AdamW state; the sharded
+alternative, for models a device cannot hold whole, is
+:mod:`pivotrl.runtime.sharded` (FSDP2), which uses the same :class:`TrainGroup`.
 
 Membership. A :class:`TrainGroup` is one *membership epoch*: the ranks that
-train one step (or several, while the membership holds). Between epochs the
-group is left and a new one joined (on a fresh port); a process may do this any
-number of times (checked with gloo: destroy then re-init in the same process).
+train while the set of train devices holds, over as many steps as it does
+(the drivers keep it; see :mod:`pivotrl.runtime.groups`). When the set
+changes the group is left and a new one joined (on a fresh port); a process
+may do this any number of times (checked with gloo: destroy then re-init in
+the same process).
 A device that newly takes the train role first loads the policy weights and
 optimizer state of the current version from the GPS
 (:meth:`ElasticTrainer.import_state`), published by one of the previous train
@@ -111,7 +113,7 @@ class TrainGroup:
         self.device = device
         self.backend = backend
         self.address = address
-        self._joined = world_size > 1
+        self._joined = False  # a process group is made (join sets it) for several ranks, or one if asked
 
     @classmethod
     def join(
@@ -147,19 +149,11 @@ class TrainGroup:
             raise ValueError(f"store: only rank 0 brings the end it listens on, got one for rank {rank}")
         if world_size == 1 and not process_group:
             return cls(0, 1, device, backend, None)
-        if world_size == 1:
-            if dist.is_initialized():
-                raise RuntimeError("this process is already in a train group (or another process group); leave() it")
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            group = cls(0, 1, device, backend, "local")
-            group._joined = True
-            return group
-        if store is not None:
-            master_port = store.port
-        if not isinstance(master_port, int) or not 0 < master_port < 65536:
-            raise ValueError(f"master_port must be an int in [1, 65535] when world_size > 1, got {master_port!r}")
+        if world_size > 1:
+            if store is not None:
+                master_port = store.port
+            if not isinstance(master_port, int) or not 0 < master_port < 65536:
+                raise ValueError(f"master_port must be an int in [1, 65535] when world_size > 1, got {master_port!r}")
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this torch build")
         if dist.is_initialized():
@@ -168,16 +162,21 @@ class TrainGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             kwargs["device_id"] = device  # bind the communicator to this GPU now, not at the first collective
-        address = f"tcp://{master_addr}:{master_port}"
-        logger.info("train group: rank %d/%d waiting for the others at %s (%s)", rank, world_size, address, backend)
-        start = time.perf_counter()
         timeout = timedelta(seconds=timeout_s)
-        if store is None:  # rank 0 listens now, the others connect (retrying until it does)
-            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                                  wait_for_workers=False)  # fmt: skip
+        if world_size == 1:  # a group of one meets nobody: an in-process store
+            address, store = "local", dist.HashStore()
+        else:
+            address = f"tcp://{master_addr}:{master_port}"
+            logger.info("train group: rank %d/%d waiting for the others at %s (%s)", rank, world_size, address, backend)
+            if store is None:  # rank 0 listens now, the others connect (retrying until it does)
+                store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                                      wait_for_workers=False)  # fmt: skip
+        start = time.perf_counter()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         logger.info("train group: rank %d/%d joined in %.2f s", rank, world_size, time.perf_counter() - start)
-        return cls(rank, world_size, device, backend, address)
+        group = cls(rank, world_size, device, backend, address)
+        group._joined = True
+        return group
 
     @property
     def active(self) -> bool:

@@ -56,6 +56,7 @@ def context_spec(cfg: JobConfig, problems: list[Problem] | None = None, device: 
         judge_max_len=judge_prompt + 2 * cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens,
         judge_template=cfg.judge.template,
         kv_cache_bytes=int(cfg.rollout.kv_cache_gb * GB),
+        memory_share=cfg.gpus_per_device,  # devices sharing a GPU size their caches from their share of it
     )
 
 

@@ -1,7 +1,7 @@
 """Ray driver: one actor per device, each a ``Worker`` with its own torch.
 
 The embedded default starts a local Ray instance of its own (no dashboard,
-loopback only), whatever else runs on the machine; ``ray_address`` joins an
+token auth), whatever else runs on the machine; ``ray_address`` joins an
 existing cluster instead (``ray start --head`` then ``--ray-address auto``).
 Each device actor holds one bundle of a placement group packed per node (a
 GPU share when devices are cuda; see ``pivotrl.runtime.devices``). Weights

@@ -202,12 +202,11 @@ class ShardedTrainer:
         snaps = [store.fetch(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER) for r in range(world_size)]
         spans = [(s, {n: row_range(rows, r, world_size) for n, rows in s.manifest.meta["rows"].items()})
                  for r, s in enumerate(snaps)]  # fmt: skip
-        start_of = self.rank
         state = self.trainer.optimizer.state
         nbytes = 0
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                a, b = row_range(p.shape[0], start_of, self.group.world_size)
+                a, b = row_range(p.shape[0], self.rank, self.group.world_size)
                 targets = {"param": _local(p)}
                 step = snaps[0].manifest.meta["step"].get(name)
                 if step is not None:

@@ -307,9 +307,7 @@ class Worker:
         if isinstance(self.ctx, TrainContext):
             self._save_shard(self.ctx)
             self.ctx.sharded = None  # its shards belong to the old group's mesh
-        if self.group is not None:
-            self.group.leave()
-        self.group, self.group_devices = None, ()
+        self.close()
 
     def close(self) -> None:
         """Leave the train group, if any (end of the run)."""

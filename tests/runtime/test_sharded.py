@@ -24,7 +24,16 @@ from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_na
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
 from tests.conftest import tiny_config
-from tests.runtime.test_dist_train import Batch, batch_tokens, free_ports, local_share, make_batch, max_diff
+from tests.runtime.test_dist_train import (
+    STAT_KEYS,
+    Batch,
+    batch_tokens,
+    free_ports,
+    local_share,
+    make_batch,
+    max_diff,
+)
+from tests.runtime.test_dist_train import assert_same_stats as same_stats
 
 MODEL = "policy"
 CFG = TrainConfig(micro_batch=5, micro_batch_tokens=40, grad_clip=0.5)  # cuts by count and by tokens; clip active
@@ -53,17 +62,24 @@ class FileStore:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def put(self, store: LocalStore, name: str, version: int) -> None:
-        snap = store.fetch(name, version, Kind.OPTIMIZER)
+    def export(self, trainer: ShardedTrainer) -> None:
+        """Write this rank's shard of the trainer's version (it exists once the next group has met)."""
+        local = LocalStore()
+        trainer.export_shard(local, MODEL)
+        name, version = shard_name(MODEL, trainer.rank, trainer.group.world_size), trainer.version
+        snap = local.fetch(name, version, Kind.OPTIMIZER)
         tmp = self.root / f"{name}.v{version}.tmp"
         tmp.write_bytes(pickle.dumps((snap.manifest, snap.buffer)))
         tmp.rename(self.root / f"{name}.v{version}")
 
-    def get(self, name: str, version: int) -> LocalStore:
+    def shards(self, world: int, version: int) -> LocalStore:
+        """A store holding every shard a group of ``world`` wrote for ``version``."""
         store = LocalStore()
-        manifest, buffer = pickle.loads((self.root / f"{name}.v{version}").read_bytes())
-        snap = Snapshot.of(manifest, buffer)
-        store.publish(name, version, snap.tensors, Kind.OPTIMIZER, manifest.meta)
+        for r in range(world):
+            name = shard_name(MODEL, r, world)
+            manifest, buffer = pickle.loads((self.root / f"{name}.v{version}").read_bytes())
+            snap = Snapshot.of(manifest, buffer)
+            store.publish(name, version, snap.tensors, Kind.OPTIMIZER, manifest.meta)
         return store
 
 
@@ -119,32 +135,18 @@ def _worker(rank: int, ports: list[int], batches: list[Batch], out_dir: str) -> 
             trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
             trainer.load_weights(weights(initial()))
             stats.append(_step(trainer, batches[0]))
-            local = LocalStore()
-            trainer.export_shard(local, MODEL)
-            files.put(local, shard_name(MODEL, rank, 2), 1)  # before the next group meets: it exists once all have
-    with _group(rank, 3, ports[6]) as group:
-        trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
-        shared = LocalStore()
-        for r in range(2):
-            name = shard_name(MODEL, r, 2)
-            snap = files.get(name, 1).fetch(name, 1, Kind.OPTIMIZER)
-            shared.publish(name, 1, snap.tensors, Kind.OPTIMIZER, snap.manifest.meta)
-        trainer.import_shards(shared, MODEL, 1, 2)
-        stats.append(_step(trainer, batches[1]))
-        local = LocalStore()
-        trainer.export_shard(local, MODEL)
-        files.put(local, shard_name(MODEL, rank, 3), 2)
-    if rank < 2:
-        with _group(rank, 2, ports[7]) as group:
+            files.export(trainer)
+    for world, old_world, version, port, batch in ((3, 2, 1, ports[6], batches[1]), (2, 3, 2, ports[7], batches[2])):
+        if rank >= world:
+            continue
+        with _group(rank, world, port) as group:
             trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
-            shared = LocalStore()
-            for r in range(3):
-                name = shard_name(MODEL, r, 3)
-                snap = files.get(name, 2).fetch(name, 2, Kind.OPTIMIZER)
-                shared.publish(name, 2, snap.tensors, Kind.OPTIMIZER, snap.manifest.meta)
-            trainer.import_shards(shared, MODEL, 2, 3)
-            stats.append(_step(trainer, batches[2]))
-            save("member", trainer, stats)
+            trainer.import_shards(files.shards(old_world, version), MODEL, version, old_world)
+            stats.append(_step(trainer, batch))
+            if world == 3:
+                files.export(trainer)
+            else:
+                save("member", trainer, stats)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +169,7 @@ def one_device(batches: list[Batch], cfg: TrainConfig = CFG, tied: bool = False)
 
 
 def assert_same_stats(got: dict[str, float], want: dict[str, float]) -> None:
-    for key in ("tokens", "loss", "pg_loss", "clip_frac", "grad_norm", "ratio_max", "ratio_min"):
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    same_stats(got, want, STAT_KEYS)  # (the plain trainer reports no version)
 
 
 def load(runs: Path, name: str) -> dict:
