@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pivotrl.runtime.devices import LOOPBACK
+
 
 class TrainGroups:
     """The group that stepped last, and the size of the group whose train state the GPS holds."""
@@ -37,7 +39,7 @@ class TrainGroups:
             return None, []
         after = [retire(d) for d in self.devices]
         if len(devices) == 1:
-            return ("127.0.0.1", 0), after
+            return (LOOPBACK, 0), after  # a group of one meets nobody
         if listen is None:
             raise ValueError(f"a train group of {len(devices)} devices needs a driver that can rendezvous")
         return listen(devices[0], len(devices)), after

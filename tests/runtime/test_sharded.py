@@ -11,6 +11,7 @@ process, within 1e-5 in fp32.
 from __future__ import annotations
 
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
-from pivotrl.runtime.dist_train import TrainGroup
+from pivotrl.runtime.dist_train import TrainGroup, listen
 from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_name
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
@@ -28,7 +29,6 @@ from tests.runtime.test_dist_train import (
     STAT_KEYS,
     Batch,
     batch_tokens,
-    free_ports,
     local_share,
     make_batch,
     max_diff,
@@ -83,7 +83,21 @@ class FileStore:
         return store
 
 
-def _group(rank: int, world: int, port: int) -> TrainGroup:
+def _group(rank: int, world: int, name: str, out: Path) -> TrainGroup:
+    """Rank 0 listens on a port the system picks and tells it through a file (the driver's part in the
+    runtime); a port found free beforehand could be taken by any other socket in between."""
+    if world == 1:
+        return TrainGroup.join(0, 1, device="cpu", process_group=True)
+    told = out / f"{name}.port"
+    if rank == 0:
+        store = listen(world, timeout_s=TIMEOUT_S)
+        told.with_suffix(".tmp").write_text(str(store.port))
+        told.with_suffix(".tmp").rename(told)
+        return TrainGroup.join(0, world, device="cpu", timeout_s=TIMEOUT_S, store=store, process_group=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not told.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    port = int(told.read_text())
     return TrainGroup.join(rank, world, master_port=port, device="cpu", timeout_s=TIMEOUT_S, process_group=True)
 
 
@@ -102,7 +116,7 @@ def _published(trainer: ShardedTrainer) -> dict[str, torch.Tensor]:
     return store.fetch(MODEL, trainer.version).state_dict(copy=True)
 
 
-def _worker(rank: int, ports: list[int], batches: list[Batch], out_dir: str) -> None:
+def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
     torch.set_num_threads(1)
     out = Path(out_dir)
     files = FileStore(out)
@@ -111,10 +125,10 @@ def _worker(rank: int, ports: list[int], batches: list[Batch], out_dir: str) -> 
         state = _published(trainer)  # a collective: every rank of the group takes part
         torch.save({"state": state, "stats": stats}, out / f"{name}.{rank}.pt")
 
-    def run(name: str, world: int, port: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False) -> None:
+    def run(name: str, world: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False) -> None:
         if rank >= world:
             return
-        with _group(rank, world, port) as group:
+        with _group(rank, world, name, out) as group:
             ref = weights(initial(tied)) if cfg.kl_coef > 0 else None
             dtype = torch.bfloat16 if bf16 else torch.float32
             trainer = ShardedTrainer(group, tiny_config(tied=tied), cfg, 1.0, 0, dtype, ref)
@@ -122,24 +136,24 @@ def _worker(rank: int, ports: list[int], batches: list[Batch], out_dir: str) -> 
             stats = [_step(trainer, b) for b in batches[:2]]
             save(name, trainer, stats)
 
-    run("w1", 1, ports[0], CFG)
-    run("w2", 2, ports[1], CFG)
-    run("w3", 3, ports[2], CFG, tied=True)
-    run("kl", 2, ports[3], KL)
-    run("bf16", 2, ports[4], CFG, bf16=True)
+    run("w1", 1, CFG)
+    run("w2", 2, CFG)
+    run("w3", 3, CFG, tied=True)
+    run("kl", 2, KL)
+    run("bf16", 2, CFG, bf16=True)
 
     # membership: 2 ranks step v0 -> v1, write shards; 3 ranks read them and step v1 -> v2; 2 ranks again for v3
     stats: list[dict[str, float]] = []
     if rank < 2:
-        with _group(rank, 2, ports[5]) as group:
+        with _group(rank, 2, "member-v0", out) as group:
             trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
             trainer.load_weights(weights(initial()))
             stats.append(_step(trainer, batches[0]))
             files.export(trainer)
-    for world, old_world, version, port, batch in ((3, 2, 1, ports[6], batches[1]), (2, 3, 2, ports[7], batches[2])):
+    for world, old_world, version, batch in ((3, 2, 1, batches[1]), (2, 3, 2, batches[2])):
         if rank >= world:
             continue
-        with _group(rank, world, port) as group:
+        with _group(rank, world, f"member-v{version}", out) as group:
             trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
             trainer.import_shards(files.shards(old_world, version), MODEL, version, old_world)
             stats.append(_step(trainer, batch))
@@ -157,7 +171,7 @@ def batches() -> list[Batch]:
 @pytest.fixture(scope="module")
 def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
-    mp.spawn(_worker, args=(free_ports(8), batches, str(out)), nprocs=3, join=True)
+    mp.spawn(_worker, args=(batches, str(out)), nprocs=3, join=True)
     return out
 
 
