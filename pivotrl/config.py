@@ -39,6 +39,8 @@ Mode = Literal["colocated", "disaggregated", "shiftable"]
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cuda", "cpu"]
 RolloutDtype = Literal["auto", "float32", "bfloat16"]
+Backend = Literal["native", "vllm"]
+Audit = Literal["auto", "on", "off"]  # generation backend: pivotrl's engine or vLLM (see docs/backends.md)
 
 
 class ConfigError(ValueError):
@@ -127,6 +129,7 @@ class JudgeConfig:
     fallback_reward: float = 0.0  # reward when no verdict parses or the label is not in rewards
     max_new_tokens: int = 48  # judge generation budget per response
     temperature: float = 0.0  # judge sampling temperature; 0 = greedy
+    backend: Backend = "native"  # generation backend of the judge: native | vllm
 
     def __post_init__(self) -> None:
         _check_template("template", self.template, ("question", "reference", "response"), "response")
@@ -159,6 +162,10 @@ class RolloutConfig:
     max_batch: int = 64  # engine slots (concurrent sequences) per device
     kv_cache_gb: float = 0.0  # KV-cache budget per device (10^9 bytes, rollout and judge engines); 0 = auto
     rebalance: bool = True  # once no sequence is queued, even out those in flight over the rollout devices
+    backend: Backend = "native"  # generation backend of the policy: native | vllm
+    # regenerate each migrated sequence from scratch beside it and count identical tokens (summary.json);
+    # auto: with the vLLM backend, whose kernels are not batch-invariant (the native engine's migration is exact)
+    audit_migrations: Audit = "auto"
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "prompts_per_step", "max_new_tokens", "max_batch")

@@ -69,7 +69,12 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
     tokens = sum(m["response_tokens"] + m["judge_tokens"] for m in ctl.metrics)
     agree = sum(m["judge_agreement"] for m in ctl.metrics) / len(ctl.metrics)
     busy: dict[str, float] = {}
+    audit = {"checked": 0, "identical": 0, "dropped": 0}
     for s in slices:
+        if s.role == "audit":  # the migration audit's counts, not time
+            for k in audit:
+                audit[k] += int(s.args.get(k, 0))
+            continue
         busy[s.role] = busy.get(s.role, 0.0) + s.end - s.start
     capacity = max(wall, 1e-9) * cfg.devices
     shift_s = [e.seconds for e in ctl.shift_log]
@@ -91,6 +96,9 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
         "device_idle_fraction": max(0.0, 1.0 - sum(busy.values()) / capacity),
         "shifts": len(shift_s),
         "migrations": sum(m["migrations"] for m in ctl.metrics),
+        # migrated sequences regenerated unmigrated beside them (rollout.audit_migrations): how many compared,
+        # the share with identical tokens, and how many copies a shift stopped before they finished
+        "migration_audit": audit | {"identical_share": audit["identical"] / max(audit["checked"], 1)},
         "shift_seconds": {"mean": sum(shift_s) / len(shift_s), "max": max(shift_s)}
         if shift_s
         else {"mean": 0, "max": 0},

@@ -27,17 +27,19 @@ def tiny_config(
     tied: bool = False,
     bos: int | None = None,
     eos: list[int] | None = None,
+    head_dim: int = 8,
 ) -> ModelConfig:
-    """The one tiny architecture the tests build models from (2 layers, GQA 4:2, head_dim 8)."""
+    """The one tiny architecture the tests build models from (2 layers, GQA 4:2, head_dim 8; vLLM's CPU
+    attention needs head_dim >= 32)."""
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         qkv_bias=arch == "Qwen2ForCausalLM",
         tie_word_embeddings=tied,
         bos_token_id=bos,
@@ -45,16 +47,18 @@ def tiny_config(
     )
 
 
-def tiny_model(arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Decoder:
+def tiny_model(arch: str = "Qwen2ForCausalLM", seed: int = 0, head_dim: int = 8, std: float = 0.3) -> Decoder:
     """A random model over the character tokenizer, with weights large enough that outputs vary."""
     tok = char_tokenizer()
-    cfg = tiny_config(arch, tok.vocab_size, tied=True, bos=tok.bos_token_id, eos=list(tok.eos_token_ids))
+    cfg = tiny_config(
+        arch, tok.vocab_size, tied=True, bos=tok.bos_token_id, eos=list(tok.eos_token_ids), head_dim=head_dim
+    )
     torch.manual_seed(seed)
     model = Decoder(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.3)
+                p.normal_(0.0, std)
     return model.eval()
 
 

@@ -703,8 +703,13 @@ class Controller:
             "shifts": rec.shifts,
             "migrations": rec.migrations,
             "shift_seconds": rec.shift_seconds,
-            **{f"train_{k}": v for k, v in rec.train_stats.items()},
+            **{f"train_{k}": v for k, v in rec.train_stats.items() if k != MISMATCH},
+            # mean |trainer - engine| log-prob of the step's response tokens (the engine's numerical drift)
+            **({MISMATCH: rec.train_stats[MISMATCH]} if MISMATCH in rec.train_stats else {}),
         }
+
+
+MISMATCH = "logprob_mismatch"
 
 
 def phase_times(rec: StepRecord) -> dict[str, float]:

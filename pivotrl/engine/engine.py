@@ -15,13 +15,19 @@ as an uninterrupted run.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pivotrl.engine.kv_budget import KVBudget, KVPlan
 from pivotrl.engine.sampling import sample
 from pivotrl.model.decoder import Decoder, KVCache
+
+if TYPE_CHECKING:
+    from pivotrl.engine.protocol import SliceReport
+    from pivotrl.gps import Snapshot
 
 
 @dataclass(slots=True, frozen=True)
@@ -179,6 +185,43 @@ class Engine:
         while self.has_work:
             self.step()
         return states
+
+    def run(self, seconds: float, clock: Callable[[], float]) -> SliceReport:
+        """At least one step, then more until ``seconds`` of ``clock`` have passed.
+
+        Prefill steps are timed apart from decode steps: their rate prices a
+        migration's re-prefill.
+        """
+        from pivotrl.engine.protocol import SliceReport
+
+        stats = self.stats
+        report = SliceReport(running=self.load)
+        before, kv0, t0 = stats.generated_tokens, stats.kv_read_tokens, clock()
+        while self.has_work:
+            p0, s0 = stats.prefill_tokens, clock()
+            report.finished += self.step()
+            if stats.prefill_tokens != p0:
+                report.prefill_tokens += stats.prefill_tokens - p0
+                report.prefill_s += clock() - s0
+            else:
+                report.steps += 1
+            if clock() - t0 >= seconds:
+                break
+        report.tokens, report.kv = stats.generated_tokens - before, stats.kv_read_tokens - kv0
+        report.progress = tuple((s.uid, len(s.output_ids)) for s in self.running.values())
+        return report
+
+    def load_weights(self, snap: Snapshot) -> None:
+        """Copy a GPS version into the model in place (strict; see ``Snapshot.load_into``)."""
+        if self.has_work:
+            raise RuntimeError("cannot change weights while sequences are in flight")
+        snap.load_into(self.model)
+
+    def sleep(self) -> None:
+        """Nothing to do: the native engine's memory is freed by its context (see ``GenerationContext``)."""
+
+    def wake(self) -> None:
+        """See :meth:`sleep`."""
 
     def _admit(self) -> list[SeqState]:
         admitted: list[SeqState] = []

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pivotrl.engine import Engine
 from pivotrl.engine.kv_budget import GB, KVBudget, auto_budget, check_fits
+from pivotrl.engine.protocol import GenerationEngine
 from pivotrl.gps import Kind, ParameterStore, Snapshot, module_tensors
 from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
@@ -64,13 +65,16 @@ def publish_checkpoint(store: ParameterStore, name: str, version: int, model: De
     return store.publish(name, version, module_tensors(model), Kind.WEIGHTS, checkpoint_meta(model, tokenizer)).nbytes
 
 
+def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    return Tokenizer(HFTokenizer.from_str(meta["tokenizer"]), list(meta["eos"]), meta["pad"], meta["bos"])
+
+
 def build_model(snap: Snapshot, device: torch.device, dtype: torch.dtype) -> tuple[Decoder, Tokenizer]:
     """A model and tokenizer rebuilt from a GPS snapshot (weights copied onto ``device``)."""
     meta = snap.manifest.meta
     model = Decoder.empty(ModelConfig.from_hf(meta["config"]), device, dtype)
     snap.load_into(model)
-    tok = Tokenizer(HFTokenizer.from_str(meta["tokenizer"]), list(meta["eos"]), meta["pad"], meta["bos"])
-    return model.eval(), tok
+    return model.eval(), _tokenizer(meta)
 
 
 @dataclass(slots=True)
@@ -87,6 +91,12 @@ class ContextSpec:
     judge_template: str = "{response}"
     kv_cache_bytes: int = 0  # KV-cache budget per device (rollout.kv_cache_gb); 0 = auto
     memory_share: float = 1.0  # share of the GPU this device may use when device actors share one (gpus_per_device)
+    rollout_backend: str = "native"  # generation backend of the policy (rollout.backend): native | vllm
+    judge_backend: str = "native"  # generation backend of the judge (judge.backend)
+    audit_migrations: bool = False  # generate each resumed sequence unmigrated beside it and compare (rollout.*)
+
+    def backend(self, name: str) -> str:
+        return self.rollout_backend if name == POLICY else self.judge_backend
 
 
 @dataclass(slots=True)
@@ -152,50 +162,78 @@ def release_device_memory(device: str) -> None:
 
 
 class GenerationContext:
-    """Rollout (policy) or judge context: weights plus an engine with its KV cache.
+    """Rollout (policy) or judge context: a generation engine holding version ``version`` of the model.
 
-    The policy runs in ``spec.rollout_dtype``, the judge in ``spec.judge_dtype``.
-    Given the ``skeleton`` a released context of the same model left, the model
-    is materialized from it instead of being built (see the module docstring).
+    The policy runs in ``spec.rollout_dtype``, the judge in ``spec.judge_dtype``,
+    on the backend ``spec.backend(name)``. ``kept`` is what a released context
+    of the same model left on this device: for the native engine a
+    :class:`Skeleton` (the model is materialized from it instead of being
+    built, see the module docstring); for vLLM the engine itself, asleep,
+    woken here and given the version.
     """
 
     def __init__(
-        self, name: str, version: int, store: ParameterStore, spec: ContextSpec, skeleton: Skeleton | None = None
+        self, name: str, version: int, store: ParameterStore, spec: ContextSpec, kept: Skeleton | Any = None
     ) -> None:
         dtype = DTYPES[spec.rollout_dtype if name == POLICY else spec.judge_dtype]
         device = torch.device(spec.device)
         snap = store.fetch(name, version)
-        self.name, self.version, self.nbytes = name, version, snap.nbytes
-        if skeleton is not None and skeleton.name == name and next(skeleton.model.parameters()).dtype == dtype:
-            self.model, self.tokenizer = _materialize(skeleton.model, device), skeleton.tokenizer
+        self.name, self.version, self.nbytes, self.backend = name, version, snap.nbytes, spec.backend(name)
+        max_len = spec.max_len if name == POLICY else spec.judge_max_len
+        meta = snap.manifest.meta
+        if self.backend == "vllm":
+            from pivotrl.engine.vllm_engine import VllmEngine
+
+            self.tokenizer = _tokenizer(meta)
+            if isinstance(kept, VllmEngine) and kept.dtype == dtype:
+                kept.wake()
+                kept.ensure_capacity(max_len)
+                kept.load_weights(snap)
+                self.engine: GenerationEngine = kept
+            else:
+                config = ModelConfig.from_hf(meta["config"])
+                self.engine = VllmEngine(
+                    config, dtype, device, spec.max_batch, max_len, spec.kv_cache_bytes, spec.memory_share, snap
+                )
+            return
+        if isinstance(kept, Skeleton) and kept.name == name and next(kept.model.parameters()).dtype == dtype:
+            self.model, self.tokenizer = _materialize(kept.model, device), kept.tokenizer
             snap.load_into(self.model)
         else:
             self.model, self.tokenizer = build_model(snap, device, dtype)
         weights = sum(t.numel() * t.element_size() for t in module_tensors(self.model).values())
-        max_len = spec.max_len if name == POLICY else spec.judge_max_len
         budget = kv_budget(spec, device, weights)
         free = device_free_bytes(device)
         if budget.explicit and free is not None:  # refuse before allocating, with the key's name, not an OOM
             check_fits(budget.plan(self.model.config, dtype, max_len, spec.max_batch), free, weights)
-        self.engine = Engine(self.model, spec.max_batch, max_len, kv_budget=budget)
-        if self.engine.max_batch < spec.max_batch:
+        engine = Engine(self.model, spec.max_batch, max_len, kv_budget=budget)
+        if engine.max_batch < spec.max_batch:
             logger.info(
                 "%s: KV cache of %d sequences x %d tokens (%.3g GB) holds fewer than rollout.max_batch=%d",
-                name, self.engine.max_batch, max_len, self.engine.plan.nbytes / GB, spec.max_batch,
+                name, engine.max_batch, max_len, engine.plan.nbytes / GB, spec.max_batch,
             )  # fmt: skip
+        self.engine = engine
 
     def refresh(self, store: ParameterStore, version: int) -> int:
         """Load another version of the same model in place (the engine must be idle)."""
-        if self.engine.has_work:
-            raise RuntimeError(f"{self.name}: cannot change weights while sequences are in flight")
         snap = store.fetch(self.name, version)
-        snap.load_into(self.model)
+        self.engine.load_weights(snap)
         self.version = version
         return snap.nbytes
 
-    def release(self) -> Skeleton:
-        """Free the KV cache, the engine and the weights' device storage; what is left to come back with."""
-        self.engine.cache = None  # type: ignore[assignment]  # drop the KV cache first, it is the largest part
+    def release(self) -> Skeleton | Any:
+        """Free what the context holds on the device; returns what is left to come back with.
+
+        Native: the KV cache, the engine and the weights' device storage are
+        freed, the skeleton returned. vLLM: the engine is put to sleep (on a GPU
+        its weights and KV cache are freed) and returned.
+        """
+        if self.backend == "vllm":
+            engine = self.engine
+            engine.sleep()
+            del self.engine
+            return engine
+        self.engine.cache = None  # type: ignore[attr-defined]  # drop the KV cache first, it is the largest part
         model, tokenizer = self.model, self.tokenizer
         del self.engine, self.model
         return Skeleton(self.name, model.to("meta"), tokenizer)

@@ -64,7 +64,7 @@ DEFAULT_TIMEOUT_S = 600.0  # how long a collective (or the rendezvous) waits for
 DEFAULT_BUCKET_BYTES = 256 << 20  # gradient bytes per all-reduce; bounds the extra memory of the flat buffer
 
 # Per-rank numbers gathered at every step. Sums merge by addition, extremes by max/min.
-_SUM_KEYS = ("tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum")
+_SUM_KEYS = ("tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum", "mismatch_sum")
 # Columns of the gathered row: version, has-KL flag, the sums, ratio max, ratio min, one has-grad flag per parameter.
 _VERSION, _HAS_KL, _SUMS = 0, 1, 2
 _RATIO_MAX = _SUMS + len(_SUM_KEYS)

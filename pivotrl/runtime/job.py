@@ -19,6 +19,9 @@ from pivotrl.config import JobConfig, parse_split
 from pivotrl.control.controller import Controller
 from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.engine.kv_budget import GB
+from pivotrl.engine.vllm_engine import INSTALL as VLLM_INSTALL
+from pivotrl.engine.vllm_engine import available as vllm_available
+from pivotrl.errors import UserError
 from pivotrl.gps import LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
@@ -57,6 +60,10 @@ def context_spec(cfg: JobConfig, problems: list[Problem] | None = None, device: 
         judge_template=cfg.judge.template,
         kv_cache_bytes=int(cfg.rollout.kv_cache_gb * GB),
         memory_share=cfg.gpus_per_device,  # devices sharing a GPU size their caches from their share of it
+        rollout_backend=cfg.rollout.backend,
+        judge_backend=cfg.judge.backend,
+        audit_migrations=cfg.rollout.audit_migrations == "on"
+        or (cfg.rollout.audit_migrations == "auto" and cfg.rollout.backend == "vllm"),
     )
 
 
@@ -86,6 +93,9 @@ def run_job(
     """
     from tqdm import tqdm
 
+    for key, backend in (("rollout.backend", cfg.rollout.backend), ("judge.backend", cfg.judge.backend)):
+        if backend == "vllm" and not vllm_available():
+            raise UserError(f"{key}=vllm: vLLM is not installed here; install it with {VLLM_INSTALL}, or use native")
     train_set = read_jsonl(cfg.task.train_file)
     heldout = read_jsonl(cfg.task.heldout_file)[: cfg.eval.size]
     if cfg.rollout.prompts_per_step > len(train_set):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,8 +89,13 @@ class Worker:
         self.device, self.store, self.spec, self.train_spec, self.origin = device, store, spec, train, origin
         self.role: Role | None = None
         self.ctx: GenerationContext | TrainContext | None = None
-        self.skeletons: dict[str, Skeleton] = {}  # generation models released here, to come back to (no memory)
+        # generation models released here, to come back to: native skeletons (no memory), vLLM engines asleep
+        self.kept: dict[str, Skeleton | Any] = {}
         self.pending: dict[int, _Pending] = {}
+        # migration audit (spec.audit_migrations): a resumed sequence is also generated from scratch, unmigrated,
+        # beside it; shadow uid -> real uid, and the tokens of whichever of the two finished first
+        self.shadows: dict[int, int] = {}
+        self.audit_tokens: dict[int, list[int]] = {}
         self.slices: list[Slice] = []
         self._rendezvous: dist.TCPStore | None = None  # rank 0's end of the next step's train group (``listen``)
         # The train group persists across steps (and across shifts out of the train role) until the driver
@@ -103,8 +109,9 @@ class Worker:
     # -- shifts ---------------------------------------------------------------------
     def shift(self, role: Role, version: int) -> ShiftDone:
         """Release the current context, load ``role`` at ``version`` from the GPS."""
-        if self.has_work:
+        if self.pending:
             raise RuntimeError(f"device {self.device}: shift to {role.value} with sequences in flight")
+        self._drop_shadows()
         name, want = (JUDGE, 0) if role is Role.GENRM else (POLICY, version)
         if want not in self.store.versions(name):  # check before releasing anything: a refused shift changes nothing
             have = self.store.versions(name)
@@ -118,9 +125,9 @@ class Worker:
         else:
             self._release()
             if role is Role.ROLLOUT:
-                self.ctx = GenerationContext(POLICY, version, self.store, self.spec, self.skeletons.pop(POLICY, None))
+                self.ctx = GenerationContext(POLICY, version, self.store, self.spec, self.kept.pop(POLICY, None))
             elif role is Role.GENRM:
-                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec, self.skeletons.pop(JUDGE, None))
+                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec, self.kept.pop(JUDGE, None))
             else:
                 train = self.train_spec
                 self.ctx = TrainContext(version, self.store, self.spec, train.cfg, train.temperature)
@@ -139,7 +146,7 @@ class Worker:
         if self.ctx is None:
             return
         if isinstance(self.ctx, GenerationContext):
-            self.skeletons[self.ctx.name] = self.ctx.release()
+            self.kept[self.ctx.name] = self.ctx.release()
         else:
             self._save_shard(self.ctx)  # sharded train state leaves the device through the GPS
             self.ctx.release()
@@ -157,6 +164,10 @@ class Worker:
             state = SeqState(r.uid, prompt_ids, r.seed, _sampling(r.params, stop), list(r.output_ids), list(r.logprobs))
             ctx.engine.add(state)
             self.pending[r.uid] = _Pending(ctx.version, r, prompt_ids)
+            if r.output_ids and self.spec.audit_migrations:
+                shadow = _shadow_uid(r.uid)
+                ctx.engine.add(SeqState(shadow, prompt_ids, r.seed, state.params))
+                self.shadows[shadow] = r.uid
 
     def judge(self, cmd: Judge) -> None:
         ctx = self._generation_ctx(Role.GENRM)
@@ -179,6 +190,8 @@ class Worker:
         judge: list[JudgeRequest] = []
         if isinstance(self.ctx, GenerationContext):
             engine = self.ctx.engine
+            if not uids:
+                self._drop_shadows()
             states = [engine.abort(u) for u in uids if u in self.pending] if uids else engine.abort_all()
             for state in states:
                 p = self.pending.pop(state.uid)
@@ -198,53 +211,81 @@ class Worker:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.pending)
+        """Sequences in flight: requests, and the audit's unmigrated copies (which a shift drops)."""
+        return bool(self.pending or self.shadows)
+
+    def _drop_shadows(self) -> None:
+        """Stop the audit's copies still running (a shift or an abort of everything); they go unchecked."""
+        if isinstance(self.ctx, GenerationContext):
+            for shadow in self.shadows:
+                self.ctx.engine.abort(shadow)
+        if self.shadows:
+            self._audit_slice(0, 0, len(self.shadows))
+        self.shadows.clear()
+        self.audit_tokens.clear()
+
+    def _audit(self, finished: list[SeqState]) -> list[SeqState]:
+        """Pair each finished sequence with its unmigrated copy; returns the requests' sequences only."""
+        real = []
+        checked = identical = 0
+        for s in finished:
+            uid = self.shadows.get(s.uid, s.uid)
+            if s.uid in self.shadows:
+                del self.shadows[s.uid]
+            else:
+                real.append(s)
+                if _shadow_uid(uid) not in self.shadows and uid not in self.audit_tokens:
+                    continue  # not audited
+            other = self.audit_tokens.pop(uid, None)
+            if other is None:
+                self.audit_tokens[uid] = list(s.output_ids)
+            else:
+                checked += 1
+                identical += other == s.output_ids
+        if checked:
+            self._audit_slice(checked, identical, 0)
+        return real
+
+    def _audit_slice(self, checked: int, identical: int, dropped: int) -> None:
+        t = self.now()
+        measured = {"checked": checked, "identical": identical, "dropped": dropped}
+        self.slices.append(Slice(self.device, "audit", f"audit {identical}/{checked}", t, t, measured))
 
     def run(self, seconds: float) -> list[Event]:
         """Advance the engine by at least one step and for about ``seconds``: a
         ``Progress`` event, and what finished (``Generated`` or ``Judged``)."""
         ctx = self.ctx
-        if not self.pending or not isinstance(ctx, GenerationContext) or self.role is None:
+        if not self.has_work or not isinstance(ctx, GenerationContext) or self.role is None:
             return []
         t0 = self.now()
-        running, before, kv0 = ctx.engine.load, ctx.engine.stats.generated_tokens, ctx.engine.stats.kv_read_tokens
-        finished: list[SeqState] = []
-        stats, prefill_tokens, prefill_s, steps = ctx.engine.stats, 0, 0.0, 0
-        while ctx.engine.has_work:  # at least one engine step, then until the slice is used
-            p0, s0 = stats.prefill_tokens, self.now()
-            finished += ctx.engine.step()
-            if stats.prefill_tokens != p0:  # a prefill step: timed apart, it prices a migration's re-prefill
-                prefill_tokens += stats.prefill_tokens - p0
-                prefill_s += self.now() - s0
-            else:
-                steps += 1
-            if self.now() - t0 >= seconds:
-                break
+        report = ctx.engine.run(seconds, self.now)
         t1 = self.now()
-        role = self.role
-        kv = stats.kv_read_tokens - kv0
+        role, finished = self.role, report.finished
+        if self.shadows or self.audit_tokens:
+            finished = self._audit(finished)
         measured = {
-            "tokens": stats.generated_tokens - before, "running": running, "finished": len(finished), "steps": steps,
-            "kv": kv,
+            "tokens": report.tokens, "running": report.running, "finished": len(finished), "steps": report.steps,
+            "kv": report.kv,
         }  # fmt: skip
-        if prefill_tokens:
-            measured |= {"prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 6)}
+        if report.prefill_tokens:
+            measured |= {"prefill_tokens": report.prefill_tokens, "prefill_s": round(report.prefill_s, 6)}
         self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1, measured))
-        so_far = tuple((s.uid, len(s.output_ids)) for s in ctx.engine.running.values())
         events: list[Event] = [
             Progress(
                 self.device,
                 role,
                 t1 - t0,
-                stats.generated_tokens - before,
-                running,
-                so_far,
-                prefill_tokens,
-                prefill_s,
-                steps,
-                kv,
+                report.tokens,
+                report.running,
+                report.progress,
+                report.prefill_tokens,
+                report.prefill_s,
+                report.steps,
+                report.kv,
             )
         ]
+        if report.progress and self.shadows:
+            events[0] = replace(events[0], tokens_so_far=tuple(p for p in report.progress if p[0] not in self.shadows))
         if role is Role.ROLLOUT and finished:
             results = []
             for s in finished:
@@ -415,6 +456,11 @@ class Worker:
     def drain_slices(self) -> list[Slice]:
         out, self.slices = self.slices, []
         return out
+
+
+def _shadow_uid(uid: int) -> int:
+    """The audit copy's uid: negative, never a request's."""
+    return -1 - uid
 
 
 def _sampling(p: GenParams, stop: tuple[int, ...]) -> SamplingParams:

@@ -31,6 +31,9 @@ class TrainConfig:
     # fp32 master weights and optimizer state always; bf16 = compute in bfloat16; auto: bf16 on CUDA, fp32 on CPU
     precision: Precision = "auto"
     activation_checkpointing: bool = False  # recompute each layer in backward instead of keeping its activations
+    # old log-probs of the PPO ratio from the trainer's own forward instead of the generation engine's (whose
+    # kernels, vLLM's especially, differ numerically); free: the update's forward computes them anyway
+    recompute_logprobs: bool = False
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:
@@ -55,6 +58,7 @@ class TrainConfig:
         check("backend", self.backend in BACKENDS, f"one of {', '.join(BACKENDS)}")
         check("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
         check("activation_checkpointing", isinstance(self.activation_checkpointing, bool), "true or false")
+        check("recompute_logprobs", isinstance(self.recompute_logprobs, bool), "true or false")
 
     def resolved_backend(self, device_type: str) -> str:
         """``auto`` made concrete for a device type ("cuda" or "cpu")."""

@@ -77,15 +77,26 @@ def grpo_loss_sum(
     clip_high: float,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    recompute: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss (+ k3 KL), summed over the masked tokens.
 
     Not normalised: the caller divides by the response tokens of the whole
     batch once known, which is what lets groups accumulate separately. The
     stats are sums (or extremes) so that they merge across micro-batches.
+
+    ``old_logprobs`` are the generation engine's. ``mismatch_sum`` sums
+    ``|trainer - engine|`` over the tokens: the trainer holds the very weights
+    that generated them (one update per batch), so this is the engine's
+    numerical disagreement with the trainer. ``recompute`` takes the trainer's
+    own log-probs as the old ones (``train.recompute_logprobs``): the same
+    forward pass gives them, so it costs nothing.
     """
     mask = mask.bool()
     m = mask.to(logprobs.dtype)
+    mismatch = float((torch.where(mask, logprobs.detach() - old_logprobs, 0.0).abs() * m).sum())
+    if recompute:
+        old_logprobs = logprobs.detach()
     # zero the log-ratio off the mask so padding can never overflow exp (inf * 0 = nan, also in backward)
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
     ratio = log_ratio.exp()
@@ -107,6 +118,7 @@ def grpo_loss_sum(
         "pg_loss_sum": float((pg.detach() * m).sum()),
         "clipped_tokens": float((clipped & mask).sum()),
         "tokens": float(m.sum()),
+        "mismatch_sum": mismatch,
     }
     if ratios.numel():
         stats["ratio_max"] = float(ratios.max())
@@ -235,7 +247,9 @@ class GRPOTrainer:
                 with torch.no_grad():
                     ref = token_logprobs(self.ref_model, ids, self.temperature, mask)
             logp = token_logprobs(self.model, ids, self.temperature, mask)
-            loss, stats = grpo_loss_sum(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef)
+            loss, stats = grpo_loss_sum(
+                logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, cfg.recompute_logprobs
+            )
         (loss * weight if weight != 1.0 else loss).backward()
         return stats if weight else {}
 
@@ -289,6 +303,7 @@ class GRPOTrainer:
             "loss": sums.get("loss_sum", 0.0) / local,
             "pg_loss": sums.get("pg_loss_sum", 0.0) / local,
             "clip_frac": sums.get("clipped_tokens", 0.0) / local,
+            "logprob_mismatch": sums.get("mismatch_sum", 0.0) / local,
             "skipped": float(skipped),
         }
         if "kl_sum" in sums:

@@ -227,7 +227,7 @@ def test_leaving_a_generation_role_frees_its_memory_at_once(store):
         assert cache() is None and weight() is None
     finally:
         gc.enable()
-    skeleton = w.skeletons[POLICY]
+    skeleton = w.kept[POLICY]
     assert {p.device.type for p in skeleton.model.parameters()} == {"meta"}
 
 
@@ -238,7 +238,7 @@ def test_returning_to_a_generation_role_reloads_into_its_skeleton(store, via):
     model, tokenizer = w.ctx.model, w.ctx.tokenizer
     w.shift(via, 0)
     w.shift(Role.ROLLOUT, 1)  # back, at another version
-    assert w.ctx.model is model and w.ctx.tokenizer is tokenizer and POLICY not in w.skeletons
+    assert w.ctx.model is model and w.ctx.tokenizer is tokenizer and POLICY not in w.kept
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again
     assert_holds(model, store, POLICY, 1)

