@@ -40,7 +40,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,57 @@ def _tie_embeddings(worker: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+# torch.distributed keeps one world per process, and both vLLM (a world of one, made when an engine is built)
+# and the trainer (a world of the train devices, remade when they change) want it. vLLM uses its world only
+# while building an engine (tensor parallel size 1: no collective runs after that), so the two take turns:
+# vLLM's is put in place for the build and put aside after. The saved state is c10d's module globals (torch
+# is pinned); group names keep counting up across both worlds, so no name is registered twice.
+_C10D_DICTS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+_vllm_world: dict[str, Any] | None = None
+
+
+def _take_world() -> dict[str, Any]:
+    """c10d's current world, taken out (the process is left with none)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    w = c10d._world
+    state = {name: dict(getattr(c10d, name)) for name in _C10D_DICTS}
+    state |= {"default": w.default_pg, "coalesce": dict(w.pg_coalesce_state), "comms": list(w.comms)}
+    for name in _C10D_DICTS:
+        getattr(c10d, name).clear()
+    w.pg_coalesce_state.clear()
+    w.comms.clear()
+    c10d._update_default_pg(None)
+    return state
+
+
+def _put_world(state: dict[str, Any] | None) -> None:
+    """Make ``state`` (from :func:`_take_world`; None: no world) the process's world; the current one must be
+    empty."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if state is None:
+        return
+    for name in _C10D_DICTS:
+        getattr(c10d, name).update(state[name])
+    c10d._world.pg_coalesce_state.update(state["coalesce"])
+    c10d._world.comms.extend(state["comms"])
+    c10d._update_default_pg(state["default"])
+
+
+@contextmanager
+def _vllm_distributed() -> Iterator[None]:
+    """vLLM's torch.distributed world in place of the trainer's for the duration (see above)."""
+    global _vllm_world
+    ours = _take_world()
+    _put_world(_vllm_world)
+    try:
+        yield
+    finally:
+        _vllm_world = _take_world()
+        _put_world(ours)
+
+
 @dataclass(slots=True)
 class _Request:
     state: SeqState
@@ -200,7 +252,6 @@ class VllmEngine:
         self.by_rid: dict[str, int] = {}
         self.stats = EngineStats()
         self.asleep = False
-        self.weights = weights  # the version loaded last (a rebuild loads it again)
         self._serial = itertools.count()
         self._dir = tempfile.mkdtemp(prefix="pivotrl-vllm-")
         self.llm: Any = None
@@ -215,15 +266,21 @@ class VllmEngine:
         with open(os.path.join(self._dir, "config.json"), "w") as f:
             json.dump(self.config.to_hf(str(self.dtype).removeprefix("torch.")), f)
         cuda = self.device.type == "cuda"
+        # vLLM's KV cache is a pool of blocks: the length limit reserves nothing, so it is the model's own
+        # (a judge prompt longer than planned still fits); the pool is what ``kv_cache_bytes`` sizes
+        limit = max(max_len, self.config.max_position_embeddings)
+        per_token = bytes_per_token(self.config, self.dtype)
         kv = self.kv_cache_bytes
         if not kv and not cuda:  # a CPU has no memory to profile: room for every slot at full length, and some
-            kv = int(1.25 * self.requested_batch * max_len * bytes_per_token(self.config, self.dtype)) + (16 << 20)
+            kv = int(1.25 * self.requested_batch * max_len * per_token) + (16 << 20)
+        if kv:
+            kv = max(kv, int(1.1 * limit * per_token))  # vLLM wants one sequence of the limit to fit
         args = EngineArgs(
             model=self._dir,
             skip_tokenizer_init=True,  # token ids in and out; the worker holds the tokenizer
             load_format="dummy",  # the weights come from the GPS (load_weights)
             dtype=str(self.dtype).removeprefix("torch."),
-            max_model_len=max_len,
+            max_model_len=limit,
             max_num_seqs=self.requested_batch,
             kv_cache_memory_bytes=kv or None,
             gpu_memory_utilization=round(0.85 * self.memory_share, 3),
@@ -234,24 +291,25 @@ class VllmEngine:
         )
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
-            self.llm = LLMEngine.from_engine_args(args)
+            with _vllm_distributed():
+                self.llm = LLMEngine.from_engine_args(args)
         finally:  # vLLM's CPU worker replaces torch.set_num_threads and cuts threads to 1: give both back
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
+        # vLLM shuts an engine down when it is collected, tearing down the process's distributed state with it
+        # (whichever world is in place then, and the groups other engines here share): close() does it instead
+        self.llm.engine_core._finalizer.detach()
         if weights is not None:
             self.load_weights(weights)
-        self.max_len, self.max_batch = max_len, self.requested_batch
+        self.max_len, self.max_batch = limit, self.requested_batch
         self.vllm_version = vllm.__version__
 
     def ensure_capacity(self, max_len: int) -> None:
-        """Hold sequences of ``max_len`` tokens: a vLLM engine's length is fixed, so a longer one is rebuilt
-        (while idle) with the weights it last loaded."""
-        if max_len <= self.max_len:
-            return
-        if self.has_work:
-            raise RuntimeError("cannot resize the engine while sequences are in flight")
-        self.llm = None
-        self._build(max_len, self.weights)
+        """Nothing to grow: the engine holds sequences as long as the model allows (see ``_build``)."""
+        if max_len > self.max_len:
+            raise ValueError(
+                f"sequences of {max_len} tokens exceed the model's max_position_embeddings ({self.max_len})"
+            )
 
     # -- requests -------------------------------------------------------------------------
     def add(self, state: SeqState) -> None:
@@ -373,7 +431,6 @@ class VllmEngine:
         """Swap a GPS version in place, tensor by tensor, and forget the prefix cache of the old one."""
         if self.has_work:
             raise RuntimeError("cannot change weights while sequences are in flight")
-        self.weights = snap
         tensors = snap.state_dict()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
         if self.config.tie_word_embeddings:
@@ -392,6 +449,15 @@ class VllmEngine:
             self.asleep = False
 
     def close(self) -> None:
-        self.llm = None
+        """Free the engine. The process's vLLM distributed state stays: other engines here share it."""
+        if self.llm is not None:
+            import vllm.v1.engine.core as core
+
+            cleanup, core.cleanup_dist_env_and_memory = core.cleanup_dist_env_and_memory, lambda *a, **k: None
+            try:
+                self.llm.engine_core.engine_core.shutdown()
+            finally:
+                core.cleanup_dist_env_and_memory = cleanup
+            self.llm = None
         _LOGPROBS.pop(self.channel, None)
         shutil.rmtree(self._dir, ignore_errors=True)

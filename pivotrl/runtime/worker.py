@@ -190,8 +190,7 @@ class Worker:
         judge: list[JudgeRequest] = []
         if isinstance(self.ctx, GenerationContext):
             engine = self.ctx.engine
-            if not uids:
-                self._drop_shadows()
+            self._drop_shadows(uids)
             states = [engine.abort(u) for u in uids if u in self.pending] if uids else engine.abort_all()
             for state in states:
                 p = self.pending.pop(state.uid)
@@ -214,15 +213,19 @@ class Worker:
         """Sequences in flight: requests, and the audit's unmigrated copies (which a shift drops)."""
         return bool(self.pending or self.shadows)
 
-    def _drop_shadows(self) -> None:
-        """Stop the audit's copies still running (a shift or an abort of everything); they go unchecked."""
-        if isinstance(self.ctx, GenerationContext):
-            for shadow in self.shadows:
+    def _drop_shadows(self, uids: tuple[int, ...] = ()) -> None:
+        """Stop the audit's copies of the requests ``uids`` (all, when empty: a shift, an abort of everything)
+        that still run here: their requests leave, so they go unchecked."""
+        drop = [s for s, uid in self.shadows.items() if not uids or uid in uids]
+        for shadow in drop:
+            if isinstance(self.ctx, GenerationContext):
                 self.ctx.engine.abort(shadow)
-        if self.shadows:
-            self._audit_slice(0, 0, len(self.shadows))
-        self.shadows.clear()
-        self.audit_tokens.clear()
+            self.audit_tokens.pop(self.shadows.pop(shadow), None)
+        waiting = [uid for uid in self.audit_tokens if not uids or uid in uids]  # copies done, requests leaving
+        for uid in waiting:
+            del self.audit_tokens[uid]
+        if drop or waiting:
+            self._audit_slice(0, 0, len(drop) + len(waiting))
 
     def _audit(self, finished: list[SeqState]) -> list[SeqState]:
         """Pair each finished sequence with its unmigrated copy; returns the requests' sequences only."""

@@ -159,8 +159,8 @@ def test_loading_weights_with_sequences_in_flight_is_refused(make):
 
 def test_a_sequence_too_long_for_the_engine_is_refused_with_the_numbers(make):
     engine = make("vllm")
-    s = SeqState(0, [1] * 150, seed=0, params=SamplingParams(48))
-    with pytest.raises(ValueError, match=r"150.*48.*198 exceeds the engine's max_len 160"):
+    s = SeqState(0, [1] * 4090, seed=0, params=SamplingParams(48))  # the model's limit: 4096 positions
+    with pytest.raises(ValueError, match=r"4090.*48.*4138 exceeds the engine's max_len 4096"):
         engine.add(s)
     assert not engine.has_work
 
@@ -221,13 +221,17 @@ def test_the_judge_gives_the_same_verdicts_on_both_backends():
         assert genrm.score(text, s.finish_reason == "length") == genrm.score(text, vllm[uid].finish_reason == "length")
 
 
-def test_a_longer_judge_prompt_rebuilds_the_vllm_engine_with_its_weights(policy):
-    engine = VllmEngine(policy.config, torch.float32, CPU, max_batch=8, max_len=64, weights=snapshot(policy))
+def test_a_vllm_engine_planned_for_short_sequences_takes_longer_ones(policy):
+    """Its KV cache is a pool of blocks: the planned length sizes the pool, the model's own limit the sequence
+    (a judge prompt longer than planned still runs, where the native engine would grow its cache)."""
+    engine = VllmEngine(policy.config, torch.float32, CPU, max_batch=8, max_len=32, weights=snapshot(policy))
+    long = [SeqState(i, [1] + [5 + (i + j) % 50 for j in range(120)], i, SamplingParams(40, 0.0)) for i in range(3)]
     try:
-        engine.ensure_capacity(MAX_LEN)
-        assert engine.max_len == MAX_LEN
-        got = run_all(engine, requests(4, temperature=0.0))
+        engine.ensure_capacity(161)
+        got = run_all(engine, copy.deepcopy(long))
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            engine.ensure_capacity(5000)
     finally:
         engine.close()
-    native = run_all(Engine(copy.deepcopy(policy), max_batch=8, max_len=MAX_LEN), requests(4, temperature=0.0))
+    native = run_all(Engine(copy.deepcopy(policy), max_batch=8, max_len=200), long)
     assert {u: s.output_ids for u, s in got.items()} == {u: s.output_ids for u, s in native.items()}
