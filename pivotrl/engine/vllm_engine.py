@@ -335,6 +335,7 @@ class VllmEngine:
             max_tokens=p.max_new_tokens - offset,
             temperature=0.0,  # greedy over the processor's one-hot logits: the processor draws
             stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=True,  # the sequence's stop tokens are the only ones (vLLM would add the config's EOS)
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args={_KEY: draw},

@@ -235,3 +235,13 @@ def test_a_vllm_engine_planned_for_short_sequences_takes_longer_ones(policy):
         engine.close()
     native = run_all(Engine(copy.deepcopy(policy), max_batch=8, max_len=200), long)
     assert {u: s.output_ids for u, s in got.items()} == {u: s.output_ids for u, s in native.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sequence_stops_only_at_its_own_stop_tokens(make, backend):
+    """Without stop tokens a sequence runs to its budget, even past the checkpoint's end token."""
+    states = [SeqState(s.uid, s.prompt_ids, s.seed, SamplingParams(48, 1.0)) for s in requests()]
+    done = run_all(make(backend), states)
+    eos = set(char_tokenizer().eos_token_ids)
+    assert all(len(s.output_ids) == 48 and s.finish_reason == "length" for s in done.values())
+    assert any(eos & set(s.output_ids) for s in done.values())  # the end token was drawn, and did not stop it

@@ -82,3 +82,22 @@ def test_sharded_bf16_on_a_static_split_keeps_its_group(tiny_checkpoints, tmp_pa
     assert all(m["train_kl"] >= 0 for m in many)
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["name"] == "train state -> GPS"]  # the train set never changed
+
+
+def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_cluster):
+    """Rollout and judge on vLLM in four Ray actors, shiftable, the trainer sharded over the same processes
+    (vLLM's distributed world and the train group's take turns): the samples, rewards and update of one
+    native device."""
+    base = ("steps=2", "eval.every=1", "rollout.max_batch=4")
+    native = tmp_path / "native"
+    run_job(small_job(vllm_checkpoints, *base), native, progress=False)
+    extra = (*base, "mode=shiftable", "devices=4", "train.backend=fsdp", "rollout.backend=vllm", "judge.backend=vllm")
+    summary = run_job(small_job(vllm_checkpoints, *extra), tmp_path / "vllm", progress=False)
+    for a, b in zip(metrics(native), metrics(tmp_path / "vllm"), strict=True):
+        for key in KEYS:
+            assert a[key] == b[key], key
+        assert a["heldout_accuracy"] == b["heldout_accuracy"]
+        assert b["train_grad_norm"] == pytest.approx(a["train_grad_norm"], rel=1e-4)
+        assert b["logprob_mismatch"] < 1e-4
+    audit = summary["migration_audit"]
+    assert audit["identical"] == audit["checked"]
