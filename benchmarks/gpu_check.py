@@ -28,6 +28,12 @@ e. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    sharing the GPU; with tiny random checkpoints and a small job when the
    bundled models are not built (``make prepare``), which the output says.
 f. ``fsdp``: the FSDP2 trainer on one GPU (see :func:`fsdp_check`).
+g. ``vllm``: the vLLM backend on the GPU (see :func:`vllm_backend`): tokens/s
+   beside the native engine on the engine section's requests, greedy
+   agreement with it, a version swapped in place from the GPS (agreement on
+   the new weights, seconds), sleep and wake (device memory freed, seconds),
+   and an engine built while a train group holds the process's
+   torch.distributed world. Skipped when vLLM is not installed.
 
 Without CUDA it prints one line and exits 0. Nothing is downloaded. Each
 section function takes the device and its sizes, so the small versions run on
@@ -291,6 +297,91 @@ def engine_throughput(
     same = sum(a == b for a, b in zip(result.pop("pivotrl_outputs"), result.pop("transformers_outputs"), strict=True))
     result["greedy_agreement"] = sig(same / len(requests))  # informational: bf16 near-ties may differ
     result["speedup"] = sig(result["pivotrl"]["tokens_per_s"] / result["transformers"]["tokens_per_s"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# g. the vLLM backend
+
+
+def vllm_backend(
+    device: str, shape: Shape = QWEN2_05B, work: Workload = Workload(), dtype: str = "bfloat16"
+) -> dict[str, Any]:
+    """vLLM beside the native engine on the same weights and requests (greedy), then a version swapped in place,
+    a sleep/wake cycle and a build inside a train group."""
+    import torch
+
+    from pivotrl.engine import Engine, SamplingParams, SeqState
+    from pivotrl.engine.vllm_engine import VllmEngine
+    from pivotrl.gps import Kind, LocalStore
+    from pivotrl.model import Decoder
+    from pivotrl.runtime.dist_train import TrainGroup
+
+    td = getattr(torch, dtype)
+    store = LocalStore()
+    for version in (0, 1):
+        state = _random_state(shape, "float32")
+        if version:  # another version: the same tensors, perturbed
+            state = {n: t.mul_(0.9).add_(0.05) for n, t in state.items()}
+        store.publish("policy", version, state, Kind.WEIGHTS, {})
+    requests = work.make(shape.vocab)
+    max_len = work.prompt[1] + work.new[1]
+
+    def states(reqs: list[tuple[list[int], int]]) -> list[SeqState]:
+        return [SeqState(i, p, i, SamplingParams(max_new_tokens=n, temperature=0.0)) for i, (p, n) in enumerate(reqs)]
+
+    def native(version: int) -> list[list[int]]:
+        model = Decoder.empty(shape.model_config(), device, td)
+        store.fetch("policy", version).load_into(model)
+        out = Engine(model.eval(), max_batch=work.batch, max_len=max_len).generate(states(requests))
+        del model
+        return [s.output_ids for s in out]
+
+    def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+        return sig(sum(x == y for x, y in zip(a, b, strict=True)) / len(a))
+
+    result: dict[str, Any] = {"shape": asdict(shape), "workload": asdict(work), "dtype": dtype}
+    t0 = time.perf_counter()
+    engine = VllmEngine(
+        shape.model_config(), td, torch.device(device), work.batch, max_len, weights=store.fetch("policy", 0)
+    )
+    result["build_seconds"] = sig(time.perf_counter() - t0)
+    try:
+        engine.generate(states([(p, 4) for p, _ in requests[:2]]))  # warm
+        got: list[SeqState] = []
+        seconds = timed(device, lambda: got.extend(engine.generate(states(requests))))
+        asked = sum(n for _, n in requests)
+        assert [len(s.output_ids) for s in got] == [n for _, n in requests], "vllm did not generate what was asked"
+        result["tokens_per_s"] = round(asked / seconds, 1)
+        t0 = time.perf_counter()
+        native_v0 = native(0)
+        result["native_tokens_per_s"] = round(asked / (time.perf_counter() - t0), 1)
+        result["greedy_agreement_v0"] = agreement([s.output_ids for s in got], native_v0)
+        result["swap_seconds"] = sig(timed(device, lambda: engine.load_weights(store.fetch("policy", 1))))
+        swapped = [s.output_ids for s in engine.generate(states(requests))]
+        result["greedy_agreement_v1"] = agreement(swapped, native(1))
+        result["changed_by_swap"] = sig(1 - agreement(swapped, [s.output_ids for s in got]))
+        free = lambda: torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 0  # noqa: E731
+        before = free()
+        result["sleep_seconds"] = sig(timed(device, engine.sleep))
+        result["freed_gb"] = gb(free() - before)
+        result["wake_seconds"] = sig(
+            timed(device, lambda: (engine.wake(), engine.load_weights(store.fetch("policy", 1))))
+        )
+        woken = [s.output_ids for s in engine.generate(states(requests[:16]))]
+        result["after_wake_equal"] = woken == swapped[:16]
+        group = TrainGroup.join(0, 1, "127.0.0.1", 0, device=device, process_group=True)
+        try:  # a second engine built while the trainer's world is in place, the world intact after
+            other = VllmEngine(
+                shape.model_config(), td, torch.device(device), 4, max_len, weights=store.fetch("policy", 1)
+            )
+            other.close()
+            result["build_in_train_group"] = group.all_reduce_(torch.ones(1, device=device)).item() == 1.0
+        finally:
+            group.leave()
+    finally:
+        engine.close()
+    result["pass"] = bool(result["after_wake_equal"] and result["build_in_train_group"])
     return result
 
 
@@ -688,6 +779,12 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"fp32 vs plain max|d| {r['fp32_max_abs_vs_plain']:.1e}; bf16 step {r['bf16_step_seconds']} s, "
             f"{r['tokens_per_s']} tok/s, peak {r['peak_memory_gb']} GB"
         )
+    if name == "vllm":
+        return (
+            f"{r['tokens_per_s']:.0f} tok/s vs native {r['native_tokens_per_s']:.0f}; greedy agreement "
+            f"{r['greedy_agreement_v0']:.2f} (v1 {r['greedy_agreement_v1']:.2f}); swap {r['swap_seconds']} s, "
+            f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s"
+        )
     if name == "job":
         return f"{r.get('steps')} steps in {r['seconds']} s, {r.get('samples_per_s')} samples/s; models: {r['models']}"
     return json.dumps(r)[:200]
@@ -715,8 +812,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "job")
-ESTIMATE_S = {"parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "job": 120}
+SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "vllm", "job")
+ESTIMATE_S = {
+    "parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "vllm": 90, "job": 120,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -730,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only: unknown sections {unknown}; allowed: {', '.join(SECTIONS)}")
 
     import torch
+
+    from pivotrl.engine.vllm_engine import available as vllm_available
 
     if not torch.cuda.is_available():
         built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -746,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         "shifts": lambda: shifts(device),
         "engine": lambda: engine_throughput(device),
         "fsdp": lambda: fsdp_check(device),
+        "vllm": lambda: vllm_backend(device),
     }
     sections: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -757,6 +859,9 @@ def main(argv: list[str] | None = None) -> int:
                 fn = jobs[name]
             if left < ESTIMATE_S[name] / 2:
                 sections[name] = {"status": "skipped", "reason": f"{left:.0f} s of the 8-minute budget left"}
+                continue
+            if name == "vllm" and not vllm_available():
+                sections[name] = {"status": "skipped", "reason": "vLLM is not installed (make install adds it)"}
                 continue
             print(f"gpu-check: {name} ...", flush=True)
             sections[name] = run_section(name, fn)

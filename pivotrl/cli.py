@@ -53,12 +53,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pivotrl.runtime.devices import enable_cluster_token
 
         enable_cluster_token()
-    cfg = load_config(args.config, args.overrides)
+    if args.resume:  # the run's own config; one given as well must be the same (run_job says what differs)
+        out = Path(args.resume)
+        if args.out and Path(args.out).resolve() != out.resolve():
+            raise UserError(f"--resume continues the run in place: --out {args.out} names another directory")
+        saved = out / "config.json"
+        if not saved.is_file():
+            raise UserError(f"--resume {out}: not a run directory (no config.json)")
+        cfg = load_config(args.config or saved, args.overrides)
+    else:
+        if not args.config or not args.out:
+            raise UserError("train needs a CONFIG and --out DIR (or --resume RUN_DIR)")
+        out, cfg = Path(args.out), load_config(args.config, args.overrides)
     check_inputs(cfg, args.ray_address)
     from pivotrl.runtime.job import run_job
 
-    out = Path(args.out)
-    summary = run_job(cfg, out, progress=not args.quiet, ray_address=args.ray_address)
+    summary = run_job(cfg, out, progress=not args.quiet, ray_address=args.ray_address, resume=bool(args.resume))
     print(format_summary(summary, out))
     return 0
 
@@ -169,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run an RL job")
-    t.add_argument("config", help="job config (YAML), e.g. examples/default.yaml")
+    t.add_argument("config", nargs="?", help="job config (YAML), e.g. examples/default.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 steps=10")
-    t.add_argument("--out", required=True, help="run directory to write")
+    t.add_argument("--out", help="run directory to write")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest usable checkpoint, in place")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--ray-address", help="join this Ray cluster (e.g. 'auto') instead of starting a local one")
     t.set_defaults(func=cmd_train)

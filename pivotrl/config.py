@@ -188,6 +188,15 @@ class EvalConfig:
 
 
 @dataclass(slots=True)
+class CheckpointConfig:
+    every: int = 10  # write a checkpoint after every this many steps (none after the last); 0 = none
+    keep: int = 2  # checkpoints kept, the newest; 0 = all
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "every", "keep")
+
+
+@dataclass(slots=True)
 class JobConfig:
     seed: int = 0  # seeds data order, sampling and initialisation
     mode: Mode = "colocated"  # how roles share devices
@@ -205,6 +214,7 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # response sampling
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO update
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints for --resume
     sim: SimConfig = field(default_factory=SimConfig)  # what `pivotrl simulate` models (ignored by train)
 
     def __post_init__(self) -> None:

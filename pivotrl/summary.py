@@ -32,6 +32,7 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
         scale_by_std=cfg.train.scale_by_std,
         per_device=r.max_batch,
         rebalance=r.rebalance,
+        checkpoint_every=cfg.checkpoint.every,
     )
 
 
@@ -65,8 +66,10 @@ def steady_rate(metrics: list[dict[str, Any]], per_step: int) -> float:
 
 
 def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float) -> dict[str, Any]:
-    samples = cfg.steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    tokens = sum(m["response_tokens"] + m["judge_tokens"] for m in ctl.metrics)
+    # rates are of the steps this process ran (a resumed run's earlier steps ran in another)
+    here = [m for m in ctl.metrics if m["step"] >= ctl.first_step]
+    samples = len(here) * cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    tokens = sum(m["response_tokens"] + m["judge_tokens"] for m in here)
     agree = sum(m["judge_agreement"] for m in ctl.metrics) / len(ctl.metrics)
     busy: dict[str, float] = {}
     audit = {"checked": 0, "identical": 0, "dropped": 0}
@@ -85,7 +88,7 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
         "steps": cfg.steps,
         "samples": samples,
         "samples_per_s": samples / wall,
-        "steady_samples_per_s": steady_rate(ctl.metrics, cfg.rollout.prompts_per_step * cfg.rollout.group_size),
+        "steady_samples_per_s": steady_rate(here, cfg.rollout.prompts_per_step * cfg.rollout.group_size),
         "tokens_per_s": tokens / wall,
         "accuracy_start": ctl.accuracy[0],
         "accuracy_end": ctl.accuracy[cfg.steps],

@@ -92,21 +92,35 @@ class Recorder:
 class RunWriter:
     """Owns a run directory and writes every file in it."""
 
-    def __init__(self, out: str | Path) -> None:
+    def __init__(self, out: str | Path, keep: tuple[int, int] | None = None) -> None:
+        """A new run starts its metrics and samples empty; a resumed one (``keep``) keeps their first
+        ``keep = (metrics rows, samples rows)`` lines, those its checkpoint had seen, and drops the rest."""
         self.dir = Path(out)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.metrics_path.write_text("")
         self.samples_path = self.dir / "samples.jsonl"
-        self.samples_path.write_text("")
+        for path, rows in zip((self.metrics_path, self.samples_path), keep or (0, 0), strict=True):
+            lines = path.read_bytes().splitlines(keepends=True)[:rows] if rows and path.is_file() else []
+            if len(lines) < rows:
+                raise ValueError(f"{path}: {len(lines)} rows, its checkpoint saw {rows}")
+            path.write_bytes(b"".join(lines))
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def rows(self, name: str) -> int:
+        path = self.dir / name
+        return len(path.read_bytes().splitlines()) if path.is_file() else 0
 
     def step(self, metrics: dict[str, Any]) -> None:
         with self.metrics_path.open("ab") as f:
             f.write(jsonl([metrics]))
 
-    def samples(self, rows: Iterable[dict[str, Any]]) -> None:
+    def samples(self, rows: Iterable[dict[str, Any]]) -> int:
+        rows = list(rows)
         with self.samples_path.open("ab") as f:
-            f.write(jsonl(list(rows)))
+            f.write(jsonl(rows))
+        return len(rows)
 
     def write_jsonl(self, name: str, rows: list[dict[str, Any]]) -> Path:
         path = self.dir / name

@@ -83,6 +83,7 @@ class LoopSpec:
     judge_per_device: int = 0  # judgments in flight per device (0: per_device)
     judge_kv: int = 0  # tokens of paged KV cache a judge device holds: its judgments' reads at most (0: no limit)
     rebalance: bool = True  # even out the sequences in flight over the rollout devices once none is queued
+    checkpoint_every: int = 0  # a checkpoint after every this many steps (0: none); see ``Controller.checkpoint``
 
 
 @dataclass(slots=True)
@@ -134,6 +135,7 @@ class Controller:
         train_set: list[Problem],
         heldout: list[Problem],
         clock: Callable[[], float],
+        resume: dict[str, Any] | None = None,
     ) -> None:
         self.spec, self.policy, self.genrm, self.clock = spec, policy, genrm, clock
         self.train_set, self.heldout = train_set, heldout
@@ -182,12 +184,57 @@ class Controller:
         self._judgments: tuple[list[int], list[int]] = ([], [0])
         self.done = False
         self.top_reward = max(genrm.rewards.values())
+        self.first_step = 1  # the step this run starts at (later when it resumes a checkpoint)
+        self.checkpoint_due: int | None = None  # a finished step whose checkpoint the driver is to write now
+        self._resume_evals: list[int] = []
+        if resume is not None:
+            self._restore(resume)
 
     # -- the loop -------------------------------------------------------------------
     def start(self) -> list[Command]:
-        self._begin_eval(0)
-        self._begin_step(1)
+        if self.first_step == 1:
+            self._begin_eval(0)
+        for after in self._resume_evals:  # the evaluation that was running when the checkpoint was written
+            self._begin_eval(after)
+        self._begin_step(self.first_step)
         return self.pump()
+
+    # -- checkpoints ----------------------------------------------------------------
+    def checkpoint(self) -> dict[str, Any]:
+        """What resuming after the step just finished needs (plain values; see ``checkpoint_due``).
+
+        Samples depend only on (seed, step, sample) and the weights, so the
+        step loop resumes exactly from its position: the version, the
+        evaluation of that version if one was running, the steps' metrics
+        waiting for it, and the held-out accuracies so far. The running means
+        feed planning only; they are kept so the resumed run plans as the
+        uninterrupted one would.
+        """
+        assert self.checkpoint_due is not None
+        return {
+            "step": self.checkpoint_due,
+            "version": self.version,
+            "evaluating": sorted(self.eval_hits),
+            "pending_metrics": {str(k): v for k, v in self.pending_metrics.items()},
+            "accuracy": {str(k): v for k, v in self.accuracy.items()},
+            "measured": dict(self.measured),
+            "judgments": self._judgments[0],
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        step, version = int(state["step"]), int(state["version"])
+        if step >= self.spec.steps:
+            raise ValueError(f"the checkpoint is of step {step}, the last of {self.spec.steps}: nothing to resume")
+        self.first_step, self.version = step + 1, version
+        for d in self.devices:
+            d.version = -1
+        self._resume_evals = [int(k) for k in state["evaluating"]]
+        self.pending_metrics = {int(k): v for k, v in state["pending_metrics"].items()}
+        self.accuracy = {int(k): float(v) for k, v in state["accuracy"].items()}
+        self.measured.update(state["measured"])
+        lengths = sorted(int(x) for x in state["judgments"])
+        self._judgments = (lengths, list(itertools.accumulate(reversed(lengths), initial=0))[::-1])
+        self._first_judgments = None
 
     def handle(self, event: Event) -> list[Command]:
         self._apply(event)
@@ -618,7 +665,10 @@ class Controller:
             self.training, self.train_ready = True, False
             for i in train_devs:
                 self.devices[i].training = True
-            cmds.append(Step(train_devs, self.version, sum(len(s.response_ids) for s in self.step.samples)))
+            tokens = sum(len(s.response_ids) for s in self.step.samples)
+            every, step = self.spec.checkpoint_every, self.step.step
+            checkpoint = bool(every) and step % every == 0 and step < self.spec.steps
+            cmds.append(Step(train_devs, self.version, tokens, checkpoint))
         return cmds
 
     def _shard(self, idx: list[int]) -> TrainShard:
@@ -662,6 +712,9 @@ class Controller:
         done_step = self.step.step
         if self._eval_due(done_step):
             self._begin_eval(done_step)
+        every = self.spec.checkpoint_every
+        if every and done_step % every == 0 and done_step < self.spec.steps and set(self.eval_hits) <= {done_step}:
+            self.checkpoint_due = done_step  # the driver writes it before the next commands go out
         if done_step < self.spec.steps:
             self._begin_step(done_step + 1)
         else:

@@ -138,6 +138,9 @@ class Step:
     devices: tuple[int, ...]
     version: int
     total_tokens: int
+    # a checkpoint follows this step: the trainer leaves its whole state of ``version + 1`` in the GPS (a sharded
+    # one writes its shards as ``<policy>.checkpoint``) before it reports ``Trained``
+    checkpoint: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -275,6 +275,10 @@ class VllmEngine:
             kv = int(1.25 * self.requested_batch * max_len * per_token) + (16 << 20)
         if kv:
             kv = max(kv, int(1.1 * limit * per_token))  # vLLM wants one sequence of the limit to fit
+        utilization = 0.85 * self.memory_share
+        if cuda:  # vLLM refuses to start unless this fraction of the GPU is free now (other roles, other devices)
+            free, total = torch.cuda.mem_get_info(self.device)
+            utilization = min(utilization, 0.9 * free / total)
         args = EngineArgs(
             model=self._dir,
             skip_tokenizer_init=True,  # token ids in and out; the worker holds the tokenizer
@@ -283,10 +287,11 @@ class VllmEngine:
             max_model_len=limit,
             max_num_seqs=self.requested_batch,
             kv_cache_memory_bytes=kv or None,
-            gpu_memory_utilization=round(0.85 * self.memory_share, 3),
+            gpu_memory_utilization=round(utilization, 3),
             logits_processors=[_processor_class()],
             enforce_eager=not cuda,
             enable_sleep_mode=cuda,
+            disable_log_stats=True,  # pivotrl reports what the engine did (progress events, the trace)
             seed=0,
         )
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads

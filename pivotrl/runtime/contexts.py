@@ -47,6 +47,7 @@ from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 
 POLICY, JUDGE, REFERENCE = "policy", "judge", "reference"  # the reference: the frozen initial policy (KL)
+CHECKPOINT_STATE = "policy.checkpoint"  # a sharded trainer's shards, copied for a checkpoint
 
 
 def checkpoint_meta(model: Decoder, tokenizer: Tokenizer) -> dict[str, Any]:

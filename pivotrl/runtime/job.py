@@ -15,20 +15,32 @@ from typing import Any
 
 import torch
 
+from pivotrl import checkpoint as ckpt
 from pivotrl.config import JobConfig, parse_split
 from pivotrl.control.controller import Controller
+from pivotrl.control.messages import Step
 from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.engine.kv_budget import GB
 from pivotrl.engine.vllm_engine import INSTALL as VLLM_INSTALL
 from pivotrl.engine.vllm_engine import available as vllm_available
 from pivotrl.errors import UserError
-from pivotrl.gps import LocalStore, ParameterStore
+from pivotrl.gps import Kind, LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
 from pivotrl.reward import GenRM
 from pivotrl.runtime import devices as dev
-from pivotrl.runtime.contexts import JUDGE, POLICY, REFERENCE, ContextSpec, build_model, publish_checkpoint
+from pivotrl.runtime.contexts import (
+    CHECKPOINT_STATE,
+    JUDGE,
+    POLICY,
+    REFERENCE,
+    ContextSpec,
+    build_model,
+    publish_checkpoint,
+)
+from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.local import LocalDriver
+from pivotrl.runtime.sharded import shard_name
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.arithmetic import Problem, read_jsonl
@@ -67,14 +79,85 @@ def context_spec(cfg: JobConfig, problems: list[Problem] | None = None, device: 
     )
 
 
-def publish_initial(store: ParameterStore, cfg: JobConfig) -> None:
-    """Policy version 0 and the judge go into the GPS; devices load only from there."""
+def publish_initial(store: ParameterStore, cfg: JobConfig, resume: ckpt.Checkpoint | None = None) -> None:
+    """Policy version 0 (or the resumed checkpoint's version and optimizer state) and the judge go into the GPS;
+    devices load only from there."""
     policy, ptok = load_model(cfg.policy.path, cfg.policy.dtype)
-    publish_checkpoint(store, POLICY, 0, policy, ptok)
+    if resume is None:
+        publish_checkpoint(store, POLICY, 0, policy, ptok)
+    else:
+        resume.restore(store)
     if cfg.train.kl_coef > 0:  # the KL reference outlives the policy versions the GPS keeps
         publish_checkpoint(store, REFERENCE, 0, policy, ptok)
     judge, jtok = load_model(cfg.judge.path, cfg.judge.dtype)
     publish_checkpoint(store, JUDGE, 0, judge, jtok)
+
+
+def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
+    """The checkpoint ``out`` resumes from, once it is clear the run can go on from it."""
+    if not (Path(out) / "config.json").is_file():
+        raise ckpt.CheckpointError(f"{out}: not a run directory (no config.json)")
+    start = ckpt.latest(out)
+    if start.state["config"] != cfg.to_dict():
+        saved, now = start.state["config"], cfg.to_dict()
+        changed = sorted(_diff(saved, now))
+        raise ckpt.CheckpointError(
+            f"{out}: the config differs from the run's ({', '.join(changed)}); resume with the run's own config"
+        )
+    summary = Path(out) / "summary.json"
+    if summary.is_file() and start.step < cfg.steps and _finished(summary, cfg.steps):
+        raise ckpt.CheckpointError(f"{out}: the run finished all {cfg.steps} steps; nothing to resume")
+    logger.info("resuming %s from step %d (%s)", out, start.step, start.path.name)
+    return start
+
+
+def _finished(summary: Path, steps: int) -> bool:
+    import json
+
+    try:
+        return json.loads(summary.read_text()).get("steps") == steps
+    except ValueError:
+        return False
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{path}.{k}" if path else k)]
+    return [] if a == b else [path]
+
+
+def save_checkpoint(
+    cfg: JobConfig,
+    out: str | Path,
+    store: ParameterStore,
+    ctl: Controller,
+    groups: TrainGroups,
+    ckpt_worlds: set[int],
+    metrics_rows: int,
+    samples_rows: int,
+) -> None:
+    """Write the checkpoint of the step just finished (``ctl.checkpoint_due``) from the GPS."""
+    state = ctl.checkpoint()
+    version = state["version"]
+    entries = [ckpt.Entry(POLICY, POLICY, version, Kind.WEIGHTS)]
+    copies = [  # a sharded trainer's shards, copied for this checkpoint by the group that stepped
+        ckpt.Entry(shard_name(CHECKPOINT_STATE, r, w), shard_name(POLICY, r, w), version, Kind.OPTIMIZER)
+        for w in sorted(ckpt_worlds)
+        for r in range(w)
+        if version in store.versions(shard_name(CHECKPOINT_STATE, r, w), Kind.OPTIMIZER)
+    ]
+    world = 0
+    if copies:
+        world = groups.state_world
+        entries += [e for e in copies if e.name.endswith(f"of{world}")]
+    elif version in store.versions(POLICY, Kind.OPTIMIZER):  # replicated: rank 0 publishes it every step
+        entries.append(ckpt.Entry(POLICY, POLICY, version, Kind.OPTIMIZER))
+    meta = {"step": state["step"], "config": cfg.to_dict(), "controller": state, "train_state_world": world}
+    meta |= {"metrics_rows": metrics_rows, "samples_rows": samples_rows}
+    try:
+        ckpt.write(out, store, entries, meta, cfg.checkpoint.keep)
+    finally:
+        ckpt.free(store, copies)
 
 
 def run_job(
@@ -84,15 +167,19 @@ def run_job(
     ray_address: str | None = None,
     policy: AllocationPolicy | None = None,
     in_process: bool | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run the whole job; writes the run directory (metrics, summary, events, trace, timeline, policy).
 
     ``policy`` replaces the one ``cfg.mode`` names (tests, experiments);
     ``in_process`` forces the in-process driver (default: only for one device
-    and no Ray address).
+    and no Ray address). ``resume`` continues the run in ``out`` from its
+    newest usable checkpoint (see :mod:`pivotrl.checkpoint`); ``cfg`` must be
+    the run's own.
     """
     from tqdm import tqdm
 
+    start = resumable(cfg, out) if resume else None
     for key, backend in (("rollout.backend", cfg.rollout.backend), ("judge.backend", cfg.judge.backend)):
         if backend == "vllm" and not vllm_available():
             raise UserError(f"{key}=vllm: vLLM is not installed here; install it with {VLLM_INSTALL}, or use native")
@@ -127,24 +214,34 @@ def run_job(
         cspec = context_spec(cfg, train_set + heldout, device=kind)
         threads = dev.thread_shares(["local"] * cfg.devices, {"local": dev.machine_cores()}, cfg.threads_per_device)
         driver = LocalDriver([Worker(d, store, cspec, spec, origin, threads=threads[d]) for d in range(cfg.devices)])
-    writer = RunWriter(out)  # only once the devices are up: a failed start leaves no half-written run
+    # only once the devices are up: a failed start leaves no half-written run (a resumed one keeps its rows)
+    kept = None if start is None else (start.state["metrics_rows"], start.state["samples_rows"])
+    writer = RunWriter(out, keep=kept)
     writer.write_json("config.json", cfg.to_dict())
     try:
-        publish_initial(store, cfg)
+        publish_initial(store, cfg, start)
+        if start is not None:
+            driver.groups.state_world = start.state["train_state_world"]  # a sharded trainer reads these shards
         origin = time.time()  # the run clock starts once every device is up and the weights are in the GPS
         driver.start_clock(origin)
         genrm = GenRM(cfg.judge.template, cfg.judge.verdict_pattern, cfg.judge.rewards, cfg.judge.fallback_reward)
         clock = lambda: time.time() - origin
-        ctl = Controller(loop_spec(cfg), policy, genrm, train_set, heldout, clock)
+        resume_state = None if start is None else start.state["controller"]
+        ctl = Controller(loop_spec(cfg), policy, genrm, train_set, heldout, clock, resume_state)
+        ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary
         bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)
+        bar.update(ctl.first_step - 1)
         started = clock()
         commands = ctl.start()
-        written = 0
+        written, samples_rows = len(ctl.metrics), writer.rows("samples.jsonl")
+        ckpt_worlds: set[int] = set()  # sizes of the sharded train groups that copied state for a checkpoint
         while not ctl.done:
             for c in commands:
                 driver.submit(c)
+                if isinstance(c, Step) and c.checkpoint:
+                    ckpt_worlds.add(len(c.devices))
             commands = ctl.handle_all(driver.next_events())
-            writer.samples(sample_rows(ctl.finished_steps))
+            samples_rows += writer.samples(sample_rows(ctl.finished_steps))
             ctl.finished_steps.clear()
             while written < len(ctl.metrics):
                 m = ctl.metrics[written]
@@ -153,6 +250,9 @@ def run_job(
                 acc = ctl.accuracy.get(max(ctl.accuracy), 0.0)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
+            if ctl.checkpoint_due is not None:  # before the next commands: the state of this step boundary
+                save_checkpoint(cfg, out, store, ctl, driver.groups, ckpt_worlds, written, samples_rows)
+                ctl.checkpoint_due = None
         bar.close()
         wall = clock() - started
         slices = driver.slices()
@@ -163,6 +263,8 @@ def run_job(
     finally:
         driver.close()
     summary = summarize(cfg, ctl, slices, wall)
+    if start is not None:
+        summary["resumed_from_step"] = start.step
     summary["policy_checkpoint"] = str(Path(out) / "policy")
     summary["gps_bytes"] = gps_memory
     writer.write_json("summary.json", summary)

@@ -172,8 +172,11 @@ class ShardedTrainer:
         load_rows(self.model, snap, self.rank, self.group.world_size)
         self.version = snap.version
 
-    def export_shard(self, store: ParameterStore, model_name: str) -> int:
-        """Write this rank's rows of the master weights and AdamW moments to the GPS; returns bytes written."""
+    def export_shard(self, store: ParameterStore, model_name: str, *, leaving: bool = True) -> int:
+        """Write this rank's rows of the master weights and AdamW moments to the GPS; returns bytes written.
+
+        ``leaving``: the state leaves the device (a membership change, a release): it is not written twice.
+        False for a copy taken for a checkpoint, under its own ``model_name``."""
         if self.pending or any(p.grad is not None for p in self.model.parameters()):
             raise RuntimeError("export_shard with buffered samples or gradients: step() first")
         tensors: dict[str, Tensor] = {}
@@ -193,7 +196,7 @@ class ShardedTrainer:
             info = store.publish(name, self.version, tensors, Kind.OPTIMIZER, meta)
         except VersionError:  # written already (released, then asked again): versions are immutable
             return 0
-        self.exported = True
+        self.exported = self.exported or leaving
         return info.nbytes
 
     def import_shards(self, store: ParameterStore, model_name: str, version: int, world_size: int) -> int:

@@ -41,6 +41,7 @@ from pivotrl.log import logger
 from pivotrl.model import ModelConfig
 from pivotrl.model.loader import DTYPES
 from pivotrl.runtime.contexts import (
+    CHECKPOINT_STATE,
     JUDGE,
     POLICY,
     REFERENCE,
@@ -436,6 +437,9 @@ class Worker:
         stats, tokens, backward_s = sharded.step(cmd.total_tokens)
         ctx.version = sharded.version
         sharded.publish_weights(store, POLICY, DTYPES[self.spec.rollout_dtype], ctx.meta)  # what rollout runs in
+        if cmd.checkpoint:  # every rank's shard in the GPS before rank 0 reports the step done
+            sharded.export_shard(store, CHECKPOINT_STATE, leaving=False)
+            group.all_reduce_(torch.zeros(1, device=group.device))
         if group.rank == 0:
             sharded.free_imported(store, POLICY)
             store.retain(POLICY, self.train_spec.keep_versions, Kind.WEIGHTS)

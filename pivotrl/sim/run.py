@@ -179,7 +179,7 @@ def build(cfg: JobConfig) -> Simulation:
         alloc.judge_kv = judge_kv
     train_set = synthetic.problems(max(r.prompts_per_step, 1024))
     heldout = synthetic.problems(cfg.eval.size, tag="h")
-    loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0)
+    loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0, checkpoint_every=0)
     return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
 
 

