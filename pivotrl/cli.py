@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 
 from pivotrl.config import ConfigError, JobConfig, load_config, parse_split
-from pivotrl.errors import UserError
+from pivotrl.errors import RunInterrupted, UserError
 from pivotrl.log import logger, setup_logging
 
 USAGE_ERROR = 2
+INTERRUPTED = 3  # the run stopped on a fault it cannot recover from; --resume continues it
 
 
 def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"pivotrl: error: {e}", file=sys.stderr)
         return USAGE_ERROR
+    except RunInterrupted as e:
+        print(f"pivotrl: stopped: {e}", file=sys.stderr)
+        return INTERRUPTED
     except KeyboardInterrupt:
         logger.warning("interrupted")
         return 130

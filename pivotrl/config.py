@@ -196,6 +196,27 @@ class CheckpointConfig:
         _at_least(self, 0, "every", "keep")
 
 
+Phase = Literal["rollout", "judge", "backward", "optimizer", "shift"]
+FaultKind = Literal["kill", "hang"]
+
+
+@dataclass(slots=True)
+class FaultConfig:
+    """A fault injected on purpose (tests, drills): device ``device`` (or, with ``first``, whichever device
+    it comes to first) dies (``kill``) or stops answering (``hang``) when it is sent the first command of
+    ``phase`` in step ``step``. Ray devices only."""
+
+    device: int = -1  # the device to fail; -1 = no fault (unless first)
+    first: bool = False  # fail the first device sent a command of the phase in the step, whichever it is
+    step: int = 1  # the step it fails in
+    phase: Phase = "rollout"  # rollout | judge | backward | optimizer | shift
+    kind: FaultKind = "kill"  # kill: the device's process dies; hang: it stops answering (device_timeout ends it)
+
+    def __post_init__(self) -> None:
+        _at_least(self, -1, "device")
+        _at_least(self, 1, "step")
+
+
 @dataclass(slots=True)
 class JobConfig:
     seed: int = 0  # seeds data order, sampling and initialisation
@@ -215,6 +236,10 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO update
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints for --resume
+    # seconds any call to a device may take before the device is treated as lost (its work is redone elsewhere)
+    device_timeout: float = 600.0
+    restart_lost: bool = True  # start a lost device again (Ray devices): it rejoins holding no role
+    fault: FaultConfig = field(default_factory=FaultConfig)  # a fault injected on purpose
     sim: SimConfig = field(default_factory=SimConfig)  # what `pivotrl simulate` models (ignored by train)
 
     def __post_init__(self) -> None:
@@ -222,6 +247,13 @@ class JobConfig:
         _at_least(self, 1, "devices", "steps")
         _at_least(self, 0, "threads_per_device")
         _check(self, "gpus_per_device", lambda v: 0 < v <= 1, "a number in (0, 1] (the share of one GPU per device)")
+        _check(self, "device_timeout", lambda v: v > 0, "a number of seconds > 0")
+        if self.fault.device >= self.devices and not self.fault.first:
+            raise ValueError(
+                f"fault.device: {self.fault.device} is not one of the {self.devices} devices (0..{self.devices - 1})"
+            )
+        if self.fault.step > self.steps:
+            raise ValueError(f"fault.step: {self.fault.step} is after the last step ({self.steps})")
         parse_split(self.split)
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """A mistake in what the user asked for (a path, an address, a combination of settings)."""
+
+
+class RunInterrupted(Exception):
+    """The run cannot go on (a device lost with state nothing else holds); the message says how to resume it."""

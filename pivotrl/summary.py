@@ -99,6 +99,7 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
         "device_idle_fraction": max(0.0, 1.0 - sum(busy.values()) / capacity),
         "shifts": len(shift_s),
         "migrations": sum(m["migrations"] for m in ctl.metrics),
+        "devices_lost": [{"seconds": round(t, 3), "device": d, "reason": why} for t, d, why in ctl.lost_log],
         # migrated sequences regenerated unmigrated beside them (rollout.audit_migrations): how many compared,
         # the share with identical tokens, and how many copies a shift stopped before they finished
         "migration_audit": audit | {"identical_share": audit["identical"] / max(audit["checked"], 1)},

@@ -32,6 +32,8 @@ from pivotrl.control.messages import (
     Accumulate,
     Accumulated,
     Command,
+    DeviceJoined,
+    DeviceLost,
     Event,
     Generated,
     GenParams,
@@ -83,6 +85,7 @@ class LoopSpec:
     judge_per_device: int = 0  # judgments in flight per device (0: per_device)
     judge_kv: int = 0  # tokens of paged KV cache a judge device holds: its judgments' reads at most (0: no limit)
     rebalance: bool = True  # even out the sequences in flight over the rollout devices once none is queued
+    sharded_train: bool = False  # the trainer shards its state over the train devices (one lost loses the state)
     checkpoint_every: int = 0  # a checkpoint after every this many steps (0: none); see ``Controller.checkpoint``
 
 
@@ -98,6 +101,8 @@ class DeviceView:
     heading: Role | None = None  # the role of the shift in flight
     accumulating: bool = False  # an Accumulate in flight
     grads: bool = False  # holds gradients of this step: stays in the train role until the step
+    held: list[int] = field(default_factory=list)  # samples (indexes) handed to its backward this step
+    lost: bool = False  # died or hung; out of every role until it joins again
 
 
 @dataclass(slots=True)
@@ -114,6 +119,7 @@ class StepRecord:
     judge_tokens: int = 0
     judge_prefill_tokens: int = 0  # tokens the judge devices read: prompts, templates, preempted judgments again
     migrations: int = 0
+    recovered: int = 0  # sequences and judgments begun again, and samples backpropagated again, after a lost device
     generated: int = 0
     group_judged: dict[int, int] = field(default_factory=dict)  # prompt index -> judged members
     group_generated: dict[int, int] = field(default_factory=dict)  # prompt index -> generated members
@@ -124,6 +130,11 @@ class StepRecord:
     first_judged: float | None = None
     judge_end: float | None = None
     train_start: float | None = None
+
+
+class DeviceLostError(RuntimeError):
+    """A device was lost with state nothing else holds (its part of an optimizer step, a shard of the sharded
+    train state): the run cannot go on; it resumes from its newest checkpoint."""
 
 
 class Controller:
@@ -159,7 +170,7 @@ class Controller:
         self._handlers: dict[type, Callable[[Any], None]] = {
             ShiftDone: self._on_shift, Generated: self._on_generated, Judged: self._on_judged,
             Trained: self._on_trained, Aborted: self._on_aborted, Accumulated: self._on_accumulated,
-            Progress: self._on_progress,
+            Progress: self._on_progress, DeviceLost: self._on_lost, DeviceJoined: self._on_joined,
         }  # fmt: skip
         self._holders: dict[Role, set[int]] = {role: set() for role in Role}  # the devices holding each role
         self._pick_role: dict[Role, Callable[[tuple[int, ...]], Iterable[int]]] = {}  # see _role_load
@@ -182,6 +193,8 @@ class Controller:
         # the last step's judgment lengths, sorted, and the sums of each suffix (what a running judgment
         # has still to write is judged by them: a judge that reasons writes lengths of a long tail)
         self._judgments: tuple[list[int], list[int]] = ([], [0])
+        self._last_accumulate: dict[int, int] = {}  # device -> samples of its Accumulate in flight (or last)
+        self.lost_log: list[tuple[float, int, str]] = []  # (when, device, why) of every device lost
         self.done = False
         self.top_reward = max(genrm.rewards.values())
         self.first_step = 1  # the step this run starts at (later when it resumes a checkpoint)
@@ -279,7 +292,7 @@ class Controller:
         if targets != self._looked[0] or version != self._looked[1]:
             visit: Iterable[int] = range(len(self.devices))
             self._looked = (dict(targets), version)
-            self._wanted = Counter(targets.values())  # devices each role is to have
+            self._wanted = Counter(r for i, r in targets.items() if not self.devices[i].lost)  # each role is to have
         else:
             visit = sorted(self._touched)
         self._touched = set()
@@ -288,7 +301,7 @@ class Controller:
             d = devices[i]
             for ready in ready_sets:  # (looked at again: ready for its role's work below, or not)
                 ready.discard(i)
-            if d.shifting or d.training or d.aborting or d.accumulating or d.grads:
+            if d.shifting or d.training or d.aborting or d.accumulating or d.grads or d.lost:
                 continue
             leaving = d.leaving
             want = targets[i] if leaving is None else leaving
@@ -507,6 +520,66 @@ class Controller:
         if e.role is Role.GENRM and self.step is not None:
             self.step.judge_prefill_tokens += e.prefill_tokens
 
+    def _on_lost(self, e: DeviceLost) -> None:
+        """A device died or hung: its work begins again elsewhere (see ``DeviceLost``), the plan goes on
+        without it until it joins again."""
+        d = self.devices[e.device]
+        where = f"device {e.device} ({d.role.value if d.role else 'no role'})"
+        step = self.step.step if self.step else self.spec.steps
+        if d.training:
+            raise DeviceLostError(f"{where} was lost in the optimizer step of step {step}: {e.reason}")
+        if d.role is Role.TRAIN and self.spec.sharded_train and self.version > 0:
+            raise DeviceLostError(f"{where} was lost holding its shard of the sharded train state: {e.reason}")
+        if d.role is not None:
+            self._holders[d.role].discard(d.id)
+            self._pick_role.pop(d.role, None)
+        redo_gen, redo_judge = [], []
+        for uid in sorted(self.scheduler.running(e.device)):
+            self.tokens_so_far.pop(uid, None)
+            if d.role is Role.GENRM:
+                s = self.by_uid[uid]
+                redo_judge.append(
+                    JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge)
+                )
+            else:
+                redo_gen.append(self._gen_request(uid))
+        self.scheduler.forget(e.device)
+        self.scheduler.submit_gen(redo_gen, front=True)
+        self.scheduler.submit_judge(redo_judge, front=True)
+        recovered = len(redo_gen) + len(redo_judge)
+        if d.held and self.step is not None:  # its gradients are gone: those samples go through backward again
+            rec = self.step
+            done = len(d.held) if not d.accumulating else len(d.held) - self._in_flight_backward(d)
+            rec.accumulated -= done
+            rec.backward.difference_update(d.held)
+            self.train_queue.extendleft(reversed(d.held))
+            recovered += len(d.held)
+        if self.step is not None:
+            self.step.recovered += recovered
+        self.devices[e.device] = DeviceView(e.device, lost=True)
+        self._touched.add(e.device)
+        self._looked = (None, -1)  # every device is looked at again: the roles are to be spread anew
+        self._rebalance_due = True
+        self.lost_log.append((self.clock(), e.device, e.reason))
+
+    def _in_flight_backward(self, d: DeviceView) -> int:
+        """Samples of ``d``'s last Accumulate, still running when it was lost (not counted as accumulated)."""
+        return self._last_accumulate.get(d.id, 0)
+
+    def _on_joined(self, e: DeviceJoined) -> None:
+        self.devices[e.device] = DeviceView(e.device)
+        self._touched.add(e.device)
+        self._looked = (None, -1)
+
+    def _gen_request(self, uid: int) -> GenRequest:
+        """A generation request from the start: a rollout sample's, or a held-out problem's."""
+        template = self.spec.prompt_template
+        if uid >= EVAL_UID:
+            p = self.heldout[(uid - EVAL_UID) % EVAL_STRIDE]
+            return GenRequest(uid, template.format(question=p.question), 0, self.spec.eval_params)
+        s = self.by_uid[uid]
+        return GenRequest(uid, template.format(question=s.question), s.seed, self.spec.rollout)
+
     def _on_aborted(self, e: Aborted) -> None:
         """Requests taken from a device (it leaves its role, or hands its excess over when the
         rollout is rebalanced) go back to the front of their queue."""
@@ -625,7 +698,7 @@ class Controller:
         n = len(self.step.samples)
         if not self.train_queue and self.step.accumulated < n:  # nothing to hand out, the step not due
             return []
-        train_devs = self.policy.train_devices()
+        train_devs = tuple(i for i in self.policy.train_devices() if not self.devices[i].lost)
         if not train_devs:
             return []
         cmds: list[Command] = []
@@ -655,6 +728,8 @@ class Controller:
                 take.append(self.train_queue.popleft())  # to the nearest sample
                 tokens += self._train_tokens(take[-1])
             self.step.backward.update(take)
+            self.devices[i].held += take
+            self._last_accumulate[i] = len(take)
             cmds.append(Accumulate(i, self.version, self._shard(take)))
             self.devices[i].accumulating = self.devices[i].grads = True
             if self.step.train_start is None:
@@ -689,6 +764,8 @@ class Controller:
     def _on_trained(self, e: Trained) -> None:
         assert self.step is not None
         self.version = e.version
+        for d in self.devices:
+            d.held = []
         for i in e.devices:
             d = self.devices[i]
             d.training, d.grads = False, False
@@ -755,6 +832,7 @@ class Controller:
             "time_s": phase_times(rec),
             "shifts": rec.shifts,
             "migrations": rec.migrations,
+            "recovered": rec.recovered,
             "shift_seconds": rec.shift_seconds,
             **{f"train_{k}": v for k, v in rec.train_stats.items() if k != MISMATCH},
             # mean |trainer - engine| log-prob of the step's response tokens (the engine's numerical drift)

@@ -233,4 +233,21 @@ class Aborted:
     seconds: float
 
 
-Event = ShiftDone | Generated | Judged | Progress | Accumulated | Trained | Aborted
+@dataclass(slots=True, frozen=True)
+class DeviceLost:
+    """A device died or missed its deadline (``device_timeout``): whatever it held is gone. Its sequences are
+    generated again elsewhere from their seeds (the same tokens), its judgments redone, the samples it had
+    backpropagated backpropagated again on the other train devices."""
+
+    device: int
+    reason: str
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceJoined:
+    """A device lost earlier is back (restarted), holding no role."""
+
+    device: int
+
+
+Event = ShiftDone | Generated | Judged | Progress | Accumulated | Trained | Aborted | DeviceLost | DeviceJoined

@@ -169,6 +169,14 @@ class Scheduler:
         if weight is not None:
             self._work[device] -= weight
 
+    def forget(self, device: int) -> set[int]:
+        """A lost device's requests are no longer in flight there; returns their uids (the caller queues them
+        again)."""
+        uids = set(self.running(device))
+        for uid in uids:
+            self.finished(device, uid)
+        return uids
+
     def dispatch_gen(self, devices: list[int], version: int, joining: int = 0) -> list[Generate]:
         batches = self._spread(self.gen_queue, devices, self.per_device, joining)
         return [Generate(d, tuple(reqs), version) for d, reqs in batches.items()]

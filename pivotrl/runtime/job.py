@@ -10,20 +10,21 @@ every role's weights from the Global Parameter Storage.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pivotrl import checkpoint as ckpt
-from pivotrl.config import JobConfig, parse_split
-from pivotrl.control.controller import Controller
+from pivotrl.config import FaultConfig, JobConfig, parse_split
+from pivotrl.control.controller import Controller, DeviceLostError
 from pivotrl.control.messages import Step
 from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.engine.kv_budget import GB
 from pivotrl.engine.vllm_engine import INSTALL as VLLM_INSTALL
 from pivotrl.engine.vllm_engine import available as vllm_available
-from pivotrl.errors import UserError
+from pivotrl.errors import RunInterrupted, UserError
 from pivotrl.gps import Kind, LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
@@ -98,8 +99,9 @@ def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     if not (Path(out) / "config.json").is_file():
         raise ckpt.CheckpointError(f"{out}: not a run directory (no config.json)")
     start = ckpt.latest(out)
-    if start.state["config"] != cfg.to_dict():
-        saved, now = start.state["config"], cfg.to_dict()
+    saved, now = dict(start.state["config"]), cfg.to_dict()
+    saved.pop("fault", None), now.pop("fault")  # a drill is not part of the job (and is not replayed)
+    if saved != now:
         changed = sorted(_diff(saved, now))
         raise ckpt.CheckpointError(
             f"{out}: the config differs from the run's ({', '.join(changed)}); resume with the run's own config"
@@ -180,6 +182,8 @@ def run_job(
     from tqdm import tqdm
 
     start = resumable(cfg, out) if resume else None
+    if start is not None:
+        cfg = replace(cfg, fault=FaultConfig())  # an injected fault happened once, in the run resumed
     for key, backend in (("rollout.backend", cfg.rollout.backend), ("judge.backend", cfg.judge.backend)):
         if backend == "vllm" and not vllm_available():
             raise UserError(f"{key}=vllm: vLLM is not installed here; install it with {VLLM_INSTALL}, or use native")
@@ -201,6 +205,8 @@ def run_job(
     origin = time.time()
     if in_process is None:
         in_process = cfg.devices == 1 and ray_address is None
+    if in_process and (cfg.fault.device >= 0 or cfg.fault.first):
+        raise UserError("fault.device: faults are injected into Ray devices (devices > 1, or --ray-address)")
     if not in_process:
         from pivotrl.runtime.ray_driver import RayDriver
 
@@ -227,7 +233,9 @@ def run_job(
         genrm = GenRM(cfg.judge.template, cfg.judge.verdict_pattern, cfg.judge.rewards, cfg.judge.fallback_reward)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        ctl = Controller(loop_spec(cfg), policy, genrm, train_set, heldout, clock, resume_state)
+        kind = driver.kind if not in_process else kind
+        loop = replace(loop_spec(cfg), sharded_train=cfg.train.resolved_backend(kind) == "fsdp")
+        ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
         ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary
         bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)
         bar.update(ctl.first_step - 1)
@@ -240,7 +248,12 @@ def run_job(
                 driver.submit(c)
                 if isinstance(c, Step) and c.checkpoint:
                     ckpt_worlds.add(len(c.devices))
-            commands = ctl.handle_all(driver.next_events())
+            try:
+                commands = ctl.handle_all(driver.next_events())
+            except DeviceLostError as e:
+                newest = sorted((Path(out) / ckpt.DIR).glob(f"{ckpt.PREFIX}*"))
+                since = f"newest checkpoint: {newest[-1].name}" if newest else "no checkpoint yet: it starts over"
+                raise RunInterrupted(f"{e}; resume with: pivotrl train --resume {out} ({since})") from e
             samples_rows += writer.samples(sample_rows(ctl.finished_steps))
             ctl.finished_steps.clear()
             while written < len(ctl.metrics):

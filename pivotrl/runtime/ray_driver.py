@@ -15,12 +15,24 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from dataclasses import replace
 from typing import Any
 
 from pivotrl.config import JobConfig
-from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate, Judge, Shift, Step
+from pivotrl.control.messages import (
+    Abort,
+    Accumulate,
+    Command,
+    DeviceJoined,
+    DeviceLost,
+    Event,
+    Generate,
+    Judge,
+    Shift,
+    Step,
+)
 from pivotrl.errors import UserError
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
@@ -70,6 +82,11 @@ class DeviceActor:
 
     def shift(self, role: Any, version: int) -> Event:
         return self.worker.shift(role, version)
+
+    def hang(self) -> None:
+        """Stop answering (fault injection, ``fault.kind=hang``): the calls queued behind this one wait."""
+        while True:
+            time.sleep(3600)
 
     def generate(self, cmd: Generate) -> None:
         self.worker.generate(cmd)
@@ -203,18 +220,28 @@ class RayDriver:
             spec = replace(spec, device=self.kind)
             train = TrainSpec(cfg.train, cfg.rollout.temperature)
             gpus = cfg.gpus_per_device if self.kind == dev.CUDA else 0
-            for d in range(cfg.devices):
+
+            def start(d: int) -> Any:
                 where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
                 actor = ray.remote(DeviceActor).options(num_cpus=1, num_gpus=gpus, scheduling_strategy=where_d)
-                self.actors.append(actor.remote(d, self.store, spec, train, origin, threads[d], d))
+                return actor.remote(d, self.store, spec, train, self.origin, threads[d], d)
+
+            self.origin, self._start = origin, start
+            self.actors = [start(d) for d in range(cfg.devices)]
             self.bindings: list[dev.Binding] = ray.get([a.binding.remote() for a in self.actors])
             dev.check_bindings(cfg.device, self.kind, self.bindings)
         except BaseException:
             self.close()
             raise
         self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
+        self.sent: dict[Any, float] = {}  # ObjectRef -> when it was sent (device_timeout counts from there)
         self.running: set[int] = set()  # devices with a run() in flight
         self.dirty: set[int] = set()  # devices given work since their run() was sent
+        self.lost: set[int] = set()  # devices lost and not back yet
+        self.lost_events: list[Event] = []
+        self.timeout, self.restart = cfg.device_timeout, cfg.restart_lost
+        self.fault = cfg.fault if cfg.fault.device >= 0 or cfg.fault.first else None
+        self.version = 0  # the newest policy version a command named (the step of a Judge: it names none)
         self.groups = TrainGroups()
         if self.kind == dev.CUDA and any(b.kind != dev.CUDA for b in self.bindings):
             logger.warning("device actors hold GPU shares but their torch sees no CUDA: they compute on the CPU")
@@ -228,31 +255,66 @@ class RayDriver:
         """Wait until every device actor is up, then share the run clock's origin."""
         import ray
 
+        self.origin = origin
         ray.get([a.set_origin.remote(origin) for a in self.actors])
 
     def submit(self, cmd: Command) -> None:
+        devices = cmd.devices if isinstance(cmd, Step) else (cmd.device,)
+        if any(d in self.lost for d in devices):  # sent before its loss reached the controller: void
+            logger.warning("ray driver: %s for a lost device dropped", type(cmd).__name__)
+            return
+        if hasattr(cmd, "version"):
+            self.version = max(self.version, cmd.version)
+        self._inject(cmd, devices, before=True)
         if isinstance(cmd, Shift):
-            self.pending[self.actors[cmd.device].shift.remote(cmd.role, cmd.version)] = ("event", cmd.device)
+            self._send(self.actors[cmd.device].shift.remote(cmd.role, cmd.version), "event", cmd.device)
         elif isinstance(cmd, Generate | Judge):
             actor = self.actors[cmd.device]
             call = actor.generate if isinstance(cmd, Generate) else actor.judge
-            self.pending[call.remote(cmd)] = ("ack", cmd.device)
+            self._send(call.remote(cmd), "ack", cmd.device)
             self.dirty.add(cmd.device)
             self._run(cmd.device)
         elif isinstance(cmd, Accumulate):
-            self.pending[self.actors[cmd.device].accumulate.remote(cmd)] = ("event", cmd.device)
+            self._send(self.actors[cmd.device].accumulate.remote(cmd), "event", cmd.device)
         elif isinstance(cmd, Step):
             rendezvous, after = self.groups.plan(cmd.devices, self._retire, self._listen)
+            after = [a for a in after if a is not None]
             for rank, d in enumerate(cmd.devices):
                 ref = self.actors[d].step.remote(cmd, rank, rendezvous, self.groups.state_world, *after)
-                self.pending[ref] = ("event", d)
+                self._send(ref, "event", d)
             self.groups.stepped(cmd.devices)
         elif isinstance(cmd, Abort):
-            self.pending[self.actors[cmd.device].abort.remote(cmd.uids)] = ("event", cmd.device)
+            self._send(self.actors[cmd.device].abort.remote(cmd.uids), "event", cmd.device)
         else:
             raise TypeError(f"unknown command {cmd!r}")
+        self._inject(cmd, devices, before=False)
+
+    def _send(self, ref: Any, kind: str, device: int) -> None:
+        self.pending[ref] = (kind, device)
+        self.sent[ref] = time.monotonic()
+
+    def _inject(self, cmd: Command, devices: tuple[int, ...], before: bool) -> None:
+        """``fault``: fail its device at the first command of its phase in its step (a hang is queued before
+        the command, so the command waits behind it; a kill follows the command, which dies with the actor)."""
+        f = self.fault
+        if f is None or (not f.first and f.device not in devices) or (f.kind == "hang") != before:
+            return
+        phase = {Generate: "rollout", Judge: "judge", Accumulate: "backward", Step: "optimizer", Shift: "shift"}
+        if phase.get(type(cmd)) != f.phase or self.version + 1 != f.step:
+            return
+        import ray
+
+        device = devices[0] if f.first else f.device
+        self.fault = None
+        logger.warning("fault injected: device %d %s at the %s of step %d", device, f.kind, f.phase, f.step)
+        if f.kind == "hang":
+            self._send(self.actors[device].hang.remote(), "hang", device)
+        else:
+            ray.kill(self.actors[device], no_restart=True)
 
     def _retire(self, device: int) -> Any:
+        if device in self.lost:
+            return None
         return self.actors[device].retire_group.remote()
 
     def _listen(self, device: int, world_size: int) -> Any:
@@ -264,33 +326,78 @@ class RayDriver:
         if device not in self.running:
             self.running.add(device)
             self.dirty.discard(device)
-            self.pending[self.actors[device].run.remote(SLICE_SECONDS)] = ("run", device)
+            self._send(self.actors[device].run.remote(SLICE_SECONDS), "run", device)
 
     def next_events(self) -> list[Event]:
         import ray
+        from ray.exceptions import RayActorError
 
-        if not self.pending:
-            raise RuntimeError("the controller waits for events but no device has work")
-        ready, _ = ray.wait(list(self.pending), num_returns=1)
-        more, _ = ray.wait([r for r in self.pending if r not in ready], num_returns=len(self.pending) - 1, timeout=0)
-        out: list[Event] = []
-        for ref in [*ready, *more]:
-            kind, device = self.pending.pop(ref)
-            result = ray.get(ref)  # re-raises a device's error here, with its traceback
-            if kind == "run":
-                events, has_work = result
-                self.running.discard(device)
-                out += events
-                if has_work or device in self.dirty:
-                    self._run(device)
-            elif kind == "event" and result is not None:
-                out.append(result)
+        out, self.lost_events = self.lost_events, []
+        while not out:
+            if not self.pending:
+                raise RuntimeError("the controller waits for events but no device has work")
+            refs = list(self.pending)
+            timed = [r for r in refs if self.pending[r][0] != "join"]  # (a restart may take long)
+            wait = None
+            if self.timeout and timed:
+                wait = max(0.0, min(self.sent[r] for r in timed) + self.timeout - time.monotonic())
+            ready, _ = ray.wait(refs, num_returns=1, timeout=wait)
+            if not ready:  # the oldest call is past its deadline: its device is lost
+                device = self.pending[min(timed, key=self.sent.__getitem__)][1]
+                ray.kill(self.actors[device], no_restart=True)
+                out += self._lose(device, f"no answer within device_timeout={self.timeout:g} s")
+                continue
+            more, _ = ray.wait([r for r in refs if r not in ready], num_returns=len(refs) - 1, timeout=0)
+            for ref in [*ready, *more]:
+                if ref not in self.pending:  # dropped: its device was lost in this same batch
+                    continue
+                kind, device = self.pending.pop(ref)
+                self.sent.pop(ref, None)
+                try:
+                    result = ray.get(ref)  # re-raises a device's error here, with its traceback
+                except RayActorError as e:  # the device's process died
+                    out += self._lose(device, f"its process died ({type(e).__name__})")
+                    continue
+                if kind == "run":
+                    events, has_work = result
+                    self.running.discard(device)
+                    out += events
+                    if has_work or device in self.dirty:
+                        self._run(device)
+                elif kind == "join":
+                    ray.get(self.actors[device].set_origin.remote(self.origin))
+                    self.lost.discard(device)
+                    logger.warning("device %d is back", device)
+                    out.append(DeviceJoined(device))
+                elif kind == "event" and result is not None:
+                    out.append(result)
         return out
+
+    def _lose(self, device: int, reason: str) -> list[Event]:
+        """Forget everything sent to ``device``; start it again (``restart_lost``); the event for the controller."""
+        logger.warning("device %d lost: %s", device, reason)
+        for ref, (_, d) in list(self.pending.items()):
+            if d == device:
+                del self.pending[ref]
+                self.sent.pop(ref, None)
+        self.running.discard(device)
+        self.dirty.discard(device)
+        self.lost.add(device)
+        if self.restart:
+            self.actors[device] = self._start(device)
+            self._send(self.actors[device].binding.remote(), "join", device)
+        return [DeviceLost(device, reason)]
 
     def slices(self) -> list[Slice]:
         import ray
 
-        return [s for part in ray.get([a.drain_slices.remote() for a in self.actors]) for s in part]
+        out: list[Slice] = []
+        for d, a in enumerate(self.actors):
+            try:
+                out += ray.get(a.drain_slices.remote(), timeout=30)
+            except Exception as e:  # a device lost for good: its slices went with it
+                logger.warning("device %d: no slices (%s)", d, type(e).__name__)
+        return out
 
     def close(self) -> None:
         import ray

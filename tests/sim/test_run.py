@@ -35,7 +35,8 @@ SMALL = [
 REAL_RUN_KEYS = {  # what run_job writes to summary.json
     "mode", "devices", "split", "steps", "samples", "samples_per_s", "steady_samples_per_s", "tokens_per_s",
     "accuracy_start", "accuracy_end", "accuracy_gain", "genrm_agreement", "genrm_parse_failures",
-    "role_busy_fraction", "device_idle_fraction", "shifts", "migrations", "migration_audit", "shift_seconds",
+    "role_busy_fraction", "device_idle_fraction", "shifts", "migrations", "devices_lost", "migration_audit",
+    "shift_seconds",
     "wall_seconds",
     "policy_checkpoint", "gps_bytes",
 }  # fmt: skip

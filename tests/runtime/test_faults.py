@@ -1,0 +1,74 @@
+"""A device lost mid-run on Ray (fault.*): killed in each phase, or hung past device_timeout. The run goes on:
+every sample of every step once, the same tokens and rewards as an undisturbed run, the same update. What
+cannot be recovered (a device lost inside the optimizer step) stops the run with one line saying how to
+resume it, and the resume completes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pivotrl.errors import RunInterrupted
+from pivotrl.model import load_model
+from pivotrl.runtime.job import run_job
+from tests.runtime.test_job import small_job
+
+BASE = ("steps=2", "eval.every=0", "rollout.max_batch=4", "checkpoint.every=1")
+RAY = (*BASE, "mode=shiftable", "devices=4")
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_checkpoints, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("undisturbed")
+    run_job(small_job(tiny_checkpoints, *BASE), out, progress=False)
+    return out
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    sa, sb = rows(a / "samples.jsonl"), rows(b / "samples.jsonl")
+    key = lambda r: (r["step"], r["uid"])  # noqa: E731
+    assert sorted(map(key, sb)) == sorted(map(key, sa))  # every sample once: none lost, none twice
+    by = {key(r): r for r in sa}
+    for r in sb:
+        assert (r["response_ids"], r["reward"]) == (by[key(r)]["response_ids"], by[key(r)]["reward"])
+    pa, _ = load_model(a / "policy")
+    pb, _ = load_model(b / "policy")
+    for (name, x), y in zip(pa.state_dict().items(), pb.state_dict().values(), strict=True):
+        assert torch.allclose(x, y, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.parametrize("phase,step", [("rollout", 1), ("judge", 1), ("backward", 2), ("shift", 2)])
+def test_a_device_killed_mid_phase_costs_nothing(phase, step, undisturbed, tiny_checkpoints, tmp_path, ray_cluster):
+    fault = ("fault.first=true", f"fault.phase={phase}", f"fault.step={step}")  # whichever device does it
+    summary = run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
+    assert len(summary["devices_lost"]) == 1
+    assert "died" in summary["devices_lost"][0]["reason"]
+    assert_same_run(undisturbed, tmp_path)
+
+
+def test_a_hung_device_times_out_and_is_handled_the_same(undisturbed, tiny_checkpoints, tmp_path, ray_cluster):
+    fault = ("fault.first=true", "fault.phase=rollout", "fault.step=2", "fault.kind=hang", "device_timeout=8")
+    summary = run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
+    assert len(summary["devices_lost"]) == 1
+    assert "device_timeout=8" in summary["devices_lost"][0]["reason"]
+    assert_same_run(undisturbed, tmp_path)
+
+
+def test_a_device_lost_in_the_optimizer_step_stops_the_run_resumably(
+    undisturbed, tiny_checkpoints, tmp_path, ray_cluster
+):
+    cfg = small_job(tiny_checkpoints, *RAY, "fault.first=true", "fault.phase=optimizer", "fault.step=2")
+    with pytest.raises(RunInterrupted, match=r"optimizer step of step 2.*--resume .*newest checkpoint: step_000001"):
+        run_job(cfg, tmp_path, progress=False)
+    from pivotrl.config import load_config
+
+    summary = run_job(load_config(tmp_path / "config.json"), tmp_path, progress=False, resume=True)
+    assert summary["resumed_from_step"] == 1 and not summary["devices_lost"]  # the drill is not replayed
+    assert_same_run(undisturbed, tmp_path)
