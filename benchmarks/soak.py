@@ -119,8 +119,13 @@ def main() -> None:
         def watch() -> None:
             while not stop.wait(args.every):
                 samples.append(
-                    {"t": round(time.time() - t0, 1), "step": steps_done(run), "rss": tree_rss(proc.pid),
-                     "shm": shm_used()}  # fmt: skip
+                    {
+                        "t": round(time.time() - t0, 1),
+                        "step": steps_done(run),
+                        "rss": tree_rss(proc.pid),
+                        "shm": shm_used(),
+                        "shm_entries": sorted(os.listdir("/dev/shm"))[:20],
+                    }  # fmt: skip
                 )
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -131,13 +136,17 @@ def main() -> None:
         seconds = time.time() - t0
         time.sleep(5)  # whatever it leaves has had time to go
         left_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
-        ours = {pid for pid in processes() if pid not in procs_before and pid != os.getpid()}
-        left_procs = sorted(cmd for pid, (_, cmd) in processes().items() if pid in ours and "soak.py" not in cmd)
+        # new since the start and either orphaned (its parent gone) or Ray's or ours by name: what the job left
+        marks = ("ray::", "raylet", "gcs_server", "pivotrl", "ray/")
+        left_procs = sorted(
+            cmd for pid, (ppid, cmd) in processes().items()
+            if pid not in procs_before and pid != os.getpid() and (ppid == 1 or any(m in cmd for m in marks))
+        )  # fmt: skip
     if proc.returncode != 0:
         print(err[-3000:], file=sys.stderr)
         raise SystemExit(f"the job failed (exit {proc.returncode})")
     warm = args.steps // 10
-    steady = [s for s in samples if s["step"] > warm]
+    steady = [s for s in samples if warm < s["step"] < args.steps]  # not the start, not the way out
     report: dict[str, Any] = {"benchmark": "soak", "steps": args.steps, "devices": args.devices, "seconds": seconds}
     for key in ("rss", "shm"):
         points = [(s["step"], s[key] / 2**20) for s in steady]

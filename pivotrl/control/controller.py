@@ -45,6 +45,7 @@ from pivotrl.control.messages import (
     Shift,
     ShiftDone,
     Step,
+    StepFailed,
     Trained,
     TrainShard,
 )
@@ -171,6 +172,7 @@ class Controller:
             ShiftDone: self._on_shift, Generated: self._on_generated, Judged: self._on_judged,
             Trained: self._on_trained, Aborted: self._on_aborted, Accumulated: self._on_accumulated,
             Progress: self._on_progress, DeviceLost: self._on_lost, DeviceJoined: self._on_joined,
+            StepFailed: self._on_step_failed,
         }  # fmt: skip
         self._holders: dict[Role, set[int]] = {role: set() for role in Role}  # the devices holding each role
         self._pick_role: dict[Role, Callable[[tuple[int, ...]], Iterable[int]]] = {}  # see _role_load
@@ -265,11 +267,11 @@ class Controller:
         handler = self._handlers.get(kind)
         if handler is None:
             raise TypeError(f"unknown event {event!r}")
-        if kind is Trained:
+        if kind is Trained or kind is StepFailed:
             self._touched.update(event.devices)
         elif kind is not Progress:  # (a progress report changes no device's state)
             self._touched.add(event.device)
-        previous = self.devices[event.device].role if kind is ShiftDone else None
+        previous = self.devices[event.device].role if kind is ShiftDone else None  # (StepFailed: no .device)
         self.policy.observe(event, previous)
         if kind is not Progress:
             self._measure(event)
@@ -526,8 +528,10 @@ class Controller:
         d = self.devices[e.device]
         where = f"device {e.device} ({d.role.value if d.role else 'no role'})"
         step = self.step.step if self.step else self.spec.steps
-        if d.training:
+        if d.training and self.spec.sharded_train:
             raise DeviceLostError(f"{where} was lost in the optimizer step of step {step}: {e.reason}")
+        if d.training:  # the step is done again (StepFailed comes with this) or was done (Trained came first)
+            d.held = []
         if d.role is Role.TRAIN and self.spec.sharded_train and self.version > 0:
             raise DeviceLostError(f"{where} was lost holding its shard of the sharded train state: {e.reason}")
         if d.role is not None:
@@ -565,6 +569,23 @@ class Controller:
     def _in_flight_backward(self, d: DeviceView) -> int:
         """Samples of ``d``'s last Accumulate, still running when it was lost (not counted as accumulated)."""
         return self._last_accumulate.get(d.id, 0)
+
+    def _on_step_failed(self, e: StepFailed) -> None:
+        """The update did not happen: every sample of the step goes through backward again, on train devices
+        that take their state up afresh from the GPS (version ``e.version`` and its optimizer state)."""
+        assert self.step is not None and self.training and e.version == self.version
+        rec = self.step
+        self.training, self.train_ready = False, True
+        for i in e.devices:
+            d = self.devices[i]
+            d.training = d.grads = d.accumulating = False
+            d.held = []
+            d.version = -1  # stale: the pump shifts it into the train role again, reloading from the GPS
+        rec.accumulated = 0
+        rec.backward.clear()
+        self.train_queue = deque(i for i in range(len(rec.samples)) if i in rec.advantages)
+        rec.recovered += len(self.train_queue)
+        self._looked = (None, -1)
 
     def _on_joined(self, e: DeviceJoined) -> None:
         self.devices[e.device] = DeviceView(e.device)

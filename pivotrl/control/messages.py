@@ -244,10 +244,22 @@ class DeviceLost:
 
 
 @dataclass(slots=True, frozen=True)
+class StepFailed:
+    """The optimizer step of ``version`` did not happen (a device of it was lost): the devices still there
+    hold no usable train state; the step is done again from version ``version`` in the GPS."""
+
+    devices: tuple[int, ...]  # the step's devices still there
+    version: int
+    reason: str
+
+
+@dataclass(slots=True, frozen=True)
 class DeviceJoined:
     """A device lost earlier is back (restarted), holding no role."""
 
     device: int
 
 
-Event = ShiftDone | Generated | Judged | Progress | Accumulated | Trained | Aborted | DeviceLost | DeviceJoined
+Event = (
+    ShiftDone | Generated | Judged | Progress | Accumulated | Trained | Aborted | DeviceLost | DeviceJoined | StepFailed
+)

@@ -14,10 +14,12 @@ slices.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from pivotrl.config import JobConfig
@@ -32,6 +34,7 @@ from pivotrl.control.messages import (
     Judge,
     Shift,
     Step,
+    StepFailed,
 )
 from pivotrl.errors import UserError
 from pivotrl.gps import RayStore
@@ -43,7 +46,21 @@ from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
 
 SLICE_SECONDS = 0.05
+STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
 PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
+
+
+@dataclass(slots=True)
+class _StepCalls:
+    """The calls of one optimizer step, until every one has returned."""
+
+    devices: tuple[int, ...]
+    version: int
+    refs: dict[Any, int] = field(default_factory=dict)  # ObjectRef -> device, still out
+    trained: Any = None  # rank 0's Trained, once returned
+    lost: list[DeviceLost] = field(default_factory=list)
+    lost_at: float = 0.0  # when the first member was lost (monotonic)
+    errors: list[BaseException] = field(default_factory=list)
 
 
 class DeviceActor:
@@ -121,6 +138,69 @@ class DeviceActor:
 
     def set_origin(self, origin: float) -> None:
         self.worker.origin = origin
+
+
+MARKER = "pivotrl-driver"  # in the session directory of a Ray instance a pivotrl driver started: its pid
+
+
+def ray_temp_dir() -> Path:
+    return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
+
+
+def mark_session(session_dir: str) -> None:
+    """Note in the session directory of the Ray instance this driver started that this process owns it."""
+    (Path(session_dir) / MARKER).write_text(str(os.getpid()))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_sessions(root: Path | None = None) -> int:
+    """Remove what Ray instances started by pivotrl drivers that died (SIGKILL, a crash) left behind: the
+    processes still writing into their session directories (Ray's agents outlive a killed driver) and the
+    directories. Only sessions carrying this driver's marker are touched, never a cluster someone started.
+    Returns the processes ended."""
+    root = root or ray_temp_dir()
+    killed = 0
+    for session in sorted(root.glob("session_*")) if root.is_dir() else []:
+        marker = session / MARKER
+        try:
+            owner = int(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(owner):
+            continue
+        prefix = str(session.resolve())
+        ended = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                fds = os.listdir(f"/proc/{entry}/fd")
+                targets = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in fds]
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if prefix in cmdline or any(t.startswith(prefix) for t in targets):
+                try:
+                    os.kill(int(entry), 9)
+                    ended.append(int(entry))
+                except OSError:
+                    pass
+        shutil.rmtree(session, ignore_errors=True)
+        killed += len(ended)
+        logger.warning(
+            "removed a Ray instance left by pivotrl driver %d, which died: %d process(es), %s", owner, len(ended),
+            session.name,
+        )  # fmt: skip
+    return killed
 
 
 def check_reachable(address: str) -> None:
@@ -206,9 +286,11 @@ class RayDriver:
             if address is None:  # our own instance, never one that runs beside us. (Ray 2.60 turns the loopback
                 # node address into the machine's own and listens on all interfaces; the token auth it turns on
                 # for a local instance is what guards it.)
+                clean_stale_sessions()
                 gpus = dev.local_gpus() if cfg.device != dev.CPU else 0
                 ray.init(address="local", num_cpus=max(2, cfg.devices), num_gpus=gpus, _node_ip_address=dev.LOOPBACK,
                          **kwargs)  # fmt: skip
+                mark_session(ray._private.worker._global_node.get_session_dir_path())
             else:
                 _join_cluster(address, kwargs)
         try:
@@ -242,6 +324,9 @@ class RayDriver:
         self.timeout, self.restart = cfg.device_timeout, cfg.restart_lost
         self.fault = cfg.fault if cfg.fault.device >= 0 or cfg.fault.first else None
         self.version = 0  # the newest policy version a command named (the step of a Judge: it names none)
+        self.stepping: _StepCalls | None = None  # the optimizer step in flight
+        # a sharded trainer's step that loses a member cannot be saved: the run stops at once (see the controller)
+        self.sharded = cfg.train.resolved_backend(self.kind) == "fsdp"
         self.groups = TrainGroups()
         if self.kind == dev.CUDA and any(b.kind != dev.CUDA for b in self.bindings):
             logger.warning("device actors hold GPU shares but their torch sees no CUDA: they compute on the CPU")
@@ -279,9 +364,11 @@ class RayDriver:
         elif isinstance(cmd, Step):
             rendezvous, after = self.groups.plan(cmd.devices, self._retire, self._listen)
             after = [a for a in after if a is not None]
+            self.stepping = _StepCalls(cmd.devices, cmd.version)
             for rank, d in enumerate(cmd.devices):
                 ref = self.actors[d].step.remote(cmd, rank, rendezvous, self.groups.state_world, *after)
-                self._send(ref, "event", d)
+                self._send(ref, "step", d)
+                self.stepping.refs[ref] = d
             self.groups.stepped(cmd.devices)
         elif isinstance(cmd, Abort):
             self._send(self.actors[cmd.device].abort.remote(cmd.uids), "event", cmd.device)
@@ -330,7 +417,7 @@ class RayDriver:
 
     def next_events(self) -> list[Event]:
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         out, self.lost_events = self.lost_events, []
         while not out:
@@ -338,14 +425,21 @@ class RayDriver:
                 raise RuntimeError("the controller waits for events but no device has work")
             refs = list(self.pending)
             timed = [r for r in refs if self.pending[r][0] != "join"]  # (a restart may take long)
-            wait = None
-            if self.timeout and timed:
-                wait = max(0.0, min(self.sent[r] for r in timed) + self.timeout - time.monotonic())
+            deadlines = {r: self.sent[r] + self.timeout for r in timed} if self.timeout else {}
+            step = self.stepping
+            if step is not None and step.lost:  # the rest of a step that lost a member get a short grace
+                deadlines |= {r: step.lost_at + STEP_GRACE_S for r in step.refs}
+            wait = max(0.0, min(deadlines.values()) - time.monotonic()) if deadlines else None
             ready, _ = ray.wait(refs, num_returns=1, timeout=wait)
-            if not ready:  # the oldest call is past its deadline: its device is lost
-                device = self.pending[min(timed, key=self.sent.__getitem__)][1]
+            if not ready:  # the call with the earliest deadline is past it: its device is lost
+                late = min(deadlines, key=deadlines.__getitem__)
+                device = self.pending[late][1]
                 ray.kill(self.actors[device], no_restart=True)
-                out += self._lose(device, f"no answer within device_timeout={self.timeout:g} s")
+                if step is not None and late in step.refs:
+                    why = f"its part of the optimizer step was not done {STEP_GRACE_S:g} s after a member was lost"
+                else:
+                    why = f"no answer within device_timeout={self.timeout:g} s"
+                out += self._lose(device, why)
                 continue
             more, _ = ray.wait([r for r in refs if r not in ready], num_returns=len(refs) - 1, timeout=0)
             for ref in [*ready, *more]:
@@ -355,10 +449,25 @@ class RayDriver:
                 self.sent.pop(ref, None)
                 try:
                     result = ray.get(ref)  # re-raises a device's error here, with its traceback
-                except RayActorError as e:  # the device's process died
-                    out += self._lose(device, f"its process died ({type(e).__name__})")
+                except Exception as e:
+                    if isinstance(e, RayActorError) and not isinstance(e, RayTaskError):  # its process died
+                        out += self._lose(device, f"its process died ({type(e).__name__})")
+                        continue
+                    # a step call broken by a member lost: a collective with a dead peer, or the rendezvous a
+                    # dead rank 0 was to give (the call never ran); anything else is a real error
+                    if kind != "step" or self.stepping is None:
+                        raise
+                    self.stepping.errors.append(e)
+                    self.stepping.refs.pop(ref, None)
+                    out += self._step_done()
                     continue
-                if kind == "run":
+                if kind == "step":
+                    assert self.stepping is not None
+                    self.stepping.refs.pop(ref, None)
+                    if result is not None:
+                        self.stepping.trained = result
+                    out += self._step_done()
+                elif kind == "run":
                     events, has_work = result
                     self.running.discard(device)
                     out += events
@@ -374,7 +483,8 @@ class RayDriver:
         return out
 
     def _lose(self, device: int, reason: str) -> list[Event]:
-        """Forget everything sent to ``device``; start it again (``restart_lost``); the event for the controller."""
+        """Forget everything sent to ``device``; start it again (``restart_lost``); the events for the controller
+        (held back while an optimizer step it was part of is still to resolve: see ``_step_done``)."""
         logger.warning("device %d lost: %s", device, reason)
         for ref, (_, d) in list(self.pending.items()):
             if d == device:
@@ -383,10 +493,47 @@ class RayDriver:
         self.running.discard(device)
         self.dirty.discard(device)
         self.lost.add(device)
+        if device in self.groups.devices:  # its group is broken: the next step meets anew (members leave theirs)
+            self.groups.devices = ()
+        step = self.stepping
+        if step is not None and device in step.refs.values() and not self.sharded:
+            step.refs = {r: d for r, d in step.refs.items() if d != device}
+            step.lost.append(DeviceLost(device, reason))
+            step.lost_at = step.lost_at or time.monotonic()
+            return self._step_done()  # (it starts again once the step is resolved)
+        self._restart(device)
+        return [DeviceLost(device, reason)]
+
+    def _restart(self, device: int) -> None:
         if self.restart:
             self.actors[device] = self._start(device)
             self._send(self.actors[device].binding.remote(), "join", device)
-        return [DeviceLost(device, reason)]
+
+    def _step_done(self) -> list[Event]:
+        """Once every call of the optimizer step in flight has returned: its outcome. Done (rank 0 reported
+        it): ``Trained``, then the devices lost on the way. Not done: the lost devices, then ``StepFailed``
+        for the others, with any version the step half-published taken out of the GPS again."""
+        step = self.stepping
+        if step is None or step.refs:
+            return []
+        self.stepping = None
+        for e in step.lost:
+            self._restart(e.device)
+        if step.trained is not None:
+            return [step.trained, *step.lost]
+        if not step.lost:  # every call returned and none lost, yet no Trained: a real error
+            raise step.errors[0] if step.errors else RuntimeError(f"the step of v{step.version} reported nothing")
+        from pivotrl.gps import Kind
+        from pivotrl.runtime.contexts import POLICY
+
+        assert self.store is not None
+        if step.version + 1 in self.store.versions(POLICY, Kind.WEIGHTS):
+            self.store.free(POLICY, step.version + 1, Kind.WEIGHTS)
+        lost = {e.device for e in step.lost}
+        survivors = tuple(d for d in step.devices if d not in lost)
+        reason = "; ".join(f"device {e.device}: {e.reason}" for e in step.lost)
+        logger.warning("the optimizer step of v%d failed (%s): it is done again", step.version, reason)
+        return [*step.lost, StepFailed(survivors, step.version, reason)]
 
     def slices(self) -> list[Slice]:
         import ray

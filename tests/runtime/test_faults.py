@@ -44,7 +44,9 @@ def assert_same_run(a: Path, b: Path) -> None:
         assert torch.allclose(x, y, atol=1e-5, rtol=0), name
 
 
-@pytest.mark.parametrize("phase,step", [("rollout", 1), ("judge", 1), ("backward", 2), ("shift", 2)])
+@pytest.mark.parametrize(
+    "phase,step", [("rollout", 1), ("judge", 1), ("backward", 2), ("optimizer", 1), ("optimizer", 2), ("shift", 2)]
+)
 def test_a_device_killed_mid_phase_costs_nothing(phase, step, undisturbed, tiny_checkpoints, tmp_path, ray_cluster):
     fault = ("fault.first=true", f"fault.phase={phase}", f"fault.step={step}")  # whichever device does it
     summary = run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
@@ -61,12 +63,14 @@ def test_a_hung_device_times_out_and_is_handled_the_same(undisturbed, tiny_check
     assert_same_run(undisturbed, tmp_path)
 
 
-def test_a_device_lost_in_the_optimizer_step_stops_the_run_resumably(
+def test_a_lost_shard_of_the_sharded_train_state_stops_the_run_resumably(
     undisturbed, tiny_checkpoints, tmp_path, ray_cluster
 ):
-    cfg = small_job(tiny_checkpoints, *RAY, "fault.first=true", "fault.phase=optimizer", "fault.step=2")
+    """FSDP: the device's shard of the weights and AdamW state is nowhere else; the run stops with the line to
+    resume it, and the resume completes it as the undisturbed run."""
+    fault = ("fault.first=true", "fault.phase=optimizer", "fault.step=2", "train.backend=fsdp")
     with pytest.raises(RunInterrupted, match=r"optimizer step of step 2.*--resume .*newest checkpoint: step_000001"):
-        run_job(cfg, tmp_path, progress=False)
+        run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
     from pivotrl.config import load_config
 
     summary = run_job(load_config(tmp_path / "config.json"), tmp_path, progress=False, resume=True)
