@@ -1,6 +1,7 @@
 """Shared fixtures: one Ray for the session, tiny random checkpoints written like the bundled models."""
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,19 @@ def tiny_config(
         tie_word_embeddings=tied,
         bos_token_id=bos,
         eos_token_id=list(eos or []),
+    )
+
+
+def tiny_moe_config(vocab: int = 64) -> ModelConfig:
+    """A tiny Qwen3-MoE: layer 0 sparse, layer 1 dense; 16 experts of width 8, top-2, so that a few
+    tokens leave some experts unchosen."""
+    return replace(
+        tiny_config("Qwen3MoeForCausalLM", vocab),
+        qk_norm=True,
+        num_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        mlp_only_layers=[1],
     )
 
 

@@ -2,7 +2,10 @@
 
 One decoder covers the Llama, Qwen2 and Qwen3 families; they differ only in a
 few switches (attention bias, q/k norm, head_dim, tied embeddings, RoPE
-scaling). Everything else in a config.json is ignored.
+scaling). Qwen3-MoE is Qwen3 with a mixture of experts in place of the MLP in
+some layers (``num_experts`` > 0; which layers: ``is_sparse_layer``).
+Everything else in a config.json is ignored (the router's auxiliary loss too:
+it only enters a supervised loss, never the logits).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_FAMILIES = ("qwen3_moe",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -44,19 +49,61 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # mixture of experts (Qwen3-MoE); num_experts 0: every layer has the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size: the dense layers')
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 0:
+            raise UnsupportedModelError(f"invalid num_experts {self.num_experts}; allowed: >= 0 (0: no experts)")
+        if self.num_experts == 0:
+            return
+        if self.family not in MOE_FAMILIES:
+            with_experts = ", ".join(a for a, f in SUPPORTED_ARCHITECTURES.items() if f in MOE_FAMILIES)
+            raise UnsupportedModelError(
+                f"{self.architecture} has no experts (num_experts={self.num_experts}); with experts: {with_experts}"
+            )
+        e, k, layers = self.num_experts, self.num_experts_per_tok, self.num_hidden_layers
+        checks = (  # (field, value, valid, what is allowed)
+            ("num_experts_per_tok", k, 1 <= k <= e, f"1..num_experts ({e})"),
+            ("moe_intermediate_size", self.moe_intermediate_size, self.moe_intermediate_size > 0, "> 0"),
+            ("decoder_sparse_step", self.decoder_sparse_step, self.decoder_sparse_step >= 1, ">= 1"),
+            (
+                "mlp_only_layers",
+                self.mlp_only_layers,
+                all(0 <= i < layers for i in self.mlp_only_layers),
+                f"layer indices 0..{layers - 1}",
+            ),
+        )
+        for name, value, valid, allowed in checks:
+            if not valid:
+                raise UnsupportedModelError(f"invalid {name} {value!r}; allowed: {allowed}")
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer ``index`` routes through experts, by transformers' rule for Qwen3-MoE."""
+        return (
+            self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
+
     def num_parameters(self) -> int:
+        """All parameters, every expert included (the ones a token uses are fewer)."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        attn = h * q + 2 * h * kv + q * h
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        per_layer = attn + 2 * h + (2 * d if self.qk_norm else 0)
+        dense = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
+        sparse = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and their router rows
+        mlps = sum(sparse if self.is_sparse_layer(i) else dense for i in range(self.num_hidden_layers))
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + emb + h
+        return self.num_hidden_layers * per_layer + mlps + emb + h
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -86,6 +133,17 @@ class ModelConfig:
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         attn_bias = bool(raw.get("attention_bias", False))
+        moe: dict[str, Any] = {}
+        if family in MOE_FAMILIES:
+            moe = {  # an absent key means what it means to transformers' Qwen3MoeConfig
+                # "num_experts" on the Hub; transformers 5 writes its attribute name "num_local_experts"
+                "num_experts": raw.get("num_experts", raw.get("num_local_experts", 128)),
+                "num_experts_per_tok": raw.get("num_experts_per_tok", 8),
+                "moe_intermediate_size": raw.get("moe_intermediate_size", 768),
+                "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+                "decoder_sparse_step": raw.get("decoder_sparse_step", 1),
+                "mlp_only_layers": list(raw.get("mlp_only_layers") or []),
+            }
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -102,10 +160,11 @@ class ModelConfig:
             qkv_bias=True if family == "qwen2" else attn_bias,
             o_bias=False if family == "qwen2" else attn_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if family == "llama" else False,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            **moe,
         )
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
@@ -137,6 +196,15 @@ class ModelConfig:
             out["attention_bias"] = self.qkv_bias
         if self.family == "llama":
             out["mlp_bias"] = self.mlp_bias
+        if self.family in MOE_FAMILIES:
+            out |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers),
+            }
         return out
 
     def inv_freq(self) -> list[float]:

@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 decoder in plain torch.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder in plain torch.
 
 The engine and the trainer both run this module, so rollout log-probs and
 training log-probs come from one implementation. Two entry points:
@@ -159,22 +159,63 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's sparse block: the router (``gate``) scores every expert, each token goes through its
+    ``top_k`` best, and their outputs add up weighted by the router's softmax probabilities (float32; over
+    all experts, then renormalised over the chosen k when ``norm_topk_prob``), as transformers computes them.
+
+    One sort groups the tokens by expert; each expert runs once on its own tokens (``index_select``) and
+    adds its weighted output back (``index_add_``). Under autograd every expert runs, an unchosen one on
+    no tokens, so that each has a gradient (zero when unused): FSDP2 reduce-scatters only the parameters
+    with gradients, so every rank must have the same ones, and the update then does not depend on how the
+    batch was split over devices.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = weights.to(x.dtype).flatten(), chosen.flatten()
+        order = chosen.argsort(stable=True)  # the N * k (token, expert) pairs, grouped by expert
+        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        all_experts = torch.is_grad_enabled()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n or all_experts:
+                pairs = order[start : start + n]
+                rows = tokens[start : start + n]
+                out.index_add_(0, rows, (expert(x.index_select(0, rows)) * weights[pairs, None]).to(out.dtype))
+            start += n
+        return out.view(shape)
 
 
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, index)
-        self.mlp = MLP(cfg)
+        dense = not cfg.is_sparse_layer(index)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias) if dense else SparseMoE(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

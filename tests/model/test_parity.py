@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from pivotrl.model import (
     SUPPORTED_ARCHITECTURES,
@@ -43,6 +43,9 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# the reference loops: transformers' default experts kernel (grouped_mm) needs 16-byte strides, which odd widths lack
+EAGER = {"attn_implementation": "eager", "experts_implementation": "eager"}
+
 # name -> (config class, extra config fields)
 CASES = {
     "qwen2": (Qwen2Config, {}),
@@ -57,13 +60,43 @@ CASES = {
     # head_dim 16 puts one frequency in llama3's smoothed band (wavelength between 16 and 64)
     "llama3-rope": (LlamaConfig, {"hidden_size": 64, "rope_parameters": LLAMA3_ROPE}),
     "rope-theta": (Qwen2Config, {"rope_parameters": {"rope_type": "default", "rope_theta": 1234.5}}),
+    # experts: odd counts, top-k and widths; dense layers among the sparse ones by each of transformers' two rules
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        {
+            "hidden_size": 24,
+            "head_dim": 12,
+            "intermediate_size": 40,
+            "moe_intermediate_size": 20,
+            "num_hidden_layers": 3,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3-moe-norm-topk": (
+        Qwen3MoeConfig,
+        {
+            "hidden_size": 36,
+            "head_dim": 10,
+            "intermediate_size": 52,
+            "moe_intermediate_size": 18,
+            "num_hidden_layers": 4,
+            "num_experts": 7,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
 def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
     cls, extra = CASES[case]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cls(**{**SMALL, **extra}), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(cls(**{**SMALL, **extra}), **EAGER)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.2)  # norm gains near 1 keep the logits spread out
@@ -118,7 +151,7 @@ def test_config_switches_are_read(checkpoint):
     assert cfg.qkv_bias == (config_class is Qwen2Config or extra.get("attention_bias", False))
     assert cfg.o_bias == extra.get("attention_bias", False)
     assert cfg.mlp_bias == extra.get("mlp_bias", False)
-    assert cfg.qk_norm == (config_class is Qwen3Config)
+    assert cfg.qk_norm == (config_class in (Qwen3Config, Qwen3MoeConfig))
     assert cfg.tie_word_embeddings == extra.get("tie_word_embeddings", False)
     hidden = extra.get("hidden_size", SMALL["hidden_size"])
     assert cfg.head_dim == extra.get("head_dim", hidden // SMALL["num_attention_heads"])
@@ -126,6 +159,17 @@ def test_config_switches_are_read(checkpoint):
     rope = extra.get("rope_parameters", {})
     assert cfg.rope_theta == rope.get("rope_theta", 10000.0)
     assert bool(cfg.rope_scaling) == (rope.get("rope_type") == "llama3")
+    assert cfg.num_experts == extra.get("num_experts", 0)
+    assert cfg.num_experts_per_tok == extra.get("num_experts_per_tok", 0)
+    assert cfg.moe_intermediate_size == extra.get("moe_intermediate_size", 0)
+    assert cfg.norm_topk_prob == extra.get("norm_topk_prob", False)
+    assert cfg.decoder_sparse_step == extra.get("decoder_sparse_step", 1)
+    assert cfg.mlp_only_layers == extra.get("mlp_only_layers", [])
+
+
+def test_num_parameters(checkpoint):
+    model, _ = load_model(checkpoint[1])
+    assert model.config.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
 @torch.no_grad()
@@ -159,10 +203,11 @@ def test_legacy_rope_scaling_key(tmp_path):
 
 
 @torch.no_grad()
-def test_forward_cached_matches_full_forward(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3", "qwen3-moe-norm-topk"])
+def test_forward_cached_matches_full_forward(tmp_path, case):
     """Prefill of right-padded rows of different lengths, then chunks and single-token decodes, into slots
     that hold garbage from earlier use: every returned logit row equals the full forward at that position."""
-    write_checkpoint("qwen3", tmp_path)
+    write_checkpoint(case, tmp_path)
     model, _ = load_model(tmp_path)
     seqs = token_batch(seed=2, rows=3, length=24)
     full = model(seqs)
@@ -318,7 +363,7 @@ def test_transformers_loads_saved_model(checkpoint, tmp_path):
     case, path, _ = checkpoint
     model, tok = load_model(path)
     save_model(model, tok, tmp_path)
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, **EAGER).float().eval()
     assert type(theirs).__name__ == model.config.architecture
     ids = token_batch()
     assert max_diff(hf_logits(theirs, ids), model(ids)) <= TOL

@@ -3,7 +3,8 @@
 One spawn of three real processes (gloo on loopback) plays every scenario in
 turn: groups of 1, 2 and 3 ranks, a membership change 2 -> 3 -> 2 with the
 train state moving through the GPS as shards, a tied-embedding model, the KL
-term against a sharded reference, and bf16 compute. Each rank writes what it
+term against a sharded reference, bf16 compute, and a mixture-of-experts
+model (ranks whose tokens leave different experts unchosen). Each rank writes what it
 got to a file; the tests compare with one plain, unsharded trainer in this
 process, within 1e-5 in fp32.
 """
@@ -19,12 +20,12 @@ import torch
 import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
-from pivotrl.model import Decoder
+from pivotrl.model import Decoder, ModelConfig
 from pivotrl.runtime.dist_train import TrainGroup, listen
 from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_name
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, tiny_moe_config
 from tests.runtime.test_dist_train import (
     STAT_KEYS,
     Batch,
@@ -41,9 +42,13 @@ KL = TrainConfig(micro_batch=5, grad_clip=0.5, kl_coef=0.1)
 TIMEOUT_S = 60.0
 
 
-def initial(tied: bool = False, seed: int = 0) -> Decoder:
+def config(tied: bool = False, moe: bool = False) -> ModelConfig:
+    return tiny_moe_config() if moe else tiny_config(tied=tied)
+
+
+def initial(tied: bool = False, seed: int = 0, moe: bool = False) -> Decoder:
     torch.manual_seed(seed)
-    model = Decoder(tiny_config(tied=tied)).eval()
+    model = Decoder(config(tied, moe)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))  # norms and biases off their defaults, so every row matters
@@ -125,14 +130,14 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         state = _published(trainer)  # a collective: every rank of the group takes part
         torch.save({"state": state, "stats": stats}, out / f"{name}.{rank}.pt")
 
-    def run(name: str, world: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False) -> None:
+    def run(name: str, world: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False, moe: bool = False) -> None:
         if rank >= world:
             return
         with _group(rank, world, name, out) as group:
             ref = weights(initial(tied)) if cfg.kl_coef > 0 else None
             dtype = torch.bfloat16 if bf16 else torch.float32
-            trainer = ShardedTrainer(group, tiny_config(tied=tied), cfg, 1.0, 0, dtype, ref)
-            trainer.load_weights(weights(initial(tied)))
+            trainer = ShardedTrainer(group, config(tied, moe), cfg, 1.0, 0, dtype, ref)
+            trainer.load_weights(weights(initial(tied, moe=moe)))
             stats = [_step(trainer, b) for b in batches[:2]]
             save(name, trainer, stats)
 
@@ -141,6 +146,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
     run("w3", 3, CFG, tied=True)
     run("kl", 2, KL)
     run("bf16", 2, CFG, bf16=True)
+    run("moe", 2, CFG, moe=True)
 
     # membership: 2 ranks step v0 -> v1, write shards; 3 ranks read them and step v1 -> v2; 2 ranks again for v3
     stats: list[dict[str, float]] = []
@@ -175,9 +181,9 @@ def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path
     return out
 
 
-def one_device(batches: list[Batch], cfg: TrainConfig = CFG, tied: bool = False):
+def one_device(batches: list[Batch], cfg: TrainConfig = CFG, tied: bool = False, moe: bool = False):
     ref = initial(tied).requires_grad_(False) if cfg.kl_coef > 0 else None
-    trainer = GRPOTrainer(initial(tied), cfg, ref_model=ref)
+    trainer = GRPOTrainer(initial(tied, moe=moe), cfg, ref_model=ref)
     stats = [trainer.train_batch(*b) for b in batches]
     return module_tensors(trainer.model), stats
 
@@ -200,6 +206,17 @@ def test_world_size_does_not_change_the_update(runs, batches, name, world, tied)
         assert_same_stats(got_step, want_step)
         assert got_step["world_size"] == world
     assert [s["version"] for s in got["stats"]] == [1.0, 2.0]
+
+
+def test_experts_train_sharded_as_on_one_device(runs, batches):
+    """Every expert holds a gradient on every rank (zero where its tokens went elsewhere), so FSDP2's
+    reduce-scatter sees the same parameters on each rank and the update is the one-device update."""
+    state, stats = one_device(batches[:2], moe=True)
+    got = load(runs, "moe")
+    assert max_diff(got["state"], state) < 1e-5
+    assert max_diff(state, module_tensors(initial(moe=True))) > 3e-4
+    for got_step, want_step in zip(got["stats"], stats, strict=True):
+        assert_same_stats(got_step, want_step)
 
 
 def test_membership_change_moves_the_state_through_shards(runs, batches):
