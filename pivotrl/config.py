@@ -92,10 +92,28 @@ def parse_split(spec: str) -> dict[str, int]:
 
 
 @dataclass(slots=True)
+class ChatConfig:
+    """A model's prompt in its chat template (the checkpoint's ``chat_template``): the formatted prompt
+    becomes the user message, after an optional system message, with the assistant's turn opened."""
+
+    enabled: bool = False  # render prompts in the checkpoint's chat template; off: the formatted prompt as it is
+    system: str | None = None  # system message before each prompt; none: no system message (the template's default)
+
+    def __post_init__(self) -> None:
+        _check(self, "enabled", lambda v: isinstance(v, bool), "true or false")
+        _check(self, "system", lambda v: v is None or isinstance(v, str), "a string or null")
+        if self.system is not None and not self.enabled:
+            raise ValueError(
+                f"system: a system message needs the chat template (enabled is false), got {self.system!r}"
+            )
+
+
+@dataclass(slots=True)
 class TaskConfig:
     train_file: str = "data/arithmetic/train.jsonl"  # JSONL of {question, reference} to sample prompts from
     heldout_file: str = "data/arithmetic/heldout.jsonl"  # JSONL of problems for greedy evaluation
     prompt_template: str = "{question}"  # policy prompt; only {question} is filled in
+    chat_template: ChatConfig = field(default_factory=ChatConfig)  # the policy's prompt in its chat template
 
     def __post_init__(self) -> None:
         _check_template("prompt_template", self.prompt_template, ("question",), "question")
@@ -130,6 +148,7 @@ class JudgeConfig:
     max_new_tokens: int = 48  # judge generation budget per response
     temperature: float = 0.0  # judge sampling temperature; 0 = greedy
     backend: Backend = "native"  # generation backend of the judge: native | vllm
+    chat_template: ChatConfig = field(default_factory=ChatConfig)  # the judge's prompt in its chat template
 
     def __post_init__(self) -> None:
         _check_template("template", self.template, ("question", "reference", "response"), "response")

@@ -244,3 +244,42 @@ def test_round_trip_through_yaml(tmp_path):
 def test_rollout_dtype_resolution(rollout_dtype, dtype, device, expected):
     cfg = load_config(None, [f"policy.rollout_dtype={rollout_dtype}", f"policy.dtype={dtype}"])
     assert cfg.policy.resolved_rollout_dtype(device) == expected
+
+
+def test_chat_templates_are_off_by_default_and_take_a_system_message():
+    cfg = load_config(None)
+    assert not cfg.task.chat_template.enabled and cfg.task.chat_template.system is None
+    assert not cfg.judge.chat_template.enabled and cfg.judge.chat_template.system is None
+    cfg = load_config(
+        None,
+        [
+            "task.chat_template.enabled=true",
+            "task.chat_template.system=You are terse: {no fields here}",
+            "judge.chat_template.enabled=true",
+        ],
+    )
+    assert cfg.task.chat_template.enabled and cfg.task.chat_template.system == "You are terse: {no fields here}"
+    assert cfg.judge.chat_template.enabled and cfg.judge.chat_template.system is None
+    assert (
+        load_config(
+            None, ["judge.chat_template.enabled=true", "judge.chat_template.system="]
+        ).judge.chat_template.system
+        == ""
+    )
+
+
+def test_chat_template_mistakes():
+    assert error_of(None, "task.chat_template.system=Be brief.") == (
+        "task.chat_template.system: a system message needs the chat template (enabled is false), got 'Be brief.'"
+    )
+    assert (
+        error_of(None, "judge.chat_template.enabled=maybe")
+        == "judge.chat_template.enabled: expected true or false, got 'maybe'"
+    )
+    assert (
+        error_of(None, "judge.chat_template=true")
+        == "judge.chat_template: expected a section (mapping of keys), got True"
+    )
+    assert error_of(None, "task.chat_template.sytem=x").startswith(
+        "unknown key 'task.chat_template.sytem' (allowed: enabled, system); did you mean 'system'?"
+    )

@@ -70,7 +70,8 @@ def sequence_seed(job_seed: int, step: int, uid: int) -> int:
 
 @dataclass(slots=True, frozen=True)
 class LoopSpec:
-    """The parts of the job config the loop needs (plain values)."""
+    """The parts of the job config the loop needs: plain values, and the policy's chat template as a function
+    (``chat``; the job reads it from the checkpoint, so the loop needs no template engine)."""
 
     seed: int
     steps: int
@@ -88,6 +89,8 @@ class LoopSpec:
     rebalance: bool = True  # even out the sequences in flight over the rollout devices once none is queued
     sharded_train: bool = False  # the trainer shards its state over the train devices (one lost loses the state)
     checkpoint_every: int = 0  # a checkpoint after every this many steps (0: none); see ``Controller.checkpoint``
+    # the policy's chat template (task.chat_template) as a function of the formatted prompt; None: none
+    chat: Callable[[str], str] | None = None
 
 
 @dataclass(slots=True)
@@ -476,7 +479,7 @@ class Controller:
         chosen = rng.sample(self.train_set, spec.prompts_per_step)
         samples, reqs = [], []
         for p_idx, prob in enumerate(chosen):
-            prompt = spec.prompt_template.format(question=prob.question)
+            prompt = self._prompt(prob.question)
             for g in range(spec.group_size):
                 uid = p_idx * spec.group_size + g
                 seed = sequence_seed(spec.seed, step, uid)
@@ -492,8 +495,7 @@ class Controller:
         self.eval_hits[after_step] = {}
         base = EVAL_UID + after_step * EVAL_STRIDE
         reqs = [
-            GenRequest(base + i, self.spec.prompt_template.format(question=p.question), 0, self.spec.eval_params)
-            for i, p in enumerate(self.heldout)
+            GenRequest(base + i, self._prompt(p.question), 0, self.spec.eval_params) for i, p in enumerate(self.heldout)
         ]
         self.scheduler.submit_gen(reqs, front=True)
 
@@ -594,12 +596,16 @@ class Controller:
 
     def _gen_request(self, uid: int) -> GenRequest:
         """A generation request from the start: a rollout sample's, or a held-out problem's."""
-        template = self.spec.prompt_template
         if uid >= EVAL_UID:
             p = self.heldout[(uid - EVAL_UID) % EVAL_STRIDE]
-            return GenRequest(uid, template.format(question=p.question), 0, self.spec.eval_params)
+            return GenRequest(uid, self._prompt(p.question), 0, self.spec.eval_params)
         s = self.by_uid[uid]
-        return GenRequest(uid, template.format(question=s.question), s.seed, self.spec.rollout)
+        return GenRequest(uid, self._prompt(s.question), s.seed, self.spec.rollout)
+
+    def _prompt(self, question: str) -> str:
+        """What the policy reads for a question: the task's prompt, in its chat template when it has one."""
+        prompt = self.spec.prompt_template.format(question=question)
+        return self.spec.chat(prompt) if self.spec.chat is not None else prompt
 
     def _on_aborted(self, e: Aborted) -> None:
         """Requests taken from a device (it leaves its role, or hands its excess over when the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -45,11 +46,28 @@ class JudgeStats:
         return self.total - self.by_outcome.get(Outcome.PARSED.value, 0)
 
 
+def judge_prompt(
+    template: str, question: str, reference: str, response: str, chat: Callable[[str], str] | None = None
+) -> str:
+    """The judge's prompt: ``template`` filled in, then rendered by ``chat``, the judge's chat template
+    (``judge.chat_template``), when there is one."""
+    prompt = template.format(question=question, reference=reference, response=response)
+    return chat(prompt) if chat is not None else prompt
+
+
 class GenRM:
     """Renders judge prompts and turns judge outputs into rewards."""
 
-    def __init__(self, template: str, verdict_pattern: str, rewards: dict[str, float], fallback_reward: float) -> None:
+    def __init__(
+        self,
+        template: str,
+        verdict_pattern: str,
+        rewards: dict[str, float],
+        fallback_reward: float,
+        chat: Callable[[str], str] | None = None,
+    ) -> None:
         self.template = template
+        self.chat = chat
         self.pattern = re.compile(verdict_pattern)
         if self.pattern.groups != 1:
             raise ValueError(f"verdict pattern {verdict_pattern!r} must have exactly one capture group")
@@ -57,7 +75,7 @@ class GenRM:
         self.fallback = fallback_reward
 
     def prompt(self, question: str, reference: str, response: str) -> str:
-        return self.template.format(question=question, reference=reference, response=response)
+        return judge_prompt(self.template, question, reference, response, self.chat)
 
     def score(self, judgment: str, truncated: bool = False) -> Judgment:
         """Reward for one judgment text. The last verdict in the text counts."""

@@ -42,6 +42,7 @@ from pivotrl.engine.protocol import GenerationEngine
 from pivotrl.gps import Kind, ParameterStore, Snapshot, module_tensors
 from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
+from pivotrl.model.chat import ChatTemplate
 from pivotrl.model.loader import DTYPES
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
@@ -90,6 +91,8 @@ class ContextSpec:
     max_len: int = 256  # policy sequences: prompt + response tokens
     judge_max_len: int = 512  # judge sequences: template + question + reference + response + judgment
     judge_template: str = "{response}"
+    judge_chat: ChatTemplate | None = None  # the judge's chat template (judge.chat_template), around each prompt
+    policy_chat: bool = False  # policy prompts come in its chat template (task.chat_template), rendered already
     kv_cache_bytes: int = 0  # KV-cache budget per device (rollout.kv_cache_gb); 0 = auto
     memory_share: float = 1.0  # share of the GPU this device may use when device actors share one (gpus_per_device)
     rollout_backend: str = "native"  # generation backend of the policy (rollout.backend): native | vllm
@@ -98,6 +101,11 @@ class ContextSpec:
 
     def backend(self, name: str) -> str:
         return self.rollout_backend if name == POLICY else self.judge_backend
+
+    def adds_special_tokens(self, name: str) -> bool:
+        """Whether prompts of model ``name`` are encoded with the tokenizer's special tokens added (its
+        BOS): not those in a chat template, which writes them itself (encoded as transformers does)."""
+        return not (self.policy_chat if name == POLICY else self.judge_chat is not None)
 
 
 @dataclass(slots=True)

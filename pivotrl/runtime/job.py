@@ -28,7 +28,9 @@ from pivotrl.errors import RunInterrupted, UserError
 from pivotrl.gps import Kind, LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
+from pivotrl.model.chat import ChatTemplate, copy_chat_template, load_chat_template
 from pivotrl.reward import GenRM
+from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import devices as dev
 from pivotrl.runtime.contexts import (
     CHECKPOINT_STATE,
@@ -48,20 +50,39 @@ from pivotrl.task.arithmetic import Problem, read_jsonl
 from pivotrl.telemetry import RunWriter
 
 
-def context_spec(cfg: JobConfig, problems: list[Problem] | None = None, device: str = "cpu") -> ContextSpec:
+def chat_templates(cfg: JobConfig) -> tuple[ChatTemplate | None, ChatTemplate | None]:
+    """The policy's and the judge's chat templates, read from their checkpoints where the config turns
+    them on (``task.chat_template``, ``judge.chat_template``); a missing or broken one stops the job here."""
+    policy = judge = None
+    if cfg.task.chat_template.enabled:
+        policy = load_chat_template(cfg.policy.path, "task.chat_template", cfg.task.chat_template.system)
+    if cfg.judge.chat_template.enabled:
+        judge = load_chat_template(cfg.judge.path, "judge.chat_template", cfg.judge.chat_template.system)
+    return policy, judge
+
+
+def context_spec(
+    cfg: JobConfig,
+    problems: list[Problem] | None = None,
+    device: str = "cpu",
+    policy_chat: ChatTemplate | None = None,
+    judge_chat: ChatTemplate | None = None,
+) -> ContextSpec:
     """KV-cache lengths from the job: the longest prompt of ``problems`` (in UTF-8 bytes plus
     special tokens, a bound on its token count for byte-level and character tokenizers; 256
     when no problems are given) plus the generation limits. The judge's prompt holds the
     response re-tokenized by its own tokenizer: twice the policy's token limit is its budget.
+    Prompts are measured as the models read them, in their chat templates (``*_chat``) if any.
     Smaller caches make every shift into a generation role cheaper (they are allocated then)."""
     if problems:
-        prompt = max(len(cfg.task.prompt_template.format(question=p.question).encode()) for p in problems) + 4
-        judge_prompt = 4 + max(
-            len(cfg.judge.template.format(question=p.question, reference=p.reference, response="").encode())
-            for p in problems
+        template = cfg.task.prompt_template
+        policy = [template.format(question=p.question) for p in problems]
+        prompt = max(len((policy_chat(q) if policy_chat else q).encode()) for q in policy) + 4
+        judge_prompt_len = 4 + max(
+            len(judge_prompt(cfg.judge.template, p.question, p.reference, "", judge_chat).encode()) for p in problems
         )
     else:
-        prompt = judge_prompt = 256
+        prompt = judge_prompt_len = 256
     return ContextSpec(
         device=device,
         policy_dtype=cfg.policy.dtype,
@@ -69,8 +90,10 @@ def context_spec(cfg: JobConfig, problems: list[Problem] | None = None, device: 
         judge_dtype=cfg.judge.dtype,
         max_batch=cfg.rollout.max_batch,
         max_len=prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens),
-        judge_max_len=judge_prompt + 2 * cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens,
+        judge_max_len=judge_prompt_len + 2 * cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens,
         judge_template=cfg.judge.template,
+        judge_chat=judge_chat,
+        policy_chat=policy_chat is not None,
         kv_cache_bytes=int(cfg.rollout.kv_cache_gb * GB),
         memory_share=cfg.gpus_per_device,  # devices sharing a GPU size their caches from their share of it
         rollout_backend=cfg.rollout.backend,
@@ -187,6 +210,7 @@ def run_job(
     for key, backend in (("rollout.backend", cfg.rollout.backend), ("judge.backend", cfg.judge.backend)):
         if backend == "vllm" and not vllm_available():
             raise UserError(f"{key}=vllm: vLLM is not installed here; install it with {VLLM_INSTALL}, or use native")
+    policy_chat, judge_chat = chat_templates(cfg)
     train_set = read_jsonl(cfg.task.train_file)
     heldout = read_jsonl(cfg.task.heldout_file)[: cfg.eval.size]
     if cfg.rollout.prompts_per_step > len(train_set):
@@ -211,13 +235,14 @@ def run_job(
         from pivotrl.runtime.ray_driver import RayDriver
 
         # the devices' kind is known once the cluster is: the driver puts it in the spec
-        driver: Any = RayDriver(cfg, context_spec(cfg, train_set + heldout), origin, ray_address)
+        cspec = context_spec(cfg, train_set + heldout, policy_chat=policy_chat, judge_chat=judge_chat)
+        driver: Any = RayDriver(cfg, cspec, origin, ray_address)
         store = driver.store
     else:  # devices in this process: they share its cores (and its one GPU, when it has one)
         store = LocalStore()
         spec = TrainSpec(cfg.train, cfg.rollout.temperature)
         kind = dev.bind(dev.resolve(cfg.device, dev.local_gpus()))
-        cspec = context_spec(cfg, train_set + heldout, device=kind)
+        cspec = context_spec(cfg, train_set + heldout, kind, policy_chat, judge_chat)
         threads = dev.thread_shares(["local"] * cfg.devices, {"local": dev.machine_cores()}, cfg.threads_per_device)
         driver = LocalDriver([Worker(d, store, cspec, spec, origin, threads=threads[d]) for d in range(cfg.devices)])
     # only once the devices are up: a failed start leaves no half-written run (a resumed one keeps its rows)
@@ -230,11 +255,12 @@ def run_job(
             driver.groups.state_world = start.state["train_state_world"]  # a sharded trainer reads these shards
         origin = time.time()  # the run clock starts once every device is up and the weights are in the GPS
         driver.start_clock(origin)
-        genrm = GenRM(cfg.judge.template, cfg.judge.verdict_pattern, cfg.judge.rewards, cfg.judge.fallback_reward)
+        j = cfg.judge
+        genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
         kind = driver.kind if not in_process else kind
-        loop = replace(loop_spec(cfg), sharded_train=cfg.train.resolved_backend(kind) == "fsdp")
+        loop = replace(loop_spec(cfg), sharded_train=cfg.train.resolved_backend(kind) == "fsdp", chat=policy_chat)
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
         ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary
         bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)
@@ -273,6 +299,7 @@ def run_job(
         final = store.fetch(POLICY, ctl.version)
         model, tok = build_model(final, torch.device("cpu"), torch.float32)
         save_model(model, tok, Path(out) / "policy")
+        copy_chat_template(cfg.policy.path, Path(out) / "policy")  # the trained policy is prompted as the initial one
     finally:
         driver.close()
     summary = summarize(cfg, ctl, slices, wall)

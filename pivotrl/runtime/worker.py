@@ -40,6 +40,7 @@ from pivotrl.gps import Kind, ParameterStore, VersionError
 from pivotrl.log import logger
 from pivotrl.model import ModelConfig
 from pivotrl.model.loader import DTYPES
+from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime.contexts import (
     CHECKPOINT_STATE,
     JUDGE,
@@ -160,8 +161,9 @@ class Worker:
         if ctx.version != cmd.version:
             raise WrongVersionError(f"device {self.device} holds policy v{ctx.version}, requests need v{cmd.version}")
         stop = tuple(ctx.tokenizer.eos_token_ids)
+        special = self.spec.adds_special_tokens(POLICY)
         for r in cmd.requests:
-            prompt_ids = r.prompt_ids or ctx.tokenizer.encode(r.prompt)
+            prompt_ids = r.prompt_ids or ctx.tokenizer.encode(r.prompt, add_special_tokens=special)
             state = SeqState(r.uid, prompt_ids, r.seed, _sampling(r.params, stop), list(r.output_ids), list(r.logprobs))
             ctx.engine.add(state)
             self.pending[r.uid] = _Pending(ctx.version, r, prompt_ids)
@@ -173,11 +175,12 @@ class Worker:
     def judge(self, cmd: Judge) -> None:
         ctx = self._generation_ctx(Role.GENRM)
         stop = tuple(ctx.tokenizer.eos_token_ids)
+        spec = self.spec
         for r in cmd.requests:
             ids = list(r.prompt_ids)
             if not ids:
-                text = self.spec.judge_template.format(question=r.question, reference=r.reference, response=r.response)
-                ids = ctx.tokenizer.encode(text)
+                text = judge_prompt(spec.judge_template, r.question, r.reference, r.response, spec.judge_chat)
+                ids = ctx.tokenizer.encode(text, add_special_tokens=spec.adds_special_tokens(JUDGE))
             if not ctx.engine.has_work:
                 ctx.engine.ensure_capacity(len(ids) + r.params.max_new_tokens)
             ctx.engine.add(SeqState(r.uid, ids, r.seed, _sampling(r.params, stop), list(r.output_ids)))

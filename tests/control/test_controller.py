@@ -618,3 +618,17 @@ def test_requests_in_flight_are_rebalanced_once_the_queue_is_empty(rebalance):
         (1, sorted(aborts[0].uids))
     ]
     assert not any(isinstance(c, Abort) for c in again)
+
+
+def test_prompts_are_rendered_by_the_chat_template_for_rollout_and_evaluation(monkeypatch):
+    """The loop formats the task's prompt and hands it to the policy's chat template (a plain function)."""
+    chat = lambda prompt: f"<user>{prompt}</user><assistant>"
+    for prompt, reference in list(REFERENCE.items()):  # the fake devices answer rendered prompts too
+        monkeypatch.setitem(REFERENCE, chat(prompt), reference)
+    ctl = controller(Colocated(2), chat=chat)
+    cluster = run(ctl)
+    check_results(ctl, cluster)
+    prompts = {r.uid: r.prompt for c in cluster.log if isinstance(c, Generate) for r in c.requests}
+    rendered = [chat(TEMPLATE.format(question=p.question)) for p in TRAIN_SET + HELDOUT]
+    assert {p for uid, p in prompts.items() if uid >= EVAL_UID} == set(rendered[len(TRAIN_SET) :])
+    assert {p for uid, p in prompts.items() if uid < EVAL_UID} <= set(rendered[: len(TRAIN_SET)])

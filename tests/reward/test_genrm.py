@@ -1,6 +1,7 @@
 import pytest
 
 from pivotrl.reward import GenRM, JudgeStats, Outcome
+from pivotrl.reward.genrm import judge_prompt
 
 
 @pytest.fixture
@@ -51,6 +52,15 @@ def test_stats_count_failures(genrm: GenRM) -> None:
 
 def test_prompt_renders_all_fields(genrm: GenRM) -> None:
     assert genrm.prompt("07+38=", "45", "35") == "Q:07+38=\nR:45\nA:35\nJ:"
+
+
+def test_prompt_in_the_judges_chat_template() -> None:
+    """The filled-in template is the user message of the judge's chat template (judge.chat_template)."""
+    chat = lambda prompt: f"<user>{prompt}</user><judge>"
+    g = GenRM("Q:{question}\nR:{reference}\nA:{response}\nJ:", "VERDICT: *(yes|no)", {"yes": 1.0}, 0.0, chat)
+    assert g.prompt("07+38=", "45", "35") == "<user>Q:07+38=\nR:45\nA:35\nJ:</user><judge>"
+    assert judge_prompt(g.template, "07+38=", "45", "35", chat) == g.prompt("07+38=", "45", "35")
+    assert judge_prompt("{response}?", "q", "r", "35") == "35?"
 
 
 def test_pattern_needs_one_group() -> None:

@@ -1,9 +1,19 @@
 import json
+import shutil
 from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
 
 from pivotrl.config import load_config
 from pivotrl.control.controller import sequence_seed
-from pivotrl.runtime.job import context_spec, run_job
+from pivotrl.errors import UserError
+from pivotrl.model import Tokenizer
+from pivotrl.model.chat import load_chat_template
+from pivotrl.reward.genrm import judge_prompt
+from pivotrl.runtime.job import chat_templates, context_spec, run_job
+from pivotrl.task.arithmetic import read_jsonl
+from tests.model.test_chat import CHATML, LLAMA3
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,3 +115,80 @@ def test_context_spec_carries_the_rollout_dtype_and_kv_budget():
     assert (on_cpu.device, on_cpu.rollout_dtype) == ("cpu", "float32")
     assert on_gpu.kv_cache_bytes == on_cpu.kv_cache_bytes == 2_500_000_000
     assert context_spec(load_config(None, [])).kv_cache_bytes == 0  # auto
+
+
+@pytest.fixture
+def chat_checkpoints(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> dict[str, Path]:
+    """The tiny pair with chat templates in their tokenizer_config.json, as instruct models have them:
+    ChatML (Qwen-style) for the policy, Llama-3-style for the judge."""
+    out = {}
+    for name, template in (("policy", CHATML), ("judge", LLAMA3)):
+        out[name] = shutil.copytree(tiny_checkpoints[name], tmp_path / f"chat-{name}")
+        file = out[name] / "tokenizer_config.json"
+        file.write_text(json.dumps(json.loads(file.read_text()) | {"chat_template": template}, indent=2))
+    return out
+
+
+def test_policy_and_judge_read_their_prompts_in_their_chat_templates(chat_checkpoints, tmp_path, monkeypatch):
+    """Both keys on: every prompt the policy encodes (rollout and evaluation) is the task's prompt in the
+    policy's ChatML template, every judge prompt is in the judge's Llama-style one (its BOS written by the
+    template, so none is added); the ids are those of transformers' apply_chat_template."""
+    ckpt = chat_checkpoints
+    encoded: list[tuple[str, bool, list[int]]] = []
+    encode = Tokenizer.encode
+
+    def recorded(self: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = encode(self, text, add_special_tokens)
+        encoded.append((text, add_special_tokens, ids))
+        return ids
+
+    monkeypatch.setattr(Tokenizer, "encode", recorded)
+    chats = ("task.chat_template.enabled=true", "judge.chat_template.enabled=true")
+    cfg = small_job(ckpt, "steps=2", *chats, "judge.chat_template.system=You grade sums.")
+    run_job(cfg, tmp_path / "run", progress=False)
+
+    policy_chat, judge_chat = chat_templates(cfg)
+    assert policy_chat is not None and judge_chat is not None
+    rows = [json.loads(x) for x in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
+    references = {p.question: p.reference for p in read_jsonl(cfg.task.train_file)}
+    heldout = read_jsonl(cfg.task.heldout_file)[: cfg.eval.size]
+    prompts = [cfg.task.prompt_template.format(question=q) for q in {r["question"] for r in rows}]
+    prompts += [cfg.task.prompt_template.format(question=p.question) for p in heldout]
+    judged = [judge_prompt(cfg.judge.template, r["question"], references[r["question"]], r["response"]) for r in rows]
+    by_text = {text: ids for text, _, ids in encoded}
+    assert set(by_text) == {policy_chat(p) for p in prompts} | {judge_chat(j) for j in judged}  # nothing else, in plain
+    assert not any(special for _, special, _ in encoded)  # the templates write their special tokens
+
+    # (AutoTokenizer would pick the architecture's tokenizer class, which rebuilds this character tokenizer)
+    policy_hf, judge_hf = (PreTrainedTokenizerFast.from_pretrained(ckpt[m]) for m in ("policy", "judge"))
+    user = [{"role": "user", "content": prompts[0]}]
+    assert by_text[policy_chat(prompts[0])] == policy_hf.apply_chat_template(
+        user, add_generation_prompt=True, return_dict=False
+    )
+    turns = [{"role": "system", "content": "You grade sums."}, {"role": "user", "content": judged[0]}]
+    expected = judge_hf.apply_chat_template(turns, add_generation_prompt=True, return_dict=False)
+    assert by_text[judge_chat(judged[0])] == expected and expected.count(judge_hf.bos_token_id) == 1
+    # the trained policy keeps its chat template
+    assert load_chat_template(tmp_path / "run/policy", "task.chat_template").source == CHATML
+
+
+@pytest.mark.parametrize("key", ["task.chat_template", "judge.chat_template"])
+def test_a_chat_template_turned_on_for_a_checkpoint_without_one_stops_the_job_before_it_starts(
+    key, tiny_checkpoints, tmp_path
+):
+    cfg = small_job(tiny_checkpoints, "steps=1", f"{key}.enabled=true")
+    model = tiny_checkpoints["policy" if key.startswith("task") else "judge"]
+    with pytest.raises(UserError, match=f"^{key}: {model} has no chat template .*set {key}.enabled=false"):
+        run_job(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_context_spec_sizes_prompts_in_their_chat_templates(chat_checkpoints):
+    cfg = small_job(chat_checkpoints, "task.chat_template.enabled=true", "judge.chat_template.enabled=true")
+    problems = read_jsonl(cfg.task.train_file)
+    policy_chat, judge_chat = chat_templates(cfg)
+    plain, chat = context_spec(cfg, problems), context_spec(cfg, problems, "cpu", policy_chat, judge_chat)
+    assert not plain.policy_chat and plain.judge_chat is None
+    assert chat.policy_chat and chat.judge_chat == judge_chat
+    assert chat.max_len - plain.max_len == len(policy_chat("").encode())  # ChatML puts the prompt in as it is
+    assert chat.judge_max_len > plain.judge_max_len
