@@ -294,6 +294,12 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
     return cfg
 
 
+def config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    """A config from its ``to_dict()`` form (a run's config.json); keys added since it was written take their
+    defaults."""
+    return _build(JobConfig, raw, "")
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")

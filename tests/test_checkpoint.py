@@ -144,3 +144,20 @@ def test_a_sharded_trainer_resumes_from_its_shards(tiny_checkpoints, tmp_path, r
     summary = run_job(load_config(run / "config.json"), run, progress=False, resume=True)
     assert summary["resumed_from_step"] == 2
     same_run(whole, run)
+
+
+def test_a_run_written_before_new_keys_existed_resumes(uninterrupted, tmp_path):
+    """Keys added to the config since the run was written take their defaults when it is compared."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    (run / "summary.json").unlink()
+    latest = ckpt.latest(run)
+    state = json.loads((latest.path / "state.json").read_text())
+    del state["config"]["checkpoint"]["keep"], state["config"]["device_timeout"]
+    (latest.path / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((latest.path / "manifest.json").read_text())
+    manifest["state.json"] = ckpt._sha256(latest.path / "state.json")
+    (latest.path / "manifest.json").write_text(json.dumps(manifest))
+    summary = run_job(load_config(run / "config.json"), run, progress=False, resume=True)
+    assert summary["resumed_from_step"] == 4
+    same_run(uninterrupted, run)

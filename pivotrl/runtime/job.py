@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pivotrl import checkpoint as ckpt
-from pivotrl.config import FaultConfig, JobConfig, parse_split
+from pivotrl.config import FaultConfig, JobConfig, config_from_dict, parse_split
 from pivotrl.control.controller import Controller, DeviceLostError
 from pivotrl.control.messages import Step
 from pivotrl.control.modes import AllocationPolicy, make_policy
@@ -122,7 +122,7 @@ def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     if not (Path(out) / "config.json").is_file():
         raise ckpt.CheckpointError(f"{out}: not a run directory (no config.json)")
     start = ckpt.latest(out)
-    saved, now = dict(start.state["config"]), cfg.to_dict()
+    saved, now = config_from_dict(start.state["config"]).to_dict(), cfg.to_dict()  # (new keys: defaults)
     saved.pop("fault", None), now.pop("fault")  # a drill is not part of the job (and is not replayed)
     if saved != now:
         changed = sorted(_diff(saved, now))
