@@ -136,11 +136,11 @@ def main() -> None:
         seconds = time.time() - t0
         time.sleep(5)  # whatever it leaves has had time to go
         left_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
-        # new since the start and either orphaned (its parent gone) or Ray's or ours by name: what the job left
-        marks = ("ray::", "raylet", "gcs_server", "pivotrl", "ray/")
+        # new since the start and Ray's or ours by name: what the job left (Ray's agents outlive their raylet)
+        marks = ("ray::", "raylet", "gcs_server", "pivotrl", "site-packages/ray/")
         left_procs = sorted(
-            cmd for pid, (ppid, cmd) in processes().items()
-            if pid not in procs_before and pid != os.getpid() and (ppid == 1 or any(m in cmd for m in marks))
+            cmd for pid, (_, cmd) in processes().items()
+            if pid not in procs_before and pid != os.getpid() and any(m in cmd for m in marks)
         )  # fmt: skip
     if proc.returncode != 0:
         print(err[-3000:], file=sys.stderr)
