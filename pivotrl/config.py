@@ -41,6 +41,7 @@ Device = Literal["auto", "cuda", "cpu"]
 RolloutDtype = Literal["auto", "float32", "bfloat16"]
 Backend = Literal["native", "vllm"]
 Audit = Literal["auto", "on", "off"]  # generation backend: pivotrl's engine or vLLM (see docs/backends.md)
+WandbMode = Literal["offline", "online"]
 
 
 class ConfigError(ValueError):
@@ -215,6 +216,30 @@ class CheckpointConfig:
         _at_least(self, 0, "every", "keep")
 
 
+@dataclass(slots=True)
+class LogConfig:
+    """Where a run's numbers go besides its own files: TensorBoard event files and a Weights & Biases run, both
+    kept in the run directory. Neither changes the job, so a resume may turn them on or off."""
+
+    tensorboard: bool = False  # event files under RUN_DIR/tensorboard (needs the tensorboard package)
+    wandb: bool = False  # a Weights & Biases run, its files under RUN_DIR/wandb (needs the wandb package)
+    wandb_project: str = "pivotrl"  # the W&B project
+    wandb_run_name: str = ""  # the W&B run's name; "" = the run directory's name
+    wandb_mode: WandbMode = "offline"  # offline: nothing leaves the machine (`wandb sync` uploads it later); online
+
+    def __post_init__(self) -> None:
+        _check(self, "tensorboard", lambda v: isinstance(v, bool), "true or false")
+        _check(self, "wandb", lambda v: isinstance(v, bool), "true or false")
+        _check(
+            self,
+            "wandb_project",
+            lambda v: isinstance(v, str) and v.strip() and "/" not in v,
+            "a non-empty name without '/'",
+        )
+        _check(self, "wandb_run_name", lambda v: isinstance(v, str), 'a string ("" = the run directory\'s name)')
+        _check(self, "wandb_mode", lambda v: v in get_args(WandbMode), "offline or online")
+
+
 Phase = Literal["rollout", "judge", "backward", "optimizer", "shift"]
 FaultKind = Literal["kill", "hang"]
 
@@ -255,6 +280,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO update
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints for --resume
+    log: LogConfig = field(default_factory=LogConfig)  # metrics to TensorBoard and W&B as well
     # seconds any call to a device may take before the device is treated as lost (its work is redone elsewhere)
     device_timeout: float = 600.0
     restart_lost: bool = True  # start a lost device again (Ray devices): it rejoins holding no role

@@ -9,6 +9,8 @@
 * ``trace.json`` - the same slices in Chrome trace-event format (one track per
   device; opens in Perfetto or chrome://tracing).
 * ``timeline.png`` - devices x time, coloured by role.
+* ``tensorboard/``, ``wandb/`` - the same numbers for TensorBoard and W&B, when ``log.tensorboard`` or
+  ``log.wandb`` is on (:mod:`pivotrl.tracking`).
 
 The simulator (``pivotrl simulate``) writes the same files, so a real run and a
 simulated one can be compared side by side.

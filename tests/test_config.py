@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pivotrl.config import ConfigError, JobConfig, JudgeConfig, load_config, parse_split
+from pivotrl.config import ConfigError, JobConfig, JudgeConfig, LogConfig, load_config, parse_split
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -283,3 +283,17 @@ def test_chat_template_mistakes():
     assert error_of(None, "task.chat_template.sytem=x").startswith(
         "unknown key 'task.chat_template.sytem' (allowed: enabled, system); did you mean 'system'?"
     )
+
+
+def test_tracking_is_off_by_default_and_its_keys_are_checked():
+    assert load_config(None).log == LogConfig(tensorboard=False, wandb=False, wandb_project="pivotrl")
+    assert (LogConfig().wandb_run_name, LogConfig().wandb_mode) == ("", "offline")
+    cfg = load_config(None, ["log.wandb=true", "log.wandb_mode=online", "log.wandb_run_name=lr-sweep 3"])
+    assert cfg.log.wandb and cfg.log.wandb_mode == "online" and cfg.log.wandb_run_name == "lr-sweep 3"
+    assert error_of(None, "log.wandb_mode=cloud") == "log.wandb_mode: must be one of offline, online, got 'cloud'"
+    assert error_of(None, "log.wandb_project=team/x") == (
+        "log.wandb_project: expected a non-empty name without '/', got 'team/x'"
+    )
+    assert error_of(None, "log.tensorboard=sometimes") == "log.tensorboard: expected true or false, got 'sometimes'"
+    with pytest.raises(ValueError, match="wandb_project: expected a non-empty name"):
+        LogConfig(wandb_project=" ")

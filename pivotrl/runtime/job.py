@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pivotrl import checkpoint as ckpt
+from pivotrl import tracking
 from pivotrl.config import FaultConfig, JobConfig, config_from_dict, parse_split
 from pivotrl.control.controller import Controller, DeviceLostError
 from pivotrl.control.messages import Step
@@ -124,6 +125,7 @@ def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     start = ckpt.latest(out)
     saved, now = config_from_dict(start.state["config"]).to_dict(), cfg.to_dict()  # (new keys: defaults)
     saved.pop("fault", None), now.pop("fault")  # a drill is not part of the job (and is not replayed)
+    saved.pop("log", None), now.pop("log")  # nor is where its numbers are sent: a resume may turn tracking on
     if saved != now:
         changed = sorted(_diff(saved, now))
         raise ckpt.CheckpointError(
@@ -210,6 +212,7 @@ def run_job(
     for key, backend in (("rollout.backend", cfg.rollout.backend), ("judge.backend", cfg.judge.backend)):
         if backend == "vllm" and not vllm_available():
             raise UserError(f"{key}=vllm: vLLM is not installed here; install it with {VLLM_INSTALL}, or use native")
+    tracking.check(cfg.log)
     policy_chat, judge_chat = chat_templates(cfg)
     train_set = read_jsonl(cfg.task.train_file)
     heldout = read_jsonl(cfg.task.heldout_file)[: cfg.eval.size]
@@ -249,7 +252,9 @@ def run_job(
     kept = None if start is None else (start.state["metrics_rows"], start.state["samples_rows"])
     writer = RunWriter(out, keep=kept)
     writer.write_json("config.json", cfg.to_dict())
+    tracker = tracking.Tracker()
     try:
+        tracker = tracking.start(cfg, out, None if start is None else start.step)
         publish_initial(store, cfg, start)
         if start is not None:
             driver.groups.state_world = start.state["train_state_world"]  # a sharded trainer reads these shards
@@ -285,6 +290,7 @@ def run_job(
             while written < len(ctl.metrics):
                 m = ctl.metrics[written]
                 writer.step(m)
+                tracker.step(m)
                 written += 1
                 acc = ctl.accuracy.get(max(ctl.accuracy), 0.0)
                 bar.update(1)
@@ -300,6 +306,9 @@ def run_job(
         model, tok = build_model(final, torch.device("cpu"), torch.float32)
         save_model(model, tok, Path(out) / "policy")
         copy_chat_template(cfg.policy.path, Path(out) / "policy")  # the trained policy is prompted as the initial one
+    except BaseException:
+        tracker.close(failed=True)
+        raise
     finally:
         driver.close()
     summary = summarize(cfg, ctl, slices, wall)
@@ -312,5 +321,6 @@ def run_job(
     planner = getattr(policy, "planner", None)
     if planner is not None:  # every decision that moved a device, with the estimate that justified it
         writer.write_jsonl("decisions.jsonl", [d.row() for d in planner.log])
+    tracker.finish(summary, Path(out) / "timeline.png")
     logger.info("run written to %s", out)
     return summary
