@@ -174,6 +174,11 @@ def latest(run_dir: str | Path) -> Checkpoint:
     raise CheckpointError(f"{run_dir}: no usable checkpoint under {root} (checkpoint.every writes them)")
 
 
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether the run has a checkpoint directory at all (``latest`` says whether one is usable)."""
+    return bool(_checkpoints(Path(run_dir) / DIR))
+
+
 def free(store: ParameterStore, entries: list[Entry]) -> None:
     """Drop GPS entries that were copied only for a checkpoint."""
     for e in entries:

@@ -129,6 +129,10 @@ class RunWriter:
         path.write_bytes(jsonl(rows))
         return path
 
+    @staticmethod
+    def rewrite_json(path: Path, data: dict[str, Any]) -> None:
+        path.write_bytes(orjson.dumps(data, default=_plain, option=_OPTIONS | orjson.OPT_INDENT_2) + b"\n")
+
     def write_json(self, name: str, data: dict[str, Any]) -> Path:
         path = self.dir / name
         path.write_bytes(orjson.dumps(data, default=_plain, option=_OPTIONS | orjson.OPT_INDENT_2) + b"\n")

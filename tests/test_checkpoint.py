@@ -153,7 +153,7 @@ def test_a_run_written_before_new_keys_existed_resumes(uninterrupted, tmp_path):
     (run / "summary.json").unlink()
     latest = ckpt.latest(run)
     state = json.loads((latest.path / "state.json").read_text())
-    del state["config"]["checkpoint"]["keep"], state["config"]["device_timeout"]
+    del state["config"]["rollout"]["audit_migrations"], state["config"]["train"]["recompute_logprobs"]
     (latest.path / "state.json").write_text(json.dumps(state))
     manifest = json.loads((latest.path / "manifest.json").read_text())
     manifest["state.json"] = ckpt._sha256(latest.path / "state.json")

@@ -118,14 +118,18 @@ def publish_initial(store: ParameterStore, cfg: JobConfig, resume: ckpt.Checkpoi
     publish_checkpoint(store, JUDGE, 0, judge, jtok)
 
 
+# keys a resume may change: a drill (never replayed), where numbers are sent, how faults and checkpoints are handled
+OPERATIONAL = ("fault", "log", "restart_lost", "device_timeout", "checkpoint")
+
+
 def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     """The checkpoint ``out`` resumes from, once it is clear the run can go on from it."""
     if not (Path(out) / "config.json").is_file():
         raise ckpt.CheckpointError(f"{out}: not a run directory (no config.json)")
     start = ckpt.latest(out)
     saved, now = config_from_dict(start.state["config"]).to_dict(), cfg.to_dict()  # (new keys: defaults)
-    saved.pop("fault", None), now.pop("fault")  # a drill is not part of the job (and is not replayed)
-    saved.pop("log", None), now.pop("log")  # nor is where its numbers are sent: a resume may turn tracking on
+    for key in OPERATIONAL:  # how the run is operated, not what it computes: a resume may change these
+        saved.pop(key, None), now.pop(key, None)
     if saved != now:
         changed = sorted(_diff(saved, now))
         raise ckpt.CheckpointError(
@@ -187,6 +191,9 @@ def save_checkpoint(
         ckpt.free(store, copies)
 
 
+AUTO_RESUMES = 3  # in-run resumes after losses nothing else can recover from, at most
+
+
 def run_job(
     cfg: JobConfig,
     out: str | Path,
@@ -197,6 +204,42 @@ def run_job(
     resume: bool = False,
 ) -> dict[str, Any]:
     """Run the whole job; writes the run directory (metrics, summary, events, trace, timeline, policy).
+
+    A device lost with state nothing else holds (its shard of a sharded train
+    state) stops this attempt; with ``restart_lost`` the job then resumes
+    itself from its newest checkpoint (from the start when there is none yet),
+    on devices started afresh, up to :data:`AUTO_RESUMES` times: the samples
+    are those of an undisturbed run, the steps since the checkpoint are done
+    twice. ``summary.json``'s ``auto_resumed`` lists each time.
+    """
+    auto: list[dict[str, Any]] = []
+    while True:
+        try:
+            summary = _run_once(cfg, out, progress, ray_address, policy, in_process, resume)
+        except RunInterrupted as e:
+            if not cfg.restart_lost or len(auto) >= AUTO_RESUMES:
+                raise
+            resume = ckpt.has_checkpoint(out)
+            cfg = replace(cfg, fault=FaultConfig())  # a drill fires once
+            auto.append({"reason": str(e.__cause__ or e), "from": "checkpoint" if resume else "the start"})
+            logger.warning("%s: the run resumes from %s", e.__cause__ or e, auto[-1]["from"])
+            continue
+        if auto:
+            summary["auto_resumed"] = auto
+            RunWriter.rewrite_json(Path(out) / "summary.json", summary)
+        return summary
+
+
+def _run_once(
+    cfg: JobConfig,
+    out: str | Path,
+    progress: bool,
+    ray_address: str | None,
+    policy: AllocationPolicy | None,
+    in_process: bool | None,
+    resume: bool,
+) -> dict[str, Any]:
+    """One attempt at the job (see :func:`run_job`).
 
     ``policy`` replaces the one ``cfg.mode`` names (tests, experiments);
     ``in_process`` forces the in-process driver (default: only for one device

@@ -63,12 +63,23 @@ def test_a_hung_device_times_out_and_is_handled_the_same(undisturbed, tiny_check
     assert_same_run(undisturbed, tmp_path)
 
 
-def test_a_lost_shard_of_the_sharded_train_state_stops_the_run_resumably(
+def test_a_lost_shard_of_the_sharded_train_state_resumes_the_run_from_its_checkpoint(
     undisturbed, tiny_checkpoints, tmp_path, ray_cluster
 ):
-    """FSDP: the device's shard of the weights and AdamW state is nowhere else; the run stops with the line to
-    resume it, and the resume completes it as the undisturbed run."""
+    """FSDP: the device's shard of the weights and AdamW state is nowhere else; the job resumes itself from its
+    newest checkpoint on devices started afresh and ends as the undisturbed run."""
     fault = ("fault.first=true", "fault.phase=optimizer", "fault.step=2", "train.backend=fsdp")
+    summary = run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
+    assert [a["from"] for a in summary["auto_resumed"]] == ["checkpoint"]
+    assert "optimizer step of step 2" in summary["auto_resumed"][0]["reason"]
+    assert summary["resumed_from_step"] == 1
+    assert_same_run(undisturbed, tmp_path)
+
+
+def test_without_restarts_the_run_stops_with_the_line_to_resume_it(
+    undisturbed, tiny_checkpoints, tmp_path, ray_cluster
+):
+    fault = ("fault.first=true", "fault.phase=optimizer", "fault.step=2", "train.backend=fsdp", "restart_lost=false")
     with pytest.raises(RunInterrupted, match=r"optimizer step of step 2.*--resume .*newest checkpoint: step_000001"):
         run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
     from pivotrl.config import load_config
