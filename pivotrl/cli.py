@@ -25,10 +25,14 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
     is not here (a cluster's devices are checked once it is joined)."""
     from pivotrl.model import CheckpointError, UnsupportedModelError
     from pivotrl.model.loader import read_config
+    from pivotrl.task.data import read_task
 
-    for field, path in (("task.train_file", cfg.task.train_file), ("task.heldout_file", cfg.task.heldout_file)):
-        if not Path(path).is_file():
-            raise UserError(f"{field}: file {path!r} not found")
+    read_task(cfg.task)  # every row, so a bad one is reported before the devices start
+    if cfg.task.checker == "math":
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise UserError("task.checker=math needs the math-verify package (pip install math-verify)") from None
     for field, path in (("policy.path", cfg.policy.path), ("judge.path", cfg.judge.path)):
         if not Path(path).is_dir():
             hint = " (run `pivotrl prepare` to build the bundled models)" if "models" in path else ""

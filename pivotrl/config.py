@@ -32,6 +32,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from pivotrl.sim.config import SimConfig
+from pivotrl.task.checkers import CHECKERS
 from pivotrl.train.config import TrainConfig
 
 ROLES = ("rollout", "genrm", "train")
@@ -111,13 +112,20 @@ class ChatConfig:
 
 @dataclass(slots=True)
 class TaskConfig:
-    train_file: str = "data/arithmetic/train.jsonl"  # JSONL of {question, reference} to sample prompts from
-    heldout_file: str = "data/arithmetic/heldout.jsonl"  # JSONL of problems for greedy evaluation
+    # problems to sample prompts from: a .jsonl or .parquet file, or a folder written by datasets' save_to_disk
+    train_file: str = "data/arithmetic/train.jsonl"
+    heldout_file: str = "data/arithmetic/heldout.jsonl"  # problems for greedy evaluation (same formats)
+    question_field: str = "question"  # the field (column) of the data that holds the question
+    reference_field: str = "reference"  # the field (column) of the data that holds the reference answer
+    checker: str = "exact"  # answer checker measuring accuracy: exact | math (see pivotrl/task/checkers.py)
     prompt_template: str = "{question}"  # policy prompt; only {question} is filled in
     chat_template: ChatConfig = field(default_factory=ChatConfig)  # the policy's prompt in its chat template
 
     def __post_init__(self) -> None:
         _check_template("prompt_template", self.prompt_template, ("question",), "question")
+        for name in ("question_field", "reference_field"):
+            _check(self, name, lambda v: isinstance(v, str) and v != "", "a non-empty field name")
+        _check(self, "checker", lambda v: v in CHECKERS, f"one of {', '.join(CHECKERS)}")
 
 
 @dataclass(slots=True)

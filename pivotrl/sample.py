@@ -16,6 +16,14 @@ import enum
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True, frozen=True)
+class Problem:
+    """A prompt's question and the reference answer the judge (and the answer checker) compare against."""
+
+    question: str
+    reference: str
+
+
 class Status(enum.Enum):
     PENDING = "pending"  # queued or generating
     FINISHED = "finished"  # ended on a stop token

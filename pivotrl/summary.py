@@ -14,6 +14,7 @@ from typing import Any
 from pivotrl.config import JobConfig
 from pivotrl.control.controller import Controller, LoopSpec, StepRecord
 from pivotrl.control.messages import GenParams
+from pivotrl.task.checkers import get_checker
 from pivotrl.telemetry import Slice
 
 
@@ -31,6 +32,7 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
         eval_every=e.every,
         scale_by_std=cfg.train.scale_by_std,
         per_device=r.max_batch,
+        check=get_checker(cfg.task.checker),
         rebalance=r.rebalance,
         checkpoint_every=cfg.checkpoint.every,
     )

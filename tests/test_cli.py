@@ -20,7 +20,7 @@ CONFIG = str(ROOT / "examples/default.yaml")
         ([CONFIG, "steps"], "override 'steps' must look like key=value"),
         (["missing.yaml"], "config file 'missing.yaml' not found"),
         ([CONFIG, "policy.path=/nonexistent/policy"], "policy.path: checkpoint directory '/nonexistent/policy'"),
-        ([CONFIG, "task.train_file=/nonexistent.jsonl"], "task.train_file: file '/nonexistent.jsonl' not found"),
+        ([CONFIG, "task.train_file=/nonexistent.jsonl"], "task.train_file: '/nonexistent.jsonl' not found"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_clear_line(args, message, capsys, tmp_path):

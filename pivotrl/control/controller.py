@@ -54,9 +54,7 @@ from pivotrl.control.profiles import Workload
 from pivotrl.control.scheduler import Scheduler
 from pivotrl.control.shiftable import PlanView
 from pivotrl.reward.genrm import GenRM, JudgeStats
-from pivotrl.sample import Sample, Status
-from pivotrl.task.arithmetic import Problem
-from pivotrl.task.rules import exact_match
+from pivotrl.sample import Problem, Sample, Status
 from pivotrl.train.advantages import group_advantages
 
 EVAL_UID = 1 << 40  # evaluation requests live above this uid ...
@@ -70,7 +68,8 @@ def sequence_seed(job_seed: int, step: int, uid: int) -> int:
 
 @dataclass(slots=True, frozen=True)
 class LoopSpec:
-    """The parts of the job config the loop needs: plain values, and the policy's chat template as a function
+    """The parts of the job config the loop needs: plain values, and two functions: the task's answer checker
+    (``check``, task.checker; its libraries stay out of the control plane) and the policy's chat template
     (``chat``; the job reads it from the checkpoint, so the loop needs no template engine)."""
 
     seed: int
@@ -84,6 +83,8 @@ class LoopSpec:
     eval_every: int
     scale_by_std: bool
     per_device: int  # requests in flight per device
+    # the task's answer checker (response text, reference) -> correct: measures accuracy, never rewards
+    check: Callable[[str, str], bool]
     judge_per_device: int = 0  # judgments in flight per device (0: per_device)
     judge_kv: int = 0  # tokens of paged KV cache a judge device holds: its judgments' reads at most (0: no limit)
     rebalance: bool = True  # even out the sequences in flight over the rollout devices once none is queued
@@ -638,7 +639,7 @@ class Controller:
             s.prompt_ids, s.response_ids, s.logprobs, s.response_text = r.prompt_ids, r.output_ids, r.logprobs, r.text
             s.truncated = r.finish_reason == "length"
             s.status = Status.TRUNCATED if s.truncated else Status.FINISHED
-            s.correct = exact_match(r.text, s.reference)
+            s.correct = self.spec.check(r.text, s.reference)
             assert self.step is not None
             self.step.generated += 1
             generated = self.step.group_generated[s.prompt_index] = self.step.group_generated.get(s.prompt_index, 0) + 1
@@ -675,7 +676,7 @@ class Controller:
     def _on_evaluated(self, uid: int, text: str) -> None:
         after_step, index = divmod(uid - EVAL_UID, EVAL_STRIDE)
         hits = self.eval_hits[after_step]
-        hits[index] = exact_match(text, self.heldout[index].reference)
+        hits[index] = self.spec.check(text, self.heldout[index].reference)
         if len(hits) == len(self.heldout):
             self.accuracy[after_step] = sum(hits.values()) / len(self.heldout)
             del self.eval_hits[after_step]

@@ -36,10 +36,10 @@ from pivotrl.task.arithmetic import (
     judge_training_response,
     make_splits,
     policy_target,
-    read_jsonl,
     sft_pool,
     write_jsonl,
 )
+from pivotrl.task.data import read_jsonl
 
 RECIPE_VERSION = 2
 

@@ -46,8 +46,9 @@ from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.sharded import shard_name
 from pivotrl.runtime.worker import TrainSpec, Worker
+from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
-from pivotrl.task.arithmetic import Problem, read_jsonl
+from pivotrl.task.data import read_task
 from pivotrl.telemetry import RunWriter
 
 
@@ -257,8 +258,8 @@ def _run_once(
             raise UserError(f"{key}=vllm: vLLM is not installed here; install it with {VLLM_INSTALL}, or use native")
     tracking.check(cfg.log)
     policy_chat, judge_chat = chat_templates(cfg)
-    train_set = read_jsonl(cfg.task.train_file)
-    heldout = read_jsonl(cfg.task.heldout_file)[: cfg.eval.size]
+    train_set, heldout = read_task(cfg.task)
+    heldout = heldout[: cfg.eval.size]
     if cfg.rollout.prompts_per_step > len(train_set):
         raise ValueError(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) exceeds the {len(train_set)} train problems"

@@ -29,6 +29,7 @@ from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.log import logger
 from pivotrl.reward.genrm import GenRM
+from pivotrl.sample import Problem
 from pivotrl.sim import synthetic
 from pivotrl.sim.config import SimConfig
 from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, RooflineCosts
@@ -38,7 +39,7 @@ from pivotrl.sim.measured import MeasuredCosts
 from pivotrl.sim.models import MODELS, ModelSpec
 from pivotrl.sim.workload import LengthDist, decode_context, length_moments, replay_table
 from pivotrl.summary import loop_spec, sample_rows, summarize
-from pivotrl.task.arithmetic import Problem
+from pivotrl.task.rules import exact_match
 from pivotrl.telemetry import RunWriter
 
 KEEP_VERSIONS = 2  # policy versions the GPS holds, as the runtime keeps them
@@ -179,7 +180,10 @@ def build(cfg: JobConfig) -> Simulation:
         alloc.judge_kv = judge_kv
     train_set = synthetic.problems(max(r.prompts_per_step, 1024))
     heldout = synthetic.problems(cfg.eval.size, tag="h")
-    loop = dataclasses.replace(loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0, checkpoint_every=0)
+    # the synthetic responses are written for the exact checker, whatever task.checker says (no text is real here)
+    loop = dataclasses.replace(
+        loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0, checkpoint_every=0, check=exact_match
+    )
     return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
 
 

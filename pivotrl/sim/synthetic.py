@@ -20,7 +20,7 @@ from re import _parser as sre  # the stdlib's own regex parser: walks a pattern 
 from typing import Any
 
 from pivotrl.reward.genrm import GenRM
-from pivotrl.task.arithmetic import Problem
+from pivotrl.sample import Problem
 
 _MASK = (1 << 64) - 1
 LENGTH, VERDICT, GROUP_LENGTH, SPREAD, JUDGE_LENGTH = 1, 2, 3, 4, 5  # purposes of a draw: independent streams

@@ -1,1 +1,2 @@
-"""Bundled tasks: prompts with reference answers, and the rule checker used to measure."""
+"""Tasks: problems read from data files (``data``), the bundled arithmetic task, and the answer checkers that
+measure accuracy (``checkers``)."""

@@ -28,20 +28,14 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
+from pivotrl.sample import Problem
 from pivotrl.task.rules import exact_match, extract_answer
 
 HELDOUT_SIZE = 500
 TRAIN_SIZE = 8000
 TAIL_RATIO = 0.7  # P(b has t tens) is proportional to TAIL_RATIO ** t
-
-
-@dataclass(slots=True, frozen=True)
-class Problem:
-    question: str
-    reference: str
 
 
 def problem(a: int, b: int) -> Problem:
@@ -81,25 +75,6 @@ def write_jsonl(problems: list[Problem], path: Path) -> None:
     with path.open("w") as f:
         for p in problems:
             f.write(json.dumps({"question": p.question, "reference": p.reference}) + "\n")
-
-
-def read_jsonl(path: str | Path) -> list[Problem]:
-    """Read a task file; every line needs ``question`` and ``reference`` strings."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"task file {str(path)!r} not found")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            out.append(Problem(str(row["question"]), str(row["reference"])))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: expected a JSON object with 'question' and 'reference' ({e})") from None
-    if not out:
-        raise ValueError(f"{path}: no problems")
-    return out
 
 
 def worked_solution(a: int, b: int, answer: int | None = None) -> str:

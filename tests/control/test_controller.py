@@ -45,8 +45,8 @@ from pivotrl.control.messages import (
 from pivotrl.control.modes import Colocated, Disaggregated
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.reward.genrm import GenRM
-from pivotrl.sample import Status
-from pivotrl.task.arithmetic import Problem
+from pivotrl.sample import Problem, Status
+from pivotrl.task.rules import exact_match
 
 R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
 TEMPLATE = "Q: {question}\nA:"
@@ -70,6 +70,7 @@ def spec(**overrides) -> LoopSpec:
         eval_every=1,
         scale_by_std=True,
         per_device=4,
+        check=exact_match,
     )
     return replace(base, **overrides)
 

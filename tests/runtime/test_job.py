@@ -12,7 +12,8 @@ from pivotrl.model import Tokenizer
 from pivotrl.model.chat import load_chat_template
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime.job import chat_templates, context_spec, run_job
-from pivotrl.task.arithmetic import read_jsonl
+from pivotrl.task import checkers
+from pivotrl.task.data import read_jsonl, read_problems, write_parquet
 from tests.model.test_chat import CHATML, LLAMA3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +66,48 @@ def test_job_runs_end_to_end_and_writes_its_outputs(tiny_checkpoints, tmp_path):
     # colocated on one device: rollout -> genrm -> train -> rollout ..., every shift loads from the GPS
     assert on_disk["shifts"] >= 3 * 3 and on_disk["shift_seconds"]["max"] > 0
     assert 0 < sum(on_disk["role_busy_fraction"].values()) <= 1.0
+
+
+def test_a_job_on_parquet_and_save_to_disk_data_with_mapped_fields_measures_with_its_checker(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
+    """task.checker=math reaches the controller as a plain function: every sample's ``correct`` and every
+    held-out answer is math-verify's verdict on the response and the reference read through the mapped fields."""
+    import datasets
+
+    train = read_jsonl(ROOT / "data/arithmetic/train.jsonl")[:64]
+    write_parquet(train, tmp_path / "train.parquet", "problem", "answer")
+    heldout = read_jsonl(ROOT / "data/arithmetic/heldout.jsonl")[:16]
+    columns = {"problem": [p.question for p in heldout], "answer": [p.reference for p in heldout]}
+    datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / "heldout"))
+    calls: list[tuple[str, str, bool]] = []
+
+    def spy(response: str, reference: str) -> bool:
+        calls.append((response, reference, checkers.math_match(response, reference)))
+        return calls[-1][2]
+
+    monkeypatch.setitem(checkers.CHECKERS, "math", spy)
+    cfg = small_job(
+        tiny_checkpoints,
+        "steps=2",
+        f"task.train_file={tmp_path / 'train.parquet'}",
+        f"task.heldout_file={tmp_path / 'heldout'}",
+        "task.question_field=problem",
+        "task.reference_field=answer",
+        "task.checker=math",
+    )
+    summary = run_job(cfg, tmp_path / "run", progress=False)
+
+    references = {p.question: p.reference for p in read_problems(tmp_path / "train.parquet", "problem", "answer")}
+    rows = [json.loads(x) for x in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4 * 3 and {r["question"] for r in rows} <= references.keys()
+    verdicts = {(response, reference): ok for response, reference, ok in calls}
+    for r in rows:
+        assert r["correct"] == verdicts[(r["response"], references[r["question"]])]
+    evaluations = 2  # before the first step and after the last
+    assert len(calls) == len(rows) + evaluations * len(heldout)
+    assert {reference for _, reference, _ in calls[-len(heldout) :]} <= {p.reference for p in heldout}
+    assert 0 <= summary["accuracy_end"] <= 1
 
 
 def test_same_seed_same_samples(tiny_checkpoints, tmp_path):

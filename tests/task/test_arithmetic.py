@@ -11,10 +11,10 @@ from pivotrl.task.arithmetic import (
     make_splits,
     operands,
     policy_target,
-    read_jsonl,
     sft_pool,
     worked_solution,
 )
+from pivotrl.task.data import DataError, read_jsonl
 from pivotrl.task.rules import exact_match, extract_answer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,15 +53,15 @@ def test_shipped_data_is_the_seeded_split() -> None:
 
 
 def test_read_jsonl_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(DataError, match="not found"):
         read_jsonl(tmp_path / "nope.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1="}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with 'question' and 'reference'"):
+    with pytest.raises(DataError, match=r"bad.jsonl line 1: no field 'reference' \(task.reference_field"):
         read_jsonl(bad)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(ValueError, match="no problems"):
+    with pytest.raises(DataError, match="no problems"):
         read_jsonl(empty)
 
 
