@@ -238,6 +238,7 @@ class Controller:
             "accuracy": {str(k): v for k, v in self.accuracy.items()},
             "measured": dict(self.measured),
             "judgments": self._judgments[0],
+            "planner": self.policy.state() if hasattr(self.policy, "state") else None,
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -251,6 +252,8 @@ class Controller:
         self.pending_metrics = {int(k): v for k, v in state["pending_metrics"].items()}
         self.accuracy = {int(k): float(v) for k, v in state["accuracy"].items()}
         self.measured.update(state["measured"])
+        if state.get("planner") is not None and hasattr(self.policy, "restore"):
+            self.policy.restore(state["planner"])
         lengths = sorted(int(x) for x in state["judgments"])
         self._judgments = (lengths, list(itertools.accumulate(reversed(lengths), initial=0))[::-1])
         self._first_judgments = None

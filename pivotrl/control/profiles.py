@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_right, insort
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from pivotrl.control.messages import Role
 
@@ -451,6 +452,55 @@ class Profiles:
     train: TrainProfile
     lengths: LengthModel = field(default_factory=LengthModel)
     costs: ShiftCosts = field(default_factory=ShiftCosts)
+
+    def state(self) -> dict[str, Any]:
+        """Everything learned, as plain JSON values (a checkpoint keeps it: a resumed run plans as the
+        uninterrupted one would)."""
+        return {name: _encode_fields(getattr(self, name)) for name in ("rollout", "judge", "train", "lengths", "costs")}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take up what :meth:`state` wrote."""
+        for name, fields_ in state.items():
+            _decode_fields(getattr(self, name), fields_)
+
+
+def _role_pair(key: tuple[Role | None, Role]) -> str:
+    return f"{key[0].value if key[0] else ''}>{key[1].value}"
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, dict):
+        return [[_role_pair(k) if isinstance(k, tuple) else k, _encode(v)] for k, v in value.items()]
+    if isinstance(value, tuple | list | deque):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _encode_fields(obj: Any) -> dict[str, Any]:
+    return {f.name: _encode(getattr(obj, f.name)) for f in fields(obj)}
+
+
+def _decode_like(template: Any, value: Any) -> Any:
+    """``value`` (JSON) in the shape of ``template``, the attribute it replaces."""
+    if isinstance(template, dict):
+        out = {}
+        for k, v in value:
+            if isinstance(k, str) and ">" in k:  # a (from role, to role) pair
+                a, b = k.split(">")
+                k = (Role(a) if a else None, Role(b))
+            out[k] = tuple(v) if isinstance(k, tuple) else v  # (shift costs are (total, count) pairs)
+        return out
+    if isinstance(template, deque):
+        return deque(value)
+    if isinstance(template, tuple):
+        return tuple(value)
+    return value
+
+
+def _decode_fields(obj: Any, state: dict[str, Any]) -> None:
+    for f in fields(obj):
+        if f.name in state:
+            setattr(obj, f.name, _decode_like(getattr(obj, f.name), state[f.name]))
 
 
 @dataclass(slots=True)

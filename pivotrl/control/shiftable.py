@@ -11,6 +11,7 @@ while it serves requests leaves at once: its sequences migrate.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pivotrl.control.messages import Accumulated, Event, Generated, Progress, Role, ShiftDone, Trained
 from pivotrl.control.modes import Demand
@@ -92,6 +93,13 @@ class Shiftable:
         self._train: tuple[int, ...] = ()
         self._horizon = 0.0  # the step's estimated length, as the recent plans saw it (decaying maximum)
         self._last: tuple[tuple, float, float, dict[int, Role]] | None = None  # (situation, when, next due, targets)
+
+    def state(self) -> dict[str, Any]:
+        """What the planner learned (a checkpoint keeps it)."""
+        return self.profiles.state()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.profiles.restore(state)
 
     def observe(self, event: Event, previous_role: Role | None) -> None:
         p = self.profiles

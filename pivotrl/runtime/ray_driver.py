@@ -310,7 +310,17 @@ class RayDriver:
 
             self.origin, self._start = origin, start
             self.actors = [start(d) for d in range(cfg.devices)]
-            self.bindings: list[dev.Binding] = ray.get([a.binding.remote() for a in self.actors])
+            # every wait on a device is bounded: an actor that cannot start (no resources, a broken node) is an
+            # error naming the key, not a hang
+            try:
+                self.bindings: list[dev.Binding] = ray.get(
+                    [a.binding.remote() for a in self.actors], timeout=cfg.device_timeout
+                )
+            except ray.exceptions.GetTimeoutError:
+                raise UserError(
+                    f"the {cfg.devices} device actors did not start within device_timeout={cfg.device_timeout:g} s"
+                    " (are the resources they ask for free on the cluster?)"
+                ) from None
             dev.check_bindings(cfg.device, self.kind, self.bindings)
         except BaseException:
             self.close()
@@ -341,7 +351,7 @@ class RayDriver:
         import ray
 
         self.origin = origin
-        ray.get([a.set_origin.remote(origin) for a in self.actors])
+        ray.get([a.set_origin.remote(origin) for a in self.actors], timeout=self.timeout)
 
     def submit(self, cmd: Command) -> None:
         devices = cmd.devices if isinstance(cmd, Step) else (cmd.device,)

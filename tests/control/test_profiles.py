@@ -295,3 +295,35 @@ def test_role_profile_remembers_small_batches_while_large_ones_are_measured():
     for _ in range(2000):
         p.observe(100 * 128, 100 * 0.02, 128)  # the next step's bulk
     assert p.step_seconds(1) == pytest.approx(0.004, rel=0.02)
+
+
+def test_learned_profiles_survive_a_checkpoint_as_json():
+    """What the planner learned, written as JSON and read back into fresh profiles, answers the same."""
+    import json
+
+    from pivotrl.control.messages import Role
+    from pivotrl.control.shiftable import Shiftable
+
+    learned, fresh = Shiftable(4, 64, 96, 64, 256), Shiftable(4, 64, 96, 64, 256)
+    p = learned.profiles
+    for b, c, s in ((4, 100, 0.02), (16, 300, 0.05), (64, 900, 0.2), (32, 500, 0.09)):
+        p.rollout.observe(b * 10, s * 10, b, c)
+        p.judge.observe(b * 5, s * 4, b, c)
+    p.rollout.observe_prefill(4000, 0.5)
+    p.train.observe(20_000, 2.0)
+    for n in (12, 40, 96, 7, 55) * 10:
+        p.lengths.observe(n)
+    p.costs.observe(Role.ROLLOUT, Role.GENRM, 0.3)
+    p.costs.observe(None, Role.TRAIN, 0.9)
+    state = json.loads(json.dumps(learned.state()))
+    fresh.restore(state)
+    q = fresh.profiles
+    for b, c in ((1, 50), (8, 400), (128, 2000)):
+        assert q.rollout.rate(b, c) == p.rollout.rate(b, c) and q.judge.rate(b, c) == p.judge.rate(b, c)
+    assert q.train.device_rate == p.train.device_rate
+    assert [q.lengths.expected_remaining(t) for t in (0, 30, 90)] == [
+        p.lengths.expected_remaining(t) for t in (0, 30, 90)
+    ]
+    assert q.costs.cost(Role.ROLLOUT, Role.GENRM) == p.costs.cost(Role.ROLLOUT, Role.GENRM)
+    assert q.costs.cost(None, Role.TRAIN) == p.costs.cost(None, Role.TRAIN)
+    assert json.loads(json.dumps(fresh.state())) == json.loads(json.dumps(learned.state()))  # caches alike too
