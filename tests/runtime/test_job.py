@@ -37,6 +37,7 @@ def small_job(ckpt: dict[str, Path], *extra: str):
             "judge.max_new_tokens=12",
             "eval.size=16",
             "eval.every=2",
+            "device_timeout=120",  # a stalled call in a test is lost after 2 minutes, not 10
             "threads_per_device=1",  # every device alike, in process or in an actor: same samples, no thread barriers
             *extra,
         ],
