@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.config import JobConfig
+from pivotrl.control.controller import DeviceLostError
 from pivotrl.control.messages import (
     Abort,
     Accumulate,
@@ -432,6 +433,8 @@ class RayDriver:
         out, self.lost_events = self.lost_events, []
         while not out:
             if not self.pending:
+                if self.lost:  # nothing left to run the job (devices lost and not started again)
+                    raise DeviceLostError(f"device(s) {sorted(self.lost)} were lost and not started again")
                 raise RuntimeError("the controller waits for events but no device has work")
             refs = list(self.pending)
             timed = [r for r in refs if self.pending[r][0] != "join"]  # (a restart may take long)

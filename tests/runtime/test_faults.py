@@ -87,3 +87,12 @@ def test_without_restarts_the_run_stops_with_the_line_to_resume_it(
     summary = run_job(load_config(tmp_path / "config.json"), tmp_path, progress=False, resume=True)
     assert summary["resumed_from_step"] == 1 and not summary["devices_lost"]  # the drill is not replayed
     assert_same_run(undisturbed, tmp_path)
+
+
+def test_a_device_lost_for_good_leaves_the_run_to_the_others(tiny_checkpoints, tmp_path, ray_cluster):
+    """restart_lost=false: the lost device does not come back; colocated on two devices, the run completes on
+    the one left."""
+    cfg = small_job(tiny_checkpoints, *BASE, "mode=colocated", "devices=2", "fault.device=1", "fault.phase=rollout",
+                    "fault.step=2", "restart_lost=false")  # fmt: skip
+    summary = run_job(cfg, tmp_path, progress=False)
+    assert [e["device"] for e in summary["devices_lost"]] == [1] and summary["steps"] == 2
