@@ -13,8 +13,10 @@ slices.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
+import signal
 import socket
 import time
 import uuid
@@ -80,6 +82,12 @@ class DeviceActor:
         spec = replace(spec, device=dev.bind(spec.device))  # see the devices module for a GPU torch cannot see
         self.bundle = bundle  # the placement-group bundle it was scheduled into (Ray does not tell an actor)
         self.worker = Worker(device, store, spec, train, origin, threads=threads)
+        # a device about to be declared lost for missing its deadline is first asked for its threads' stacks
+        # (written to its log, which Ray forwards to the driver's): what it was stuck in
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def binding(self) -> dev.Binding:
         """What this actor holds, as it sees it."""
@@ -323,6 +331,7 @@ class RayDriver:
                     " (are the resources they ask for free on the cluster?)"
                 ) from None
             dev.check_bindings(cfg.device, self.kind, self.bindings)
+            self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=cfg.device_timeout)
         except BaseException:
             self.close()
             raise
@@ -447,6 +456,7 @@ class RayDriver:
             if not ready:  # the call with the earliest deadline is past it: its device is lost
                 late = min(deadlines, key=deadlines.__getitem__)
                 device = self.pending[late][1]
+                self._dump_stacks(device)
                 ray.kill(self.actors[device], no_restart=True)
                 if step is not None and late in step.refs:
                     why = f"its part of the optimizer step was not done {STEP_GRACE_S:g} s after a member was lost"
@@ -488,12 +498,24 @@ class RayDriver:
                         self._run(device)
                 elif kind == "join":
                     ray.get(self.actors[device].set_origin.remote(self.origin))
+                    self.pids[device] = ray.get(self.actors[device].pid.remote())
                     self.lost.discard(device)
                     logger.warning("device %d is back", device)
                     out.append(DeviceJoined(device))
                 elif kind == "event" and result is not None:
                     out.append(result)
         return out
+
+    def _dump_stacks(self, device: int) -> None:
+        """Have a device that missed its deadline write its threads' stacks to its log (same machine only)."""
+        if self.bindings[device].node_ip != dev.node_address():
+            return
+        try:
+            os.kill(self.pids[device], signal.SIGUSR1)
+            time.sleep(0.5)  # (the dump is written by the device's process, asynchronously)
+            logger.warning("device %d: its threads' stacks are in its log above", device)
+        except (OSError, IndexError):
+            pass
 
     def _lose(self, device: int, reason: str) -> list[Event]:
         """Forget everything sent to ``device``; start it again (``restart_lost``); the events for the controller
