@@ -104,7 +104,8 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
         "devices_lost": [{"seconds": round(t, 3), "device": d, "reason": why} for t, d, why in ctl.lost_log],
         # migrated sequences regenerated unmigrated beside them (rollout.audit_migrations): how many compared,
         # the share with identical tokens, and how many copies a shift stopped before they finished
-        "migration_audit": audit | {"identical_share": audit["identical"] / max(audit["checked"], 1)},
+        "migration_audit": audit
+        | {"identical_share": audit["identical"] / audit["checked"] if audit["checked"] else None},
         "shift_seconds": {"mean": sum(shift_s) / len(shift_s), "max": max(shift_s)}
         if shift_s
         else {"mean": 0, "max": 0},

@@ -104,7 +104,7 @@ class DeviceView:
     aborting: bool = False  # an Abort in flight
     leaving: Role | None = None  # aborted to take this role: it shifts there next, whatever the plan says by then
     heading: Role | None = None  # the role of the shift in flight
-    accumulating: bool = False  # an Accumulate in flight
+    accumulating: int = 0  # samples of the Accumulate in flight (0: none)
     grads: bool = False  # holds gradients of this step: stays in the train role until the step
     held: list[int] = field(default_factory=list)  # samples (indexes) handed to its backward this step
     lost: bool = False  # died or hung; out of every role until it joins again
@@ -138,8 +138,8 @@ class StepRecord:
 
 
 class DeviceLostError(RuntimeError):
-    """A device was lost with state nothing else holds (its part of an optimizer step, a shard of the sharded
-    train state): the run cannot go on; it resumes from its newest checkpoint."""
+    """A device was lost holding state nothing else holds (its shard of a sharded train state): this attempt at the
+    run cannot go on; the job resumes from its newest checkpoint."""
 
 
 class Controller:
@@ -199,7 +199,6 @@ class Controller:
         # the last step's judgment lengths, sorted, and the sums of each suffix (what a running judgment
         # has still to write is judged by them: a judge that reasons writes lengths of a long tail)
         self._judgments: tuple[list[int], list[int]] = ([], [0])
-        self._last_accumulate: dict[int, int] = {}  # device -> samples of its Accumulate in flight (or last)
         self.lost_log: list[tuple[float, int, str]] = []  # (when, device, why) of every device lost
         self.done = False
         self.top_reward = max(genrm.rewards.values())
@@ -559,8 +558,7 @@ class Controller:
         recovered = len(redo_gen) + len(redo_judge)
         if d.held and self.step is not None:  # its gradients are gone: those samples go through backward again
             rec = self.step
-            done = len(d.held) if not d.accumulating else len(d.held) - self._in_flight_backward(d)
-            rec.accumulated -= done
+            rec.accumulated -= len(d.held) - d.accumulating  # (those of an Accumulate in flight were not counted)
             rec.backward.difference_update(d.held)
             self.train_queue.extendleft(reversed(d.held))
             recovered += len(d.held)
@@ -572,10 +570,6 @@ class Controller:
         self._rebalance_due = True
         self.lost_log.append((self.clock(), e.device, e.reason))
 
-    def _in_flight_backward(self, d: DeviceView) -> int:
-        """Samples of ``d``'s last Accumulate, still running when it was lost (not counted as accumulated)."""
-        return self._last_accumulate.get(d.id, 0)
-
     def _on_step_failed(self, e: StepFailed) -> None:
         """The update did not happen: every sample of the step goes through backward again, on train devices
         that take their state up afresh from the GPS (version ``e.version`` and its optimizer state)."""
@@ -584,7 +578,8 @@ class Controller:
         self.training, self.train_ready = False, True
         for i in e.devices:
             d = self.devices[i]
-            d.training = d.grads = d.accumulating = False
+            d.training = d.grads = False
+            d.accumulating = 0
             d.held = []
             d.version = -1  # stale: the pump shifts it into the train role again, reloading from the GPS
         rec.accumulated = 0
@@ -760,9 +755,8 @@ class Controller:
                 tokens += self._train_tokens(take[-1])
             self.step.backward.update(take)
             self.devices[i].held += take
-            self._last_accumulate[i] = len(take)
             cmds.append(Accumulate(i, self.version, self._shard(take)))
-            self.devices[i].accumulating = self.devices[i].grads = True
+            self.devices[i].accumulating, self.devices[i].grads = len(take), True
             if self.step.train_start is None:
                 self.step.train_start = self.clock()
         # every backward done (so nothing was handed out above) and every train device free
@@ -789,7 +783,7 @@ class Controller:
 
     def _on_accumulated(self, e: Accumulated) -> None:
         assert self.step is not None
-        self.devices[e.device].accumulating = False
+        self.devices[e.device].accumulating = 0
         self.step.accumulated += e.samples
 
     def _on_trained(self, e: Trained) -> None:

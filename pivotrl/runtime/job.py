@@ -42,7 +42,6 @@ from pivotrl.runtime.contexts import (
     build_model,
     publish_checkpoint,
 )
-from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.sharded import shard_name
 from pivotrl.runtime.worker import TrainSpec, Worker
@@ -158,38 +157,36 @@ def _diff(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
+def shard_copies(store: ParameterStore, version: int, world: int) -> list[ckpt.Entry]:
+    """The shards of ``version`` a sharded train group of ``world`` devices copied for a checkpoint (none when the
+    trainer is replicated), each to be kept under its own name."""
+    return [
+        ckpt.Entry(shard_name(CHECKPOINT_STATE, r, world), shard_name(POLICY, r, world), version, Kind.OPTIMIZER)
+        for r in range(world)
+        if version in store.versions(shard_name(CHECKPOINT_STATE, r, world), Kind.OPTIMIZER)
+    ]
+
+
 def save_checkpoint(
     cfg: JobConfig,
     out: str | Path,
     store: ParameterStore,
     ctl: Controller,
-    groups: TrainGroups,
-    ckpt_worlds: set[int],
+    copies: list[ckpt.Entry],
     metrics_rows: int,
     samples_rows: int,
 ) -> None:
-    """Write the checkpoint of the step just finished (``ctl.checkpoint_due``) from the GPS."""
+    """Write the checkpoint of the step just finished (``ctl.checkpoint_due``) from the GPS: the weights, and the
+    optimizer state (the sharded trainer's ``copies``, or the replicated trainer's, which rank 0 publishes every
+    step)."""
     state = ctl.checkpoint()
     version = state["version"]
-    entries = [ckpt.Entry(POLICY, POLICY, version, Kind.WEIGHTS)]
-    copies = [  # a sharded trainer's shards, copied for this checkpoint by the group that stepped
-        ckpt.Entry(shard_name(CHECKPOINT_STATE, r, w), shard_name(POLICY, r, w), version, Kind.OPTIMIZER)
-        for w in sorted(ckpt_worlds)
-        for r in range(w)
-        if version in store.versions(shard_name(CHECKPOINT_STATE, r, w), Kind.OPTIMIZER)
-    ]
-    world = 0
-    if copies:
-        world = groups.state_world
-        entries += [e for e in copies if e.name.endswith(f"of{world}")]
-    elif version in store.versions(POLICY, Kind.OPTIMIZER):  # replicated: rank 0 publishes it every step
+    entries = [ckpt.Entry(POLICY, POLICY, version, Kind.WEIGHTS), *copies]
+    if not copies and version in store.versions(POLICY, Kind.OPTIMIZER):
         entries.append(ckpt.Entry(POLICY, POLICY, version, Kind.OPTIMIZER))
-    meta = {"step": state["step"], "config": cfg.to_dict(), "controller": state, "train_state_world": world}
+    meta = {"step": state["step"], "config": cfg.to_dict(), "controller": state, "train_state_world": len(copies)}
     meta |= {"metrics_rows": metrics_rows, "samples_rows": samples_rows}
-    try:
-        ckpt.write(out, store, entries, meta, cfg.checkpoint.keep)
-    finally:
-        ckpt.free(store, copies)
+    ckpt.write(out, store, entries, meta, cfg.checkpoint.keep)
 
 
 AUTO_RESUMES = 3  # in-run resumes after losses nothing else can recover from, at most
@@ -308,8 +305,8 @@ def _run_once(
         genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        kind = driver.kind if not in_process else kind
-        loop = replace(loop_spec(cfg), sharded_train=cfg.train.resolved_backend(kind) == "fsdp", chat=policy_chat)
+        sharded = cfg.train.resolved_backend(kind if in_process else driver.kind) == "fsdp"
+        loop = replace(loop_spec(cfg), sharded_train=sharded, chat=policy_chat)
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
         ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary
         bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)
@@ -317,12 +314,12 @@ def _run_once(
         started = clock()
         commands = ctl.start()
         written, samples_rows = len(ctl.metrics), writer.rows("samples.jsonl")
-        ckpt_worlds: set[int] = set()  # sizes of the sharded train groups that copied state for a checkpoint
+        copied: tuple[int, int] | None = None  # (version, train devices) of a step that copies its state
         while not ctl.done:
             for c in commands:
                 driver.submit(c)
                 if isinstance(c, Step) and c.checkpoint:
-                    ckpt_worlds.add(len(c.devices))
+                    copied = (c.version + 1, len(c.devices))
             try:
                 commands = ctl.handle_all(driver.next_events())
             except DeviceLostError as e:
@@ -339,9 +336,15 @@ def _run_once(
                 acc = ctl.accuracy.get(max(ctl.accuracy), 0.0)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
-            if ctl.checkpoint_due is not None:  # before the next commands: the state of this step boundary
-                save_checkpoint(cfg, out, store, ctl, driver.groups, ckpt_worlds, written, samples_rows)
-                ctl.checkpoint_due = None
+            stepped = copied is not None and ctl.version >= copied[0]
+            if ctl.checkpoint_due is not None or stepped:  # before the next commands: this step boundary's state
+                copies = shard_copies(store, *copied) if stepped else []
+                try:
+                    if ctl.checkpoint_due is not None:
+                        save_checkpoint(cfg, out, store, ctl, copies, written, samples_rows)
+                finally:  # written, or not due after all (an older evaluation still ran): the copies go
+                    ckpt.free(store, copies)
+                ctl.checkpoint_due, copied = None, None if stepped else copied
         bar.close()
         wall = clock() - started
         slices = driver.slices()

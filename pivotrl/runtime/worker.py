@@ -236,10 +236,10 @@ class Worker:
         real = []
         checked = identical = 0
         for s in finished:
-            uid = self.shadows.get(s.uid, s.uid)
-            if s.uid in self.shadows:
-                del self.shadows[s.uid]
+            if s.uid in self.shadows:  # a copy: its request's uid
+                uid = self.shadows.pop(s.uid)
             else:
+                uid = s.uid
                 real.append(s)
                 if _shadow_uid(uid) not in self.shadows and uid not in self.audit_tokens:
                     continue  # not audited
@@ -277,6 +277,7 @@ class Worker:
         if report.prefill_tokens:
             measured |= {"prefill_tokens": report.prefill_tokens, "prefill_s": round(report.prefill_s, 6)}
         self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1, measured))
+        progress = tuple(p for p in report.progress if p[0] not in self.shadows)  # (the audit's copies are ours)
         events: list[Event] = [
             Progress(
                 self.device,
@@ -284,15 +285,13 @@ class Worker:
                 t1 - t0,
                 report.tokens,
                 report.running,
-                report.progress,
+                progress,
                 report.prefill_tokens,
                 report.prefill_s,
                 report.steps,
                 report.kv,
             )
         ]
-        if report.progress and self.shadows:
-            events[0] = replace(events[0], tokens_so_far=tuple(p for p in report.progress if p[0] not in self.shadows))
         if role is Role.ROLLOUT and finished:
             results = []
             for s in finished:
