@@ -1,13 +1,28 @@
 """Shiftable against its baselines on cluster-scale jobs, next to the ideal throughput.
 
-Four model groups (policy + generative judge) on 128 simulated H100s, each run
-with ``pivotrl simulate examples/sim128.yaml`` in colocated, disaggregated and
-shiftable mode, every run in its own process:
+Six model groups (policy + generative judge) on 128 simulated H100s, each run
+with ``pivotrl simulate examples/sim128.yaml`` in colocated (deployed and
+strong), disaggregated and shiftable mode, every run in its own process:
 
-    dense-7b    Qwen2.5-7B policy,  Qwen2.5-7B judge      dense pair
-    moe-30b     Qwen3-30B-A3B,      Qwen3-30B-A3B judge   MoE pair
-    judge-32b   Qwen2.5-7B policy,  Qwen2.5-32B judge     a GenRM larger than the policy
-    dense-14b   Qwen2.5-14B policy, Qwen2.5-14B judge     a larger dense pair
+    dense-7b         Qwen2.5-7B policy,  Qwen2.5-7B judge      dense pair
+    moe-30b          Qwen3-30B-A3B,      Qwen3-30B-A3B judge   MoE pair
+    judge-32b        Qwen2.5-7B policy,  Qwen2.5-32B judge     a GenRM larger than the policy
+    dense-14b        Qwen2.5-14B policy, Qwen2.5-14B judge     a larger dense pair
+    reasoning-judge  Qwen2.5-7B policy,  Qwen2.5-14B judge     a judge that reasons: judgments lognormal,
+                                                               median 1024, sigma 0.8, cap 8192 (assumed)
+    long-rollout     Qwen2.5-7B policy,  Qwen2.5-7B judge      rollouts to 16k tokens (median 2400)
+
+Two colocated baselines. The strong one is the best colocated schedule we can
+model: phase switches of ~1 s (pivotrl's shift costs) and in-flight
+rebalancing of the rollout. The deployed one is colocated as today's
+frameworks (verl, NeMo-RL, slime) run it: ``sim.costs=deployed`` prices each
+phase switch at its published cost (``pivotrl.sim.costs.DeployedCosts``: the
+engines put to sleep and woken, the policy's weights synced into the rollout
+engine each step, the trainer's state offloaded and loaded back, each number
+with its public source), the colocated judge is woken once the whole rollout
+has ended, and no sequence moves between engines within a step
+(``rollout.rebalance=false``). Both get the instance size where they are
+fastest, as every mode does.
 
 Workload (sim128.yaml): 512 prompts x 16 responses a step, prompts of 512
 tokens, lognormal response lengths (median 1200, sigma 0.9, capped at 8192),
@@ -72,8 +87,10 @@ each baseline.
 a looser floor.)
 
 Writes ``benchmarks/results/paper.{json,md,png}``: the JSON has a ``groups``
-list (per group ``name``, ``ideal``, ``modes``, ``ideal_fraction`` per mode,
-``speedup_vs_colocated``, ``speedup_vs_disaggregated``, the search's runs),
+list (per group ``name``, ``ideal``, ``modes``, ``ideal_fraction`` and
+``floor_fraction`` per mode (its throughput over the ideal's and over the
+floor's), ``speedup_vs_deployed_colocated``, ``speedup_vs_colocated``,
+``speedup_vs_disaggregated``, the search's runs),
 the markdown the table with its assumptions, the PNG the bar chart.
 
 ``--sweep`` instead runs the dense-7b job across the length tail (uniform,
@@ -85,7 +102,7 @@ picks axes), and writes
 ``paper_sweep.{json,md,png}`` (the JSON after every point, so a long sweep
 keeps what it finished).
 
-    .venv/bin/python benchmarks/paper.py                        # main table, ~20 min on 2 cores
+    .venv/bin/python benchmarks/paper.py                        # main table, ~40 min on 2 cores
     .venv/bin/python benchmarks/paper.py --quick                # smoke run: 32 GPUs, 3 steps, ~4 min
     .venv/bin/python benchmarks/paper.py --groups dense-7b --steps 6
     .venv/bin/python benchmarks/paper.py --sweep --steps 6 --search-budget 12   # sensitivity, ~35 min
@@ -117,7 +134,13 @@ from pivotrl.sim.workload import LengthDist
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples/sim128.yaml"
 RESULTS = ROOT / "benchmarks/results"
-MODES = ("colocated", "disaggregated", "shiftable")
+MODES = ("deployed", "colocated", "disaggregated", "shiftable")
+# the colocated baseline as today's frameworks run it: each phase switch at its published cost (engines put
+# to sleep and woken, the policy's weights synced into the rollout engine, the trainer's state offloaded:
+# ``DeployedCosts``, every number with its source), no sequence moved between engines within a step
+DEPLOYED = ("mode=colocated", "sim.costs=deployed", "rollout.rebalance=false")
+LABELS = {"deployed": "colocated, deployed", "colocated": "colocated, strong", "disaggregated": "disaggregated",
+          "shiftable": "shiftable"}  # fmt: skip
 ROLES = ("rollout", "genrm", "train")
 TPS = INSTANCE_SIZES
 Split = tuple[int, int, int]  # rollout, genrm, train devices
@@ -139,6 +162,25 @@ GROUPS = {
         Group("moe-30b", "Qwen3-30B-A3B", "Qwen3-30B-A3B", "MoE pair"),
         Group("judge-32b", "Qwen2.5-7B", "Qwen2.5-32B", "judge larger than the policy"),
         Group("dense-14b", "Qwen2.5-14B", "Qwen2.5-14B", "larger dense pair"),
+        # a judge that thinks before its verdict: judgments of varying length with a long tail. Public GenRM
+        # recipes cap them at 4k-16k tokens (DEPLOYED's sources); no length distribution is published, so
+        # this is an assumption: lognormal, median 1024, sigma 0.8 (about 0.5% reach the 8192 cap)
+        Group(
+            "reasoning-judge",
+            "Qwen2.5-7B",
+            "Qwen2.5-14B",
+            "a larger judge that reasons",
+            ("sim.judge_output_len=1024", "sim.judge_output_sigma=0.8", "judge.max_new_tokens=8192"),
+        ),
+        # reasoning RL: rollouts capped at 16k tokens (Skywork-OR1, DeepScaleR's second stage; DAPO 20k),
+        # sim128.yaml's length shape at twice its median (about 2% reach the cap)
+        Group(
+            "long-rollout",
+            "Qwen2.5-7B",
+            "Qwen2.5-7B",
+            "rollouts to 16k tokens",
+            ("sim.lengths.median=2400", "rollout.max_new_tokens=16384", "eval.max_new_tokens=16384"),
+        ),
     )
 }
 
@@ -322,13 +364,14 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
           f"{'/'.join(map(str, sizes))}; ideal {sizes[tp0].samples_per_s:.1f} samples/s (TP{tp0}), floor bound "
           + ", ".join(f"TP{tp} {cap:.1f}" for tp, cap in caps.items()), flush=True)  # fmt: skip
     modes: dict[str, dict[str, Any]] = {}
-    for mode in ("colocated", "shiftable"):
+    for mode in ("deployed", "colocated", "shiftable"):
         runs: dict[int, dict[str, Any]] = {}
 
         def run(tp: int, mode: str = mode, runs: dict[int, dict[str, Any]] = runs) -> float:
             kept = keep(f"{mode}-tp{tp}")  # (each size's run kept apart; the chosen one is renamed below)
-            r = runs[tp] = simulate([*job_overrides(group, gpus, tp), f"mode={mode}", f"steps={args.steps}"],
-                                    args.timeout, kept)  # fmt: skip
+            how = list(DEPLOYED) if mode == "deployed" else [f"mode={mode}"]
+            r = runs[tp] = simulate([*job_overrides(group, gpus, tp), *how, f"steps={args.steps}"], args.timeout,
+                                    kept)  # fmt: skip
             print(f"  {mode} TP{tp}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)
             return r.get("samples_per_s", 0.0)
 
@@ -393,15 +436,22 @@ def derive(g: dict[str, Any]) -> dict[str, Any]:
     ceiling = bound(g)
 
     def speedup(baseline: str) -> float | None:
-        return rate["shiftable"] / rate[baseline] if rate[baseline] > 0 and rate["shiftable"] > 0 else None
+        return rate["shiftable"] / rate[baseline] if rate.get(baseline) and rate["shiftable"] > 0 else None
+
+    def over(baseline: str) -> float | None:
+        return ceiling / rate[baseline] if rate.get(baseline) else None
 
     return {
         **g,
-        "ideal_fraction": {m: rate[m] / g["ideal"]["samples_per_s"] for m in MODES},
+        "ideal_fraction": {m: rate[m] / g["ideal"]["samples_per_s"] for m in rate},
+        # each mode's throughput as a share of the floor's (the step floor at its best instance size)
+        "floor_fraction": {m: rate[m] / ceiling for m in rate},
+        "speedup_vs_deployed_colocated": speedup("deployed"),
         "speedup_vs_colocated": speedup("colocated"),
         "speedup_vs_disaggregated": speedup("disaggregated"),
-        "bound_vs_colocated": ceiling / rate["colocated"] if rate["colocated"] > 0 else None,
-        "bound_vs_disaggregated": ceiling / rate["disaggregated"] if rate["disaggregated"] > 0 else None,
+        "bound_vs_deployed_colocated": over("deployed"),
+        "bound_vs_colocated": over("colocated"),
+        "bound_vs_disaggregated": over("disaggregated"),
     }
 
 
@@ -411,30 +461,37 @@ def _rate(r: dict[str, Any]) -> str:
 
 # -- reports --------------------------------------------------------------------------------
 
-HEAD = ("group", "mode", "layout", "samples/s", "step s", "rollout s", "of ideal", "rollout", "genrm", "train",
-        "shift", "idle", "shifts/step", "moves/step", "shift s/step")  # fmt: skip
+HEAD = ("group", "mode", "layout", "samples/s", "step s", "rollout s", "of ideal", "of floor", "rollout", "genrm",
+        "train", "shift", "idle", "shifts/step", "moves/step", "shift s/step")  # fmt: skip
+
+
+def modes_of(g: dict[str, Any]) -> list[str]:
+    """The modes a group was run in, in table order (older reports have no deployed baseline)."""
+    return [m for m in MODES if m in g["modes"]]
 
 
 def rows(g: dict[str, Any], label: str | None = None) -> list[list[str]]:
     """The table rows of one group: a row per mode, then the ideal."""
     out = []
-    for mode in MODES:
+    for mode in modes_of(g):
         r = g["modes"][mode]
-        layout = r.get("split", "all roles" if mode == "colocated" else "planner") + f", TP{mode_tp(g, mode)}"
+        layout = r.get("split", "planner" if mode == "shiftable" else "all roles") + f", TP{mode_tp(g, mode)}"
         if "samples_per_s" not in r:
-            out.append([label or g["name"], mode, layout, "failed: " + r.get("error", "?")] + [""] * (len(HEAD) - 4))
+            out.append([label or g["name"], LABELS[mode], layout, "failed: " + r.get("error", "?")]
+                       + [""] * (len(HEAD) - 4))  # fmt: skip
             continue
         b = r["busy_fraction"]
         rollout = f"{r['rollout_seconds']:.1f}" if "rollout_seconds" in r else ""  # (older reports: not kept)
-        out.append([label or g["name"], mode, layout, f"{r['samples_per_s']:.1f}", f"{r['step_seconds']:.1f}",
-                    rollout, f"{g['ideal_fraction'][mode]:.0%}", *(f"{b[k]:.0%}" for k in (*ROLES, "shift")),
+        out.append([label or g["name"], LABELS[mode], layout, f"{r['samples_per_s']:.1f}", f"{r['step_seconds']:.1f}",
+                    rollout, f"{g['ideal_fraction'][mode]:.0%}", f"{g['floor_fraction'][mode]:.0%}",
+                    *(f"{b[k]:.0%}" for k in (*ROLES, "shift")),
                     f"{r['idle_fraction']:.0%}", f"{r['shifts_per_step']:.0f}", f"{r['moves_per_step']:.0f}",
                     f"{r['shift_seconds_per_step']:.0f}"])  # fmt: skip
     i = g["ideal"]
     shares = {k: v / sum(i["gpu_seconds_by_role"].values()) for k, v in i["gpu_seconds_by_role"].items()}
     floor = f"{i['spread_rollout_s']:.1f}" if "spread_rollout_s" in i else ""  # the spread path's generation
     out.append([label or g["name"], "ideal", f"TP{g['instance_gpus']}, batch {i['rollout_batch']}/{i['genrm_batch']}",
-                f"{i['samples_per_s']:.1f}", f"{i['step_seconds']:.1f}", floor, "100%",
+                f"{i['samples_per_s']:.1f}", f"{i['step_seconds']:.1f}", floor, "100%", "",
                 *(f"{shares[k]:.0%}" for k in ROLES), "0%", "0%", "", "", ""])  # fmt: skip
     return out
 
@@ -462,10 +519,11 @@ def spent(g: dict[str, Any], mode: str) -> dict[str, float] | None:
 def spent_rows(items: list[dict[str, Any]], label: str) -> list[list[str]]:
     out = []
     for g in items:
-        for mode in MODES:
+        for mode in modes_of(g):
             x = spent(g, mode)
             name = g["name"] if label == "name" else f"{g['sweep']}: {g['point']}"
-            out.append([name, mode, *(f"{v:.0%}" for v in x.values())] if x else [name, mode] + [""] * 6)
+            cells = [f"{v:.0%}" for v in x.values()] if x else [""] * 6
+            out.append([name, LABELS[mode], *cells])
     return out
 
 
@@ -476,13 +534,20 @@ def _times(x: float | None) -> str:
 def speedups(g: dict[str, Any]) -> str:
     tp = bound_tp(g)
     i = ideals(g)[tp]
+    deployed = ""
+    if "deployed" in g["modes"]:
+        deployed = f"vs deployed colocated {_times(g.get('speedup_vs_deployed_colocated'))}, "
+    floor = g.get("floor_fraction", {}).get("shiftable")
     return (
-        f"shiftable vs colocated {_times(g['speedup_vs_colocated'])}, "
-        f"vs disaggregated {_times(g['speedup_vs_disaggregated'])}; "
+        f"shiftable {deployed}vs colocated {_times(g['speedup_vs_colocated'])}, "
+        f"vs disaggregated {_times(g['speedup_vs_disaggregated'])}"
+        + (f", at {floor:.0%} of the floor" if floor else "")
+        + "; "
         f"at TP{tp} ideal step {i['step_seconds']:.0f} s, spread path {i['spread_path_s']:.0f} s (alone "
         f"{i['critical_path_s']:.0f} s), group path {i.get('group_path_s', 0):.0f} s, joint floor "
         f"{i.get('joint_floor_s', 0):.0f} s: no schedule gains more "
         f"than {_times(g.get('bound_vs_colocated'))} / {_times(g.get('bound_vs_disaggregated'))}"
+        + (f" ({_times(g.get('bound_vs_deployed_colocated'))} over the deployed colocated)" if deployed else "")
     )
 
 
@@ -536,7 +601,18 @@ ASSUMPTIONS = """\
   the same window. Rollout s: from a step's start to its last response generated, the mean over the same steps;
   in the ideal row, the spread path's generation (a floor). Shifts count role moves and per-step weight
   reloads; moves count devices changing role; shift s is device-seconds spent shifting.
+- Colocated, deployed: colocated as today's frameworks run it (`sim.costs=deployed`, `DeployedCosts` in
+  `pivotrl/sim/costs.py`, each number with its public source): every step the rollout engine is woken (vLLM
+  sleep mode, ~10 GB/s a GPU) and the policy's weights synced into it (dense: 4.5 s at 8B, +0.08 s a GB, from
+  NeMo-RL's published refit times; MoE: 37 s, verl's Qwen3-MoE sync), the judge engine woken once the whole
+  rollout has ended, each put back to sleep after, the trainer's state offloaded and loaded back
+  (torch_memory_saver's 2.4 / 5.3 GiB/s); no sequence moves between engines within a step. Colocated,
+  strong: pivotrl's ~1-2 s shifts and in-flight rebalancing of the rollout.
 - Disaggregated: the best static split found by a grid-then-compass search on the steady step time.
+- Groups reasoning-judge and long-rollout: the judgments of a judge that reasons are assumed lognormal (median
+  1024 tokens, sigma 0.8, cap 8192; public GenRM recipes cap them at 4k-16k, and no distribution is published);
+  long rollouts have sim128.yaml's shape at twice its median, capped at 16384 tokens. Of floor: the mode's
+  throughput over the floor's (the step floor at the instance size where it is lowest).
 - Ideal: all the work of a step (prefill and decode of rollout and judge at the largest batch the KV cache
   allows, training forward and backward, the optimizer update) in GPU-seconds over all GPUs; no idle time,
   no shifts, no weight refreshes, no gradient sync (`pivotrl/sim/ideal.py`). Its role columns are the
@@ -569,18 +645,20 @@ def _bars(
 ) -> None:
     """Per item a bar for each mode and the ideal (labelled with the mode's share of the ideal), and the
     step-floor bound as a black mark over the ideal's bar."""
-    colors = {"colocated": "#8c8c8c", "disaggregated": "#4c72b0", "shiftable": "#dd8452", "ideal": "#55a868"}
-    width = 0.2
-    for k, mode in enumerate((*MODES, "ideal")):
-        xs = [i + (k - 1.5) * width for i in range(len(items))]
+    colors = {"deployed": "#c8c8c8", "colocated": "#8c8c8c", "disaggregated": "#4c72b0", "shiftable": "#dd8452",
+              "ideal": "#55a868"}  # fmt: skip
+    shown = [m for m in MODES if all(m in g["modes"] for g in items)]
+    width = 0.8 / (len(shown) + 1)
+    for k, mode in enumerate((*shown, "ideal")):
+        xs = [i + (k - len(shown) / 2) * width for i in range(len(items))]
         ys = [value(g, mode) for g in items]
         ideal = mode == "ideal"
-        ax.bar(xs, ys, width, label=mode, color=colors[mode], edgecolor="#2d6a3e" if ideal else "white",
-               hatch="//" if ideal else None)  # fmt: skip
+        ax.bar(xs, ys, width, label=LABELS.get(mode, mode), color=colors[mode],
+               edgecolor="#2d6a3e" if ideal else "white", hatch="//" if ideal else None)  # fmt: skip
         for x, y, g in zip(xs, ys, items, strict=True):
             if not ideal and y > 0:
-                ax.text(x, y, f"{g['ideal_fraction'][mode]:.0%}", ha="center", va="bottom", fontsize=7)
-    xs = [i + 1.5 * width for i in range(len(items))]
+                ax.text(x, y, f"{g['ideal_fraction'][mode]:.0%}", ha="center", va="bottom", fontsize=6)
+    xs = [i + len(shown) / 2 * width for i in range(len(items))]
     ax.hlines([value(g, "bound") for g in items], [x - width / 2 for x in xs], [x + width / 2 for x in xs],
               colors="black", linewidths=1.5, label="step-floor bound")  # fmt: skip
     ax.set_xticks(range(len(items)), ticks, fontsize=7)
@@ -588,7 +666,7 @@ def _bars(
 
 
 def _tick(g: dict[str, Any], label: str) -> str:
-    sizes = "/".join(str(mode_tp(g, m)) for m in MODES)
+    sizes = "/".join(str(mode_tp(g, m)) for m in modes_of(g))
     return f"{g[label]}\n{_short(g['policy'])} + {_short(g['genrm'])} judge, TP {sizes}"
 
 

@@ -95,7 +95,10 @@ class SimConfig:
     slice_s: float = 5.0  # virtual seconds between two reports of a generating device
     react_s: float = 0.1  # the control plane's reaction time: completions this close are handled together
     # (at most half a slice)
-    costs: str = "roofline"  # "roofline" (from the GPU's datasheet) or a MeasuredCosts JSON file
+    # "roofline" (from the GPU's datasheet), "deployed" (the roofline's compute with the phase switches of
+    # today's colocated frameworks: ``DeployedCosts``, each number with its public source) or a MeasuredCosts
+    # JSON file
+    costs: str = "roofline"
     # "paged": sequences share an instance's KV cache as they grow (vLLM, SGLang); "reserved": each holds
     # a slot of its longest context. Measured costs always have the fixed slots of the engine they measured
     kv_cache: str = "paged"
@@ -140,7 +143,9 @@ class SimConfig:
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache: expected one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
         if not isinstance(self.costs, str) or not self.costs:
-            raise ValueError(f"costs: expected 'roofline' or a measured-costs JSON file, got {self.costs!r}")
+            raise ValueError(
+                f"costs: expected 'roofline', 'deployed' or a measured-costs JSON file, got {self.costs!r}"
+            )
 
     def judge_lengths(self, cap: int) -> LengthDist:
         """Tokens of a judgment, capped at ``cap`` (``judge.max_new_tokens``)."""

@@ -264,13 +264,14 @@ class RooflineCosts:
     # warm-up step (vLLM sleep mode reports 0.1-0.4 s to wake small models), plus the control round trip
     train_start_s: float = 2.0  # a trainer joining: its data-parallel process group is rebuilt (NCCL init)
     mem_fraction: float = 0.9
+    _NOT_NUMBERS = ("gpu", "_lines")  # (a class constant: not a field)
     # (id(model), tp, batch) -> (model, a decode step's line in the context): the simulator asks for a few
     # batches millions of times
     _lines: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name not in ("gpu", "_lines"):
+            if f.name not in self._NOT_NUMBERS:
                 _check(f.name, getattr(self, f.name))
         for name in ("compute_eff_max", "prefill_eff", "bw_eff", "kv_bw_eff", "h2d_eff", "mfu_dense", "mfu_moe"):
             if not 0 < getattr(self, name) <= 1:
@@ -452,3 +453,100 @@ class RooflineCosts:
         """0: the datasheet gives no spread, and every operation takes its modeled time."""
         check_spread_kind(kind)
         return 0.0
+
+
+GIB = 2**30
+TRAINER_BYTES_PER_PARAM = 18  # bf16 weights (2), fp32 gradients (4), fp32 master weights and Adam moments (12)
+
+
+@dataclass(frozen=True, slots=True)
+class DeployedCosts(RooflineCosts):
+    """The roofline's compute, with the phase switches of the synchronous colocated frameworks users run
+    today (verl, NeMo-RL, slime, OpenRLHF) in place of pivotrl's shifts. Each step, every GPU:
+
+    - offloads the trainer's state to host memory and wakes the inference engine (vLLM sleep mode, level 1:
+      its weights back from host memory), then receives the new policy weights from the trainer (the
+      "weight sync", "refit" or "update_weights" of those frameworks);
+    - once the whole rollout has ended, puts the rollout engine to sleep and wakes the colocated judge
+      engine (its weights do not change, so no sync);
+    - once every judgment is in, puts the judge to sleep and loads the trainer's state back.
+
+    Every number below is a public measurement; the source is given beside it. Where a source measured
+    a GPU other than the H100, the number is used as it is: these are host copies and framework code
+    paths more than GPU speed.
+    """
+
+    _NOT_NUMBERS = ("gpu", "_lines", "policy_model", "genrm_model")
+    policy_model: ModelSpec | None = None  # the models whose engines sleep: set by the simulator
+    genrm_model: ModelSpec | None = None
+    gpus: int = 0  # GPUs of the job, over which the trainer's state is sharded (0: one)
+    # vLLM sleep mode (level 1) moves an engine's weights to and from host memory. Qwen3-235B-A22B-FP8 at
+    # TP4 (~59 GB a GPU) woke in 5.3-5.7 s and slept in 5.8-6.0 s, about 10 GB/s a GPU each way (vLLM blog,
+    # https://blog.vllm.ai/2025/10/26/sleep-mode.html, A100, vLLM 0.11; its data in vllm-project/
+    # vllm-project.github.io assets/figures/2025-vllm-sleep-mode/plotly-sleep-mode.js). Qwen3-8B in a
+    # colocated RL test woke in 2.19 s (~10 GB/s) and slept in 10.57 s (https://github.com/vllm-project/
+    # vllm/pull/48337); Qwen3-30B-A3B at TP1 2.9 s and 2.8 s (~21 GB/s, the blog). 10 GB/s both ways.
+    wake_bw: float = 10e9  # bytes/s a GPU, an engine's weights from host memory
+    sleep_bw: float = 10e9  # bytes/s a GPU, an engine's weights to host memory
+    # small models still take a moment: "~0.1-0.8s for small models" (level 1 wake, the vLLM blog above)
+    engine_switch_s: float = 0.1
+    # The trainer's state offloaded with torch_memory_saver's CPU backup (used by SGLang and slime), measured
+    # at 2.41 GiB/s on pause and 5.32 GiB/s on resume (https://github.com/fzyzcjy/torch_memory_saver/
+    # issues/111, L20); sharded over every GPU of the job (FSDP / ZeRO)
+    trainer_offload_bw: float = 2.41 * GIB
+    trainer_onload_bw: float = 5.32 * GIB
+    # Weight sync of a dense model, a line through NeMo-RL v0.3's published refit times: Llama-3.1-8B 4-5 s
+    # on 8 GPUs, Llama-3.1-70B 14-15 s on 64 (https://nvidia-nemo.github.io/blog/2025/07/21/nemo-rl-v0.3/,
+    # quoted in https://github.com/NVIDIA-NeMo/RL/issues/959; a rerun there got 6-8 s and 20-26 s). It
+    # gives ~7-8 s for ~30B, as NeMo-RL measured for a 30B dense model after a fix, 18 s -> 7 s
+    # (https://github.com/NVIDIA-NeMo/RL/pull/449). verl's in-process FSDP -> vLLM sync of Qwen2.5-7B
+    # takes 0.55 s on 8 L20s (https://github.com/verl-project/verl/pull/116): the best dense case.
+    sync_dense_s: float = 4.5  # at 16 GB of bf16 weights (8B)
+    sync_dense_s_per_gb: float = 10.0 / 125.0  # 70B: 141 GB, 10 s more
+    # MoE: verl's Qwen3-MoE sync after its speed-up, 110 s -> 37 s (https://github.com/verl-project/verl/
+    # pull/2692). Others: Qwen3-30B-A3B 55-63 s into SGLang on H100s (https://github.com/sgl-project/sglang/
+    # issues/30848), NeMo-RL's 30B MoE 430 s -> 50 s (PR 449 above), slime's ~8 s after patches
+    # (https://github.com/THUDM/slime/issues/132), NeMo-RL's NCCL refit 0.5-1.5 s in 2026
+    # (https://github.com/NVIDIA-NeMo/RL/pull/2808, /pull/2971)
+    sync_moe_s: float = 37.0
+
+    def __post_init__(self) -> None:
+        RooflineCosts.__post_init__(self)
+        _check_count("gpus", self.gpus)
+        for name in ("wake_bw", "sleep_bw", "trainer_offload_bw", "trainer_onload_bw"):
+            _check(name, getattr(self, name), 1.0)
+
+    def sync(self, model: ModelSpec) -> float:
+        """The trainer's new weights into the rollout engine, once a step."""
+        if model.is_moe:
+            return self.sync_moe_s
+        return self.sync_dense_s + max(0.0, model.weight_bytes / 1e9 - 16.0) * self.sync_dense_s_per_gb
+
+    def trainer_swap(self, model: ModelSpec, offload: bool) -> float:
+        """The trainer's state to (``offload``) or from host memory, sharded over every GPU of the job."""
+        gpus = self.gpus or 1
+        per_gpu = model.total_params * TRAINER_BYTES_PER_PARAM / gpus
+        return per_gpu / (self.trainer_offload_bw if offload else self.trainer_onload_bw)
+
+    def shift(self, model: ModelSpec, src: Role | None, dst: Role, tp: int) -> float:
+        """Leaving ``src`` (its engine to sleep, or the trainer's state offloaded), then taking ``dst``
+        (its engine woken, the policy's weights synced into the rollout engine, or the trainer's state
+        loaded). ``model`` is ``dst``'s."""
+        _check_tp(tp)
+        if src is dst:
+            return 0.0
+        seconds = 0.0
+        if src is Role.TRAIN:
+            seconds += self.trainer_swap(self.policy_model or model, offload=True)
+        elif src is not None:
+            leaving = (self.policy_model if src is Role.ROLLOUT else self.genrm_model) or model
+            seconds += self.engine_switch_s + leaving.weight_bytes / tp / self.sleep_bw
+        if dst is Role.TRAIN:
+            return seconds + self.trainer_swap(model, offload=False)
+        seconds += self.engine_switch_s + model.weight_bytes / tp / self.wake_bw
+        return seconds + (self.sync(model) if dst is Role.ROLLOUT else 0.0)
+
+    def refresh(self, model: ModelSpec, tp: int) -> float:
+        """A rollout engine kept awake takes the next version by the same sync."""
+        _check_tp(tp)
+        return self.sync(model)

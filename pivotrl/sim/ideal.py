@@ -309,7 +309,7 @@ def ideals_by_size(cfg: JobConfig, sizes: tuple[int, ...] = INSTANCE_SIZES) -> d
     holds both models, each running a role on one engine; empty with measured costs (a profile is of the
     instance it measured). A step bound by its longest responses more than by its work has its lowest
     floor on larger instances than its highest ideal throughput."""
-    if cfg.sim.costs != "roofline":
+    if cfg.sim.costs not in ("roofline", "deployed"):  # (a profile is of the instance it measured)
         return {}
     out: dict[int, IdealStep] = {}
     for tp in sizes:

@@ -32,7 +32,7 @@ from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Problem
 from pivotrl.sim import synthetic
 from pivotrl.sim.config import SimConfig
-from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, RooflineCosts
+from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, DeployedCosts, RooflineCosts
 from pivotrl.sim.driver import SimDriver, SimSpec
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.measured import MeasuredCosts
@@ -62,8 +62,13 @@ def _costs(cfg: JobConfig) -> CostModel:
     sim = cfg.sim
     if sim.costs == "roofline":
         return RooflineCosts(GPUS[sim.gpu])
+    if sim.costs == "deployed":
+        return DeployedCosts(GPUS[sim.gpu], policy_model=MODELS[sim.policy_model], genrm_model=MODELS[sim.genrm_model],
+                             gpus=sim.gpus)  # fmt: skip
     if not Path(sim.costs).is_file():
-        raise UserError(f"sim.costs: expected 'roofline' or a measured-costs JSON file, {sim.costs!r} not found")
+        raise UserError(
+            f"sim.costs: expected 'roofline', 'deployed' or a measured-costs JSON file, {sim.costs!r} not found"
+        )
     if sim.instance_gpus != 1:
         raise UserError(f"sim.instance_gpus: measured costs are of one device per instance, got {sim.instance_gpus}")
     try:

@@ -127,7 +127,7 @@ def test_measured_costs_drive_a_simulation(tmp_path):
         (["sim.lengths.sigma=-1"], "sim.lengths.sigma: got -1.0, must be a finite number >= 0"),
         (["sim.gpsu=8"], "unknown key 'sim.gpsu'"),
         (["sim.yes_probability=2"], "sim.yes_probability: expected a number in [0, 1], got 2"),
-        (["sim.costs=/nonexistent.json"], "sim.costs: expected 'roofline' or a measured-costs JSON file"),
+        (["sim.costs=/nonexistent.json"], "sim.costs: expected 'roofline', 'deployed' or a measured-costs JSON file"),
         (["sim.lengths_file=/nonexistent.jsonl"], "sim.lengths_file: file '/nonexistent.jsonl' not found"),
         (["sim.group_correlation=1.5"], "sim.group_correlation: expected a number in [0, 1], got 1.5"),
         (["sim.lengths_replay=true"], "sim.lengths_replay: needs a trace to replay (sim.lengths_file)"),
