@@ -139,11 +139,14 @@ def test_reasoning_points_spread_the_judgments_and_leave_about_one_percent_at_th
         assert dist.quantile(0.5) == cfg.sim.judge_output_len
 
 
+OLD_MODES = ("colocated", "disaggregated", "shiftable")  # reports before the deployed baseline
+
+
 def fake_report(tmp_path: Path) -> Path:
     """A report of one group run at 32 GPUs, its ideal left out as an older report might have it."""
     modes = {m: {"samples_per_s": rate, "step_seconds": 8192 / rate, "busy_fraction": dict.fromkeys(
         (*paper.ROLES, "shift"), 0.2), "idle_fraction": 0.2, "shifts_per_step": 1.0, "moves_per_step": 1.0,
-        "shift_seconds_per_step": 1.0} for m, rate in zip(paper.MODES, (10.0, 8.0, 12.0), strict=True)}  # fmt: skip
+        "shift_seconds_per_step": 1.0} for m, rate in zip(OLD_MODES, (10.0, 8.0, 12.0), strict=True)}  # fmt: skip
     overrides = paper.job_overrides(paper.GROUPS["dense-7b"], 32, 1)
     group = {"name": "dense-7b", "what": "dense pair", "policy": "Qwen2.5-7B", "genrm": "Qwen2.5-7B", "gpus": 32,
              "instance_gpus": 1, "devices": 32, "overrides": overrides, "ideal": {}, "modes": modes}  # fmt: skip
@@ -221,10 +224,19 @@ def test_the_bound_is_the_best_floor_over_the_sizes_and_spent_uses_each_modes_ow
     at2 = {**fake_ideal(100.0, 200.0), "gpu_seconds_by_role": {"rollout": 2.0, "genrm": 1.0, "train": 1.0}}
     at4 = {**fake_ideal(120.0, 160.0), "gpu_seconds_by_role": {"rollout": 1.0, "genrm": 1.0, "train": 2.0}}
     g = {"instance_gpus": 2, "ideal": at2, "ideals": {"2": at2, "4": at4},
-         "modes": {m: {"samples_per_s": 80.0, "busy_fraction": busy, "idle_fraction": 0.1, "instance_gpus": 4}
-                   for m in paper.MODES}}  # fmt: skip
+         "modes": {m: {"samples_per_s": 80.0, "busy_fraction": busy, "idle_fraction": 0.1, "instance_gpus": 4,
+                       "step_seconds": 102.4, "shifts_per_step": 1.0, "moves_per_step": 1.0,
+                       "shift_seconds_per_step": 1.0} for m in paper.MODES}}  # fmt: skip
+    g["modes"]["deployed"]["samples_per_s"] = 40.0
     g = paper.derive(g)
     assert paper.bound(g) == pytest.approx(120.0) and paper.bound_tp(g) == "4"
+    # each mode over the floor's throughput; shiftable over the colocated baseline users run
+    assert g["floor_fraction"] == pytest.approx({"deployed": 40 / 120, "colocated": 80 / 120,
+                                                 "disaggregated": 80 / 120, "shiftable": 80 / 120})  # fmt: skip
+    assert g["speedup_vs_deployed_colocated"] == pytest.approx(2.0)
+    assert g["bound_vs_deployed_colocated"] == pytest.approx(3.0)
+    assert [paper.LABELS[m] for m in paper.modes_of(g)] == ["colocated, deployed", "colocated, strong",
+                                                            "disaggregated", "shiftable"]  # fmt: skip
     assert g["ideal_fraction"]["shiftable"] == pytest.approx(80.0 / 200.0)  # of the highest ideal
     x = paper.spent(g, "colocated")  # at TP4: the work is half of the time, a quarter of it rollout
     want = {"work": 0.5, "rollout": 0.375, "genrm": 0.075, "train": -0.1, "shift": 0.05, "idle": 0.1}

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from pivotrl.control.messages import Role
-from pivotrl.sim.costs import CostModel, RooflineCosts, max_batch, span_of, steps_within
+from pivotrl.sim.costs import CostModel, DeployedCosts, RooflineCosts, max_batch, span_of, steps_within
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.models import MODELS
 
@@ -188,3 +188,51 @@ def test_bad_efficiencies_name_their_field(field, value):
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# -- the deployed colocated baseline ---------------------------------------------------------
+
+DENSE7, DENSE14, MOE30 = MODELS["Qwen2.5-7B"], MODELS["Qwen2.5-14B"], MODELS["Qwen3-30B-A3B"]
+
+
+def deployed(policy=DENSE7, genrm=DENSE7, gpus=128) -> DeployedCosts:
+    return DeployedCosts(GPUS["H100"], policy_model=policy, genrm_model=genrm, gpus=gpus)
+
+
+def test_deployed_switches_cost_their_published_parts():
+    c = deployed()
+    wake = c.engine_switch_s + DENSE7.weight_bytes / 4 / c.wake_bw
+    sleep = c.engine_switch_s + DENSE7.weight_bytes / 4 / c.sleep_bw
+    offload, onload = c.trainer_swap(DENSE7, offload=True), c.trainer_swap(DENSE7, offload=False)
+    # into the rollout: the trainer's state out, the engine woken, the new weights synced into it
+    assert c.shift(DENSE7, Role.TRAIN, Role.ROLLOUT, 4) == pytest.approx(offload + wake + c.sync(DENSE7))
+    # the rollout's engine to sleep, the judge's woken: no sync, the judge's weights do not change
+    assert c.shift(DENSE7, Role.ROLLOUT, Role.GENRM, 4) == pytest.approx(sleep + wake)
+    assert c.shift(DENSE7, Role.GENRM, Role.TRAIN, 4) == pytest.approx(sleep + onload)
+    assert c.shift(DENSE7, None, Role.ROLLOUT, 4) == pytest.approx(wake + c.sync(DENSE7))
+    assert c.shift(DENSE7, Role.GENRM, Role.GENRM, 4) == 0.0
+    # a rollout engine kept awake still takes each version by the sync
+    assert c.refresh(DENSE7, 4) == c.sync(DENSE7)
+    # the compute is the roofline's
+    roofline = RooflineCosts(GPUS["H100"])
+    assert c.decode_step(DENSE7, 4, 64, 2000.0) == roofline.decode_step(DENSE7, 4, 64, 2000.0)
+
+
+def test_deployed_sync_follows_the_published_refit_times():
+    c = deployed()
+    # NeMo-RL's refit: 4-5 s for an 8B model, 14-15 s for a 70B one; verl's Qwen3-MoE sync 37 s
+    assert 4.0 <= c.sync(DENSE7) <= 5.0
+    assert c.sync(DENSE7) < c.sync(DENSE14) < c.sync(MODELS["Qwen2.5-32B"]) < 10.0
+    assert c.sync(MOE30) == 37.0
+    # the judge's engine is put to sleep by its own size: a 32B judge takes longer than a 7B one
+    big = deployed(genrm=MODELS["Qwen2.5-32B"])
+    assert big.shift(DENSE7, Role.GENRM, Role.TRAIN, 4) > c.shift(DENSE7, Role.GENRM, Role.TRAIN, 4)
+    # the trainer's state is sharded over the job's GPUs
+    assert deployed(gpus=32).trainer_swap(DENSE7, True) == pytest.approx(4 * c.trainer_swap(DENSE7, True))
+
+
+def test_deployed_costs_check_their_numbers():
+    with pytest.raises(ValueError, match="wake_bw"):
+        DeployedCosts(GPUS["H100"], wake_bw=0.0)
+    with pytest.raises(ValueError, match="gpus"):
+        DeployedCosts(GPUS["H100"], gpus=-1)

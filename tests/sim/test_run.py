@@ -294,3 +294,15 @@ def test_the_judges_paged_cache_reaches_the_scheduler_and_the_planner(cache, pag
     assert sim.loop.judge_kv == (kv or 0) and sim.policy.judge_kv == kv
     ctl = Controller(sim.loop, sim.policy, sim.genrm, sim.train_set, sim.heldout, lambda: 0.0)
     assert ctl.scheduler.judge_kv == (kv if paged else math.inf)
+
+
+def test_the_deployed_colocated_baseline_pays_its_switches_and_moves_no_sequence(runs, tmp_path):
+    simulate(tmp_path, "mode=colocated", "sim.costs=deployed", "rollout.rebalance=false", "sim.gpus=8",
+             "sim.instance_gpus=2")  # fmt: skip
+    strong = tmp_path / "strong"
+    simulate(strong, "mode=colocated", "sim.gpus=8", "sim.instance_gpus=2")
+    deployed, ours = rows(tmp_path / "metrics.jsonl"), rows(strong / "metrics.jsonl")
+    # every step syncs the new weights into the woken rollout engine: seconds more than pivotrl's loads
+    assert all(d["shift_seconds"] > o["shift_seconds"] for d, o in zip(deployed, ours, strict=True))
+    assert sum(d["migrations"] for d in deployed) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["sim"]["costs"] == "deployed"
