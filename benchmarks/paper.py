@@ -551,6 +551,23 @@ def speedups(g: dict[str, Any]) -> str:
     )
 
 
+def gap(g: dict[str, Any]) -> str | None:
+    """Where shiftable's step goes against the floor at its own instance size: when its rollout ends (the
+    spread path's generation is the floor's) and how long after that the update comes (the joint floor's
+    after), its shift device-seconds a device. None where a number is missing (older reports)."""
+    r = g["modes"].get("shiftable", {})
+    i = ideals(g).get(str(r.get("instance_gpus")))
+    if not i or "after_s" not in i or "rollout_seconds" not in r:
+        return None
+    devices = g["gpus"] // r["instance_gpus"]
+    return (
+        f"shiftable TP{r['instance_gpus']}: step {r['step_seconds']:.1f} s against a floor of "
+        f"{i['floor_seconds']:.1f} s; its rollout ends at {r['rollout_seconds']:.1f} s (spread path "
+        f"{i['spread_rollout_s']:.1f} s), the update {r['step_seconds'] - r['rollout_seconds']:.1f} s later "
+        f"(the joint floor's {i['after_s']:.1f} s); shifts {r['shift_seconds_per_step'] / devices:.1f} s a device"
+    )
+
+
 def bound(g: dict[str, Any]) -> float:
     """Samples/s if a step took its floor (the longest of the ideal step and the spread, group and joint paths)
     at the instance size whose floor is lowest."""
@@ -808,6 +825,7 @@ def report_text(report: dict[str, Any]) -> tuple[list[list[str]], list[str], str
         return sweep_rows(items), notes, title, "point"
     items = report["groups"]
     notes = [f"{g['name']} ({g['policy']} + {g['genrm']} judge): {speedups(g)}" for g in items]
+    notes += [f"{g['name']}: {line}" for g in items if (line := gap(g))]
     title = f"{report['settings']['gpus']} x H100: steady samples/s by mode and the ideal"
     return [r for g in items for r in rows(g)], notes, title, "name"
 

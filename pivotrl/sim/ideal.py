@@ -135,6 +135,7 @@ class IdealStep:
     spread_rollout_s: float = 0.0  # of which its generation
     joint_floor_s: float = 0.0  # the step time no schedule beats, the rollout's tail and all the work together
     group_path_s: float = 0.0  # the groups holding the longest responses judged, then trained on every GPU
+    after_s: float = 0.0  # what the joint floor counts after the last token: its judgment, backward, the update
 
     @property
     def total(self) -> float:
@@ -190,6 +191,7 @@ class IdealStep:
             "spread_rollout_s": self.spread_rollout_s,
             "joint_floor_s": self.joint_floor_s,
             "group_path_s": self.group_path_s,
+            "after_s": self.after_s,
             "floor_seconds": self.floor_seconds,
         }
 
@@ -267,7 +269,7 @@ def ideal_step(
     last, k_last, _ = ends[-1]
     after = max(judged_alone(last, k_last) + update - optimizer, groups_trained(last, k_last)) + optimizer
     joint = joint_floor_s(spec, n, rollout_tokens, rest, after)
-    return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint, group)
+    return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint, group, after)
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:

@@ -241,3 +241,14 @@ def test_the_bound_is_the_best_floor_over_the_sizes_and_spent_uses_each_modes_ow
     x = paper.spent(g, "colocated")  # at TP4: the work is half of the time, a quarter of it rollout
     want = {"work": 0.5, "rollout": 0.375, "genrm": 0.075, "train": -0.1, "shift": 0.05, "idle": 0.1}
     assert x == pytest.approx(want) and paper.mode_tp(g, "colocated") == 4
+
+
+def test_gap_says_when_shiftables_rollout_ends_and_how_long_after_it_the_update_comes():
+    i = {**fake_ideal(100.0), "spread_rollout_s": 55.0, "after_s": 8.0}
+    run = {"samples_per_s": 90.0, "step_seconds": 81.0, "rollout_seconds": 64.0, "instance_gpus": 4,
+           "shift_seconds_per_step": 64.0}  # fmt: skip
+    g = {"gpus": 128, "ideals": {"4": i}, "modes": {"shiftable": run}}
+    line = paper.gap(g)
+    assert "rollout ends at 64.0 s (spread path 55.0 s)" in line and "17.0 s later (the joint floor's 8.0 s)" in line
+    assert "shifts 2.0 s a device" in line  # 64 device-seconds over 32 instances of 4 GPUs
+    assert paper.gap({**g, "ideals": {"4": fake_ideal(100.0)}}) is None  # an older report
