@@ -106,6 +106,7 @@ keeps what it finished).
     .venv/bin/python benchmarks/paper.py --quick                # smoke run: 32 GPUs, 3 steps, ~4 min
     .venv/bin/python benchmarks/paper.py --groups dense-7b --steps 6
     .venv/bin/python benchmarks/paper.py --sweep --steps 6 --search-budget 12   # sensitivity, ~35 min
+    .venv/bin/python benchmarks/paper.py --update benchmarks/results/paper.json --modes shiftable  # one mode again
 """
 
 from __future__ import annotations
@@ -353,9 +354,11 @@ def simulate(overrides: list[str], timeout: float, keep: Path | None = None) -> 
 # -- a group in every mode ------------------------------------------------------------------
 
 
-def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The group in every mode, each at its best instance size (``--tp``: that one for all)."""
+def bench(group: Group, gpus: int, args: argparse.Namespace, kept: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The group in every mode, each at its best instance size (``--tp``: that one for all); with ``kept``
+    (the group from an earlier report, ``--update``) only the modes of ``args.modes``, the others kept."""
     t0 = time.perf_counter()
+    wanted = set(args.modes) if kept is not None else set(MODES)
     sizes = instance_sizes(group, gpus, (args.tp,) if args.tp else TPS)
     tp0 = max(sizes, key=lambda tp: sizes[tp].samples_per_s)  # the highest ideal: the table's ideal row
     caps = {tp: i.floor_samples_per_s for tp, i in sizes.items()}
@@ -363,8 +366,10 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
     print(f"{group.name}: {group.policy} + {group.genrm} judge, {gpus} GPUs in instances of "
           f"{'/'.join(map(str, sizes))}; ideal {sizes[tp0].samples_per_s:.1f} samples/s (TP{tp0}), floor bound "
           + ", ".join(f"TP{tp} {cap:.1f}" for tp, cap in caps.items()), flush=True)  # fmt: skip
-    modes: dict[str, dict[str, Any]] = {}
+    modes: dict[str, dict[str, Any]] = {m: r for m, r in (kept or {}).get("modes", {}).items() if m not in wanted}
     for mode in ("deployed", "colocated", "shiftable"):
+        if mode not in wanted:
+            continue
         runs: dict[int, dict[str, Any]] = {}
 
         def run(tp: int, mode: str = mode, runs: dict[int, dict[str, Any]] = runs) -> float:
@@ -387,6 +392,34 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
                     shutil.rmtree(src, ignore_errors=True)
         modes[mode] = {**runs[chosen], "instance_gpus": chosen, "sizes": tried}
 
+    if "disaggregated" in wanted:
+        disaggregated(group, gpus, args, sizes, caps, keep, modes)
+    g = {
+        "name": group.name,
+        "what": group.what,
+        "policy": group.policy,
+        "genrm": group.genrm,
+        "gpus": gpus,
+        "instance_gpus": tp0,
+        "devices": gpus // tp0,
+        "overrides": job_overrides(group, gpus, tp0),
+        "ideal": sizes[tp0].to_dict(),
+        "ideals": {str(tp): i.to_dict() for tp, i in sizes.items()},
+        "modes": {m: modes[m] for m in MODES if m in modes},
+    }
+    return {**derive(g), "wall_s": time.perf_counter() - t0}
+
+
+def disaggregated(
+    group: Group,
+    gpus: int,
+    args: argparse.Namespace,
+    sizes: dict[int, IdealStep],
+    caps: dict[int, float],
+    keep: Callable[[str], Path | None],
+    modes: dict[str, Any],
+) -> None:
+    """The best static split: searched at each instance size worth trying, then run at the best one."""
     searched: dict[int, tuple[Split, list[tuple[Split, float]]]] = {}
 
     def search_at(tp: int) -> float:
@@ -413,20 +446,6 @@ def bench(group: Group, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
     dis["search"] = [{"tp": t, "split": split_text(s), "step_seconds": v} for t in searched for s, v in searched[t][1]]
     modes["disaggregated"] = dis
     print(f"  disaggregated TP{tp} {dis['split']}: {_rate(dis)} after {len(dis['search'])} search runs", flush=True)
-    g = {
-        "name": group.name,
-        "what": group.what,
-        "policy": group.policy,
-        "genrm": group.genrm,
-        "gpus": gpus,
-        "instance_gpus": tp0,
-        "devices": gpus // tp0,
-        "overrides": job_overrides(group, gpus, tp0),
-        "ideal": sizes[tp0].to_dict(),
-        "ideals": {str(tp): i.to_dict() for tp, i in sizes.items()},
-        "modes": {m: modes[m] for m in MODES},
-    }
-    return {**derive(g), "wall_s": time.perf_counter() - t0}
 
 
 def derive(g: dict[str, Any]) -> dict[str, Any]:
@@ -851,6 +870,32 @@ def rerender(path: Path, out: Path | None) -> None:
     write_all(out or path.with_suffix(""), report, table, notes, title, label)
 
 
+def update(args: argparse.Namespace) -> None:
+    """``--update``: ``--modes`` of the report's groups run again (those named by ``--groups``), the other
+    modes' runs kept, the report written again with both codes said."""
+    try:
+        report = json.loads(args.update.read_text())
+        items = report["groups"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--update: {args.update} is not a report of this script ({type(e).__name__}: {e})") from None
+    for k in ("steps", "search_steps", "search_levels", "search_budget"):
+        setattr(args, k, report.get("settings", {}).get(k, getattr(args, k)))  # the runs kept were made so
+    t0 = time.perf_counter()
+    for i, g in enumerate(items):
+        if g["name"] in args.groups and g["name"] in GROUPS:
+            items[i] = bench(GROUPS[g["name"]], g["gpus"], args, kept=g)
+    report.setdefault("updates", []).append({"code": code(), "modes": args.modes, "wall_s": time.perf_counter() - t0,
+                                             "machine": machine(list(os.getloadavg()))})  # fmt: skip
+    table, notes, title, label = report_text(report)
+    notes.append(
+        f"wall time {report.get('wall_s', 0.0) / 60:.1f} min (runs at {report.get('code', '?')}; "
+        + "; ".join(f"{', '.join(u['modes'])} again at {u['code']}" for u in report["updates"])
+        + ")"
+    )
+    show(report, table, notes, label)
+    write_all(args.out or args.update.with_suffix(""), report, table, notes, title, label)
+
+
 def show(report: dict[str, Any], table: list[list[str]], notes: list[str], label: str) -> None:
     print(text_table(table))
     print("\n".join(notes))
@@ -879,12 +924,20 @@ def main() -> None:
                    help="the sweep's axes to run (default: all)")  # fmt: skip
     p.add_argument("--runs", type=Path, help="keep the measured runs' directories under this folder")
     p.add_argument("--out", type=Path, help="path prefix of the reports (default benchmarks/results/paper[_sweep])")
+    p.add_argument("--update", type=Path, metavar="JSON",
+                   help="run only --modes of a report's groups (those of --groups) again and write it with the "
+                        "other modes' runs kept: a change that moves one mode is re-measured alone")  # fmt: skip
+    p.add_argument("--modes", nargs="+", default=["shiftable"], choices=list(MODES),
+                   help="the modes --update runs again (default: shiftable)")  # fmt: skip
     p.add_argument("--rerender", type=Path, metavar="JSON",
                    help="no runs: recompute the ideals and bounds of a report's groups or points with this code and "
                         "write its table and chart again (its runs kept as they are)")  # fmt: skip
     args = p.parse_args()
     if args.rerender:
         rerender(args.rerender, args.out)
+        return
+    if args.update:
+        update(args)
         return
     if args.quick:
         args.gpus, args.steps, args.search_steps, args.search_budget = 32, 3, 3, 7

@@ -436,10 +436,14 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         holders = min(present, w.judge_holders) if w.judge_running else 0
         held = t_held = 0.0
         if holders:  # (priced at the holders' own batch: the judge devices beyond them do not share it)
-            to_write = max(w.judge_running, w.judge_left_running)
-            rate_held = _gen_rate(p.judge, w.judge_running, holders, judge_batch, ctx)
-            held = w.judge_running * w.judge_tokens + w.judge_read_running * per_read  # (in ``queued``'s units)
-            t_held = (to_write / rate_held + w.judge_read_running / p.judge.prefill_rate) / holders
+            # the holders that stay keep their share of the running judgments; those of the devices the
+            # allocation takes from the judge go back to the queue (``queued`` keeps their work)
+            kept = holders / w.judge_holders if w.judge_holders > holders else 1.0
+            running = w.judge_running * kept
+            to_write = max(running, w.judge_left_running * kept)
+            rate_held = _gen_rate(p.judge, running, holders, judge_batch, ctx)
+            held = running * w.judge_tokens + w.judge_read_running * kept * per_read  # (in ``queued``'s units)
+            t_held = (to_write / rate_held + w.judge_read_running * kept / p.judge.prefill_rate) / holders
             queued = max(0.0, queued - held)
         arrivals = [(0.0, present - holders), (t_held, holders)]
         if late[1][0]:

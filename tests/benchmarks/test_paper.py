@@ -252,3 +252,24 @@ def test_gap_says_when_shiftables_rollout_ends_and_how_long_after_it_the_update_
     assert "rollout ends at 64.0 s (spread path 55.0 s)" in line and "17.0 s later (the joint floor's 8.0 s)" in line
     assert "shifts 2.0 s a device" in line  # 64 device-seconds over 32 instances of 4 GPUs
     assert paper.gap({**g, "ideals": {"4": fake_ideal(100.0)}}) is None  # an older report
+
+
+def test_update_runs_only_the_modes_named_and_keeps_the_others(tmp_path, monkeypatch):
+    path = fake_report(tmp_path)
+    ran = []
+
+    def fake_simulate(overrides, timeout, keep=None):
+        mode = next(x.split("=")[1] for x in overrides if x.startswith("mode="))
+        ran.append(mode)
+        return {"wall_s": 1.0, "samples_per_s": 20.0, "step_seconds": 8192 / 20.0, "rollout_seconds": 300.0,
+                "busy_fraction": dict.fromkeys((*paper.ROLES, "shift"), 0.2), "idle_fraction": 0.2,
+                "shifts_per_step": 1.0, "moves_per_step": 1.0, "shift_seconds_per_step": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(paper, "simulate", fake_simulate)
+    monkeypatch.setattr(sys, "argv", ["paper.py", "--update", str(path), "--out", str(tmp_path / "new")])
+    paper.main()
+    g = json.loads((tmp_path / "new.json").read_text())["groups"][0]
+    assert set(ran) == {"shiftable"}  # at each instance size tried, and nothing else
+    assert g["modes"]["shiftable"]["samples_per_s"] == 20.0 and g["modes"]["colocated"]["samples_per_s"] == 10.0
+    assert g["speedup_vs_colocated"] == pytest.approx(2.0)
+    assert "shiftable again at" in (tmp_path / "new.md").read_text()

@@ -126,6 +126,20 @@ def test_judgments_running_finish_where_they_run():
     assert estimate(half, p, alloc(0, 4, 0), MAX_BATCH).judge_end == pytest.approx(100 * 0.08)
 
 
+def test_judge_devices_taken_away_hand_their_running_judgments_back():
+    """An allocation with fewer judge devices than hold running judgments keeps only the stayers' share
+    held; the leavers' go back to the queue, for any device that comes to judge. Four holders of 32
+    each, one kept, and the rollout's device joining the judge at once: the stayer finishes its 32 in
+    8 s, and the 96 others are shared (not all 128 held by the one that stays, 32 s)."""
+    p = profiles(prior_mean=4.0, prior_max=8.0)  # the rollout's last sequence ends at once
+    w = Workload(rollout_remaining=[1], judge_future=1, judge_queued=128, judge_running=128, judge_holders=4,
+                 judge_tokens_mean=100)  # fmt: skip
+    end = estimate(w, p, alloc(1, 1, 0), MAX_BATCH).judge_end
+    assert 8.0 < end < 0.7 * 32
+    # every holder kept: each finishes its own 32 (8 s), whatever joins
+    assert estimate(w, p, alloc(1, 4, 0), MAX_BATCH).judge_end == pytest.approx(8.0, rel=0.05)
+
+
 def test_judgments_running_cost_what_they_have_left_at_their_holders_pace():
     """What a running judgment has still to read is priced at its holder's prefill rate and its verdict's
     rest at its holder's batch, whatever the devices beyond the holders: judge devices with nothing to
