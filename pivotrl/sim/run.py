@@ -317,7 +317,7 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
                       "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events,
                       "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions(),
                       "engine_gpus": {"rollout": spec.engine_tp[0] or spec.tp, "genrm": spec.engine_tp[1] or spec.tp},
-                      "elastic_engines": spec.elastic}  # fmt: skip
+                      "elastic_engines": spec.elastic, "costs": job.sim.costs}  # fmt: skip
     summary["sim_seconds"] = driver.clock()
     summary["sim"]["ideal"] = _bounds(job, spec, summary)
     title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
@@ -383,6 +383,15 @@ def _engines(sim: dict[str, Any]) -> str:
     return "".join(f", {role} on {tp // g} engines of {g}" for role, g in engines.items() if g != tp)
 
 
+def _costs_text(costs: str) -> str:
+    """What the run's costs were, where not the datasheet's roofline."""
+    if costs == "roofline":
+        return ""
+    if costs == "deployed":
+        return ", phase switches at deployed frameworks' published costs"
+    return f", costs measured in {Path(costs).name}"
+
+
 def format_sim(summary: dict[str, Any]) -> str:
     """The simulator's lines under the run summary: what was modeled, virtual and real time, and how
     far the run is from what any schedule could do."""
@@ -392,7 +401,8 @@ def format_sim(summary: dict[str, Any]) -> str:
     return (
         f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
         f"({summary['devices']} instances of {sim['instance_gpus']} GPU{_engines(sim)}), {sim['policy_model']} policy, "
-        f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions); "
+        f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions)"
+        f"{_costs_text(sim.get('costs', 'roofline'))}; "
         f"{summary['wall_seconds']:.1f} s of wall time\n"
         f"ideal {ideal['samples_per_s']:.1f} samples/s; no schedule's step is shorter than "
         f"{ideal['floor_seconds']:.1f} s ({ideal['floor_samples_per_s']:.1f} samples/s): the steady steps "

@@ -13,7 +13,7 @@ from pivotrl.config import load_config
 from pivotrl.control.controller import Controller
 from pivotrl.control.messages import Role
 from pivotrl.sim.ideal import ideal_for_job
-from pivotrl.sim.run import build, format_sizes, run_simulation
+from pivotrl.sim.run import build, format_sim, format_sizes, run_simulation
 from tests.sim.test_measured import PROFILE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -297,8 +297,9 @@ def test_the_judges_paged_cache_reaches_the_scheduler_and_the_planner(cache, pag
 
 
 def test_the_deployed_colocated_baseline_pays_its_switches_and_moves_no_sequence(runs, tmp_path):
-    simulate(tmp_path, "mode=colocated", "sim.costs=deployed", "rollout.rebalance=false", "sim.gpus=8",
-             "sim.instance_gpus=2")  # fmt: skip
+    summary = simulate(tmp_path, "mode=colocated", "sim.costs=deployed", "rollout.rebalance=false", "sim.gpus=8",
+                       "sim.instance_gpus=2")  # fmt: skip
+    assert summary["sim"]["costs"] == "deployed" and "deployed frameworks' published costs" in format_sim(summary)
     strong = tmp_path / "strong"
     simulate(strong, "mode=colocated", "sim.gpus=8", "sim.instance_gpus=2")
     deployed, ours = rows(tmp_path / "metrics.jsonl"), rows(strong / "metrics.jsonl")
