@@ -439,7 +439,7 @@ def disaggregated(
 
     tp, tried = best_size(caps, search_at)
     tp = tp if tp is not None else next(iter(searched))
-    split, trials = searched[tp]
+    split = searched[tp][0]
     dis = simulate([*job_overrides(group, gpus, tp), "mode=disaggregated", f"split={split_text(split)}",
                     f"steps={args.steps}"], args.timeout, keep("disaggregated"))  # fmt: skip
     dis.update(split=split_text(split), instance_gpus=tp, sizes=tried)

@@ -471,9 +471,10 @@ class DeployedCosts(RooflineCosts):
       engine (its weights do not change, so no sync);
     - once every judgment is in, puts the judge to sleep and loads the trainer's state back.
 
-    Every number below is a public measurement; the source is given beside it. Where a source measured
-    a GPU other than the H100, the number is used as it is: these are host copies and framework code
-    paths more than GPU speed.
+    Each number below is a public measurement or a line through two of them, its source beside it (the
+    trainer's bytes a parameter are the usual mixed-precision layout). Where a source measured a GPU
+    other than the H100, the number is used as it is: these are host copies and framework code paths
+    more than GPU speed.
     """
 
     _NOT_NUMBERS = ("gpu", "_lines", "policy_model", "genrm_model")
