@@ -43,6 +43,7 @@ This is the one module that names distributed backends (``backend_for``).
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -61,6 +62,8 @@ from pivotrl.train.grpo import GRPOTrainer
 _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 
 DEFAULT_TIMEOUT_S = 600.0  # how long a collective (or the rendezvous) waits for the slowest rank
+CONNECT_TIMEOUT_S = 15.0  # how long joining may take to reach a rank 0 that already listens
+CONNECT_TRY_S = 2.0  # one try at it (a reset connection is looked at again, not retried blindly)
 DEFAULT_BUCKET_BYTES = 256 << 20  # gradient bytes per all-reduce; bounds the extra memory of the flat buffer
 
 # Per-rank numbers gathered at every step. Sums merge by addition, extremes by max/min.
@@ -90,6 +93,46 @@ def listen(world_size: int, master_addr: str = "127.0.0.1", timeout_s: float = D
         raise ValueError(f"world_size must be an int >= 2 (one rank needs no rendezvous), got {world_size!r}")
     return dist.TCPStore(master_addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)  # fmt: skip
+
+
+def _forget_failed_joins() -> None:
+    """Start a join as a fresh process does. Every rank names its process group by a count of the groups its
+    process made (the group's keys in the rendezvous store carry it), and torch resets that count only when a
+    group is destroyed: a join that failed midway (a peer lost during the rendezvous) leaves it one ahead, and
+    that rank would wait forever for keys its new peers write under another name. Not in a group: nothing held
+    is lost by this."""
+    c10d = dist.distributed_c10d
+    if dist.is_initialized():  # a failure after the group was made (its barrier): leave it
+        dist.destroy_process_group()
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
+class RendezvousGone(RuntimeError):
+    """Rank 0 of a train group listened, and its end is closed now: its process is gone."""
+
+
+def _connect(master_addr: str, master_port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A client of rank 0's store, which already listens. A refused connection means rank 0 is gone (its process
+    died between telling its port and the others arriving): fail at once. Short tries, each after a look at the
+    port, because a torch store's client retries a reset or refused connection until its whole timeout."""
+    where = f"{master_addr}:{master_port}"
+    deadline = time.monotonic() + min(timeout.total_seconds(), CONNECT_TIMEOUT_S)
+    while True:
+        try:
+            socket.create_connection((master_addr, master_port), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise RendezvousGone(f"rank 0 of the train group listened at {where} and is gone ({e})") from None
+        try:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=CONNECT_TRY_S))  # fmt: skip
+        except dist.DistNetworkError as e:  # reset mid-handshake (it died just now), or slow: look again
+            if time.monotonic() > deadline:
+                raise RendezvousGone(f"rank 0 of the train group at {where} did not answer ({e})") from None
+            continue
+        store.set_timeout(timeout)  # the rest of the rendezvous and every collective wait as long as asked
+        return store
 
 
 class TrainGroup:
@@ -127,6 +170,7 @@ class TrainGroup:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         store: dist.TCPStore | None = None,
         process_group: bool = False,
+        listening: bool = False,
     ) -> TrainGroup:
         """Rendezvous with the other ``world_size - 1`` ranks at ``master_addr:master_port`` (rank 0 listens there).
 
@@ -136,6 +180,12 @@ class TrainGroup:
         Blocks until every rank has arrived or ``timeout_s`` passes; the same
         timeout later bounds each collective, i.e. how long the fastest rank
         waits for the slowest at :meth:`ElasticTrainer.step`.
+
+        ``listening``: rank 0 already holds its end (it called :func:`listen`
+        before the others were told the port). A refused connection then means
+        rank 0 is gone, and joining fails at once with :class:`RendezvousGone`
+        instead of retrying for ``timeout_s`` (a torch store's client retries a
+        refused connection until its timeout).
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -168,11 +218,18 @@ class TrainGroup:
         else:
             address = f"tcp://{master_addr}:{master_port}"
             logger.info("train group: rank %d/%d waiting for the others at %s (%s)", rank, world_size, address, backend)
-            if store is None:  # rank 0 listens now, the others connect (retrying until it does)
+            if store is None and listening and rank != 0:  # rank 0 is there already, or gone for good
+                store = _connect(master_addr, master_port, world_size, timeout)
+            elif store is None:  # rank 0 listens now, the others connect (retrying until it does)
                 store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
                                       wait_for_workers=False)  # fmt: skip
         start = time.perf_counter()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        _forget_failed_joins()
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        except BaseException:
+            _forget_failed_joins()  # (a peer lost midway: the next join must start as a fresh process does)
+            raise
         logger.info("train group: rank %d/%d joined in %.2f s", rank, world_size, time.perf_counter() - start)
         group = cls(rank, world_size, device, backend, address)
         group._joined = True

@@ -63,6 +63,7 @@ class _StepCalls:
     trained: Any = None  # rank 0's Trained, once returned
     lost: list[DeviceLost] = field(default_factory=list)
     lost_at: float = 0.0  # when the first member was lost (monotonic)
+    rendezvous: Any = None  # rank 0's (host, port) of a new group (an ObjectRef for several); None: the held one
     errors: list[BaseException] = field(default_factory=list)
 
 
@@ -384,7 +385,7 @@ class RayDriver:
         elif isinstance(cmd, Step):
             rendezvous, after = self.groups.plan(cmd.devices, self._retire, self._listen)
             after = [a for a in after if a is not None]
-            self.stepping = _StepCalls(cmd.devices, cmd.version)
+            self.stepping = _StepCalls(cmd.devices, cmd.version, rendezvous=rendezvous)
             for rank, d in enumerate(cmd.devices):
                 ref = self.actors[d].step.remote(cmd, rank, rendezvous, self.groups.state_world, *after)
                 self._send(ref, "step", d)
@@ -416,8 +417,11 @@ class RayDriver:
         logger.warning("fault injected: device %d %s at the %s of step %d", device, f.kind, f.phase, f.step)
         if f.kind == "hang":
             self._send(self.actors[device].hang.remote(), "hang", device)
-        else:
-            ray.kill(self.actors[device], no_restart=True)
+            return
+        if isinstance(cmd, Step) and self.stepping and isinstance(self.stepping.rendezvous, ray.ObjectRef):
+            # the harder case: rank 0 has told its port, so the others find a closed end, not a failed argument
+            ray.wait([self.stepping.rendezvous], timeout=self.timeout or None)
+        ray.kill(self.actors[device], no_restart=True)
 
     def _retire(self, device: int) -> Any:
         if device in self.lost:

@@ -381,9 +381,11 @@ class Worker:
             self.group.leave()
         host, port = rendezvous
         store, self._rendezvous = (self._rendezvous, None) if rank == 0 and len(cmd.devices) > 1 else (None, None)
+        # rank 0 called listen() before the port was handed out: a refused connection means it is gone
         self.group = TrainGroup.join(
-            rank, len(cmd.devices), host, port, device=self.spec.device, store=store, process_group=process_group
-        )
+            rank, len(cmd.devices), host, port, device=self.spec.device, store=store, process_group=process_group,
+            listening=True,
+        )  # fmt: skip
         self.group_devices = cmd.devices
         return self.group
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
-from pivotrl.runtime.dist_train import ElasticTrainer, TrainGroup, backend_for, listen
+from pivotrl.runtime.dist_train import ElasticTrainer, RendezvousGone, TrainGroup, backend_for, listen
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
@@ -346,7 +346,7 @@ def _listening(rank: int, out_dir: str) -> None:
         while not (out / "port").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         port = int((out / "port").read_text())
-        group = TrainGroup.join(1, 2, master_port=port, device="cpu", timeout_s=TIMEOUT_S)
+        group = TrainGroup.join(1, 2, master_port=port, device="cpu", timeout_s=TIMEOUT_S, listening=True)
     with group:
         total = group.all_reduce_(torch.tensor([rank + 1.0]))
     (out / f"sum.{rank}").write_text(str(total.item()))
@@ -354,6 +354,51 @@ def _listening(rank: int, out_dir: str) -> None:
 
 def test_rank_zero_listens_on_a_port_it_holds_and_the_others_meet_it_there(tmp_path):
     mp.spawn(_listening, args=(str(tmp_path),), nprocs=2, join=True)
+    assert [float((tmp_path / f"sum.{r}").read_text()) for r in range(2)] == [3.0, 3.0]
+
+
+def test_a_rank_zero_gone_after_listening_fails_the_join_at_once():
+    """Rank 0 told its port and died: the others fail now, not after the 600 s a store client would retry."""
+    store = listen(2)
+    port = store.port
+    del store  # its end closes, as when its process dies
+    start = time.monotonic()
+    with pytest.raises(RendezvousGone, match=f"listened at 127.0.0.1:{port} and is gone"):
+        TrainGroup.join(1, 2, master_port=port, device="cpu", timeout_s=600, listening=True)
+    assert time.monotonic() - start < 5
+    assert not torch.distributed.is_initialized()
+
+
+def _after_a_failed_join(rank: int, out_dir: str) -> None:
+    """Rank 1 first fails a join midway (its rank 0 never comes); then both meet in a new group."""
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    if rank == 1:
+        lonely = listen(2, timeout_s=1)  # its own store: the group's keys are written, rank 0's never come
+        with pytest.raises(Exception, match="(?i)timeout|timed out"):
+            TrainGroup.join(1, 2, master_port=lonely.port, device="cpu", timeout_s=1)
+        (out / "failed").write_text("1")
+    deadline = time.monotonic() + TIMEOUT_S
+    if rank == 0:
+        while not (out / "failed").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store = listen(2, timeout_s=TIMEOUT_S)
+        (out / "port.tmp").write_text(str(store.port))
+        (out / "port.tmp").rename(out / "port")
+        group = TrainGroup.join(0, 2, device="cpu", timeout_s=TIMEOUT_S, store=store)
+    else:
+        while not (out / "port").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        group = TrainGroup.join(1, 2, master_port=int((out / "port").read_text()), device="cpu", timeout_s=TIMEOUT_S)
+    with group:
+        total = group.all_reduce_(torch.tensor([rank + 1.0]))
+    (out / f"sum.{rank}").write_text(str(total.item()))
+
+
+def test_a_rank_whose_join_failed_midway_meets_its_next_group(tmp_path):
+    """torch names a process group by a per-process count that a failed join leaves one ahead: without
+    starting over, the two ranks would write their keys under different names and wait forever."""
+    mp.spawn(_after_a_failed_join, args=(str(tmp_path),), nprocs=2, join=True)
     assert [float((tmp_path / f"sum.{r}").read_text()) for r in range(2)] == [3.0, 3.0]
 
 
