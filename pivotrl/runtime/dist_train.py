@@ -95,18 +95,22 @@ def listen(world_size: int, master_addr: str = "127.0.0.1", timeout_s: float = D
                          wait_for_workers=False)  # fmt: skip
 
 
-def _forget_failed_joins() -> None:
-    """Start a join as a fresh process does. Every rank names its process group by a count of the groups its
-    process made (the group's keys in the rendezvous store carry it), and torch resets that count only when a
-    group is destroyed: a join that failed midway (a peer lost during the rendezvous) leaves it one ahead, and
-    that rank would wait forever for keys its new peers write under another name. Not in a group: nothing held
-    is lost by this."""
-    c10d = dist.distributed_c10d
+def _group_count() -> int | None:
+    """How many process groups this process has named (torch keeps the count; None where it does not)."""
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", None)
+
+
+def _undo_failed_join(count: int | None) -> None:
+    """Put this process back as it was before a join that failed midway (a peer lost during the rendezvous).
+    Every rank names its process group by a count of the groups its process made, and the group's keys in the
+    rendezvous store carry that name; torch resets the count only when a group is destroyed. Left one ahead, this
+    rank would write its keys of the next group under another name than its new peers, and all would wait for
+    ever."""
     if dist.is_initialized():  # a failure after the group was made (its barrier): leave it
         dist.destroy_process_group()
-    world = getattr(c10d, "_world", None)
-    if world is not None and hasattr(world, "group_count"):
-        world.group_count = 0
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if count is not None and world is not None:
+        world.group_count = count
 
 
 class RendezvousGone(RuntimeError):
@@ -224,11 +228,11 @@ class TrainGroup:
                 store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
                                       wait_for_workers=False)  # fmt: skip
         start = time.perf_counter()
-        _forget_failed_joins()
+        count = _group_count()
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         except BaseException:
-            _forget_failed_joins()  # (a peer lost midway: the next join must start as a fresh process does)
+            _undo_failed_join(count)  # (a peer lost midway: the next join must start as this one did)
             raise
         logger.info("train group: rank %d/%d joined in %.2f s", rank, world_size, time.perf_counter() - start)
         group = cls(rank, world_size, device, backend, address)
