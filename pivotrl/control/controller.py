@@ -59,6 +59,9 @@ from pivotrl.train.advantages import group_advantages
 
 EVAL_UID = 1 << 40  # evaluation requests live above this uid ...
 EVAL_STRIDE = 1 << 24  # ... in one block per evaluation, so two evaluations in flight never mix
+# an optimizer step that fails this many times in a row stops this attempt at the run (the job then resumes from
+# its newest checkpoint on devices started afresh): a step whose devices cannot meet must not be retried for ever
+UPDATE_ATTEMPTS = 3
 
 
 def sequence_seed(job_seed: int, step: int, uid: int) -> int:
@@ -138,8 +141,9 @@ class StepRecord:
 
 
 class DeviceLostError(RuntimeError):
-    """A device was lost holding state nothing else holds (its shard of a sharded train state): this attempt at the
-    run cannot go on; the job resumes from its newest checkpoint."""
+    """A device was lost holding state nothing else holds (its shard of a sharded train state), or the optimizer
+    step failed ``UPDATE_ATTEMPTS`` times in a row: this attempt at the run cannot go on; the job resumes from its
+    newest checkpoint."""
 
 
 class Controller:
@@ -200,6 +204,7 @@ class Controller:
         # has still to write is judged by them: a judge that reasons writes lengths of a long tail)
         self._judgments: tuple[list[int], list[int]] = ([], [0])
         self.lost_log: list[tuple[float, int, str]] = []  # (when, device, why) of every device lost
+        self.failed_updates = 0  # optimizer steps failed in a row (since the last update)
         self.done = False
         self.top_reward = max(genrm.rewards.values())
         self.first_step = 1  # the step this run starts at (later when it resumes a checkpoint)
@@ -575,6 +580,11 @@ class Controller:
         that take their state up afresh from the GPS (version ``e.version`` and its optimizer state)."""
         assert self.step is not None and self.training and e.version == self.version
         rec = self.step
+        self.failed_updates += 1
+        if self.failed_updates >= UPDATE_ATTEMPTS:
+            raise DeviceLostError(
+                f"the optimizer step of step {rec.step} failed {self.failed_updates} times in a row (last: {e.reason})"
+            )
         self.training, self.train_ready = False, True
         for i in e.devices:
             d = self.devices[i]
@@ -789,6 +799,7 @@ class Controller:
     def _on_trained(self, e: Trained) -> None:
         assert self.step is not None
         self.version = e.version
+        self.failed_updates = 0
         for d in self.devices:
             d.held = []
         for i in e.devices:

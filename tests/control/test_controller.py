@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from pivotrl.control.controller import EVAL_STRIDE, EVAL_UID, Controller, LoopSpec
+from pivotrl.control.controller import EVAL_STRIDE, EVAL_UID, UPDATE_ATTEMPTS, Controller, DeviceLostError, LoopSpec
 from pivotrl.control.messages import (
     Abort,
     Aborted,
@@ -40,6 +40,7 @@ from pivotrl.control.messages import (
     Shift,
     ShiftDone,
     Step,
+    StepFailed,
     Trained,
 )
 from pivotrl.control.modes import Colocated, Disaggregated
@@ -633,3 +634,47 @@ def test_prompts_are_rendered_by_the_chat_template_for_rollout_and_evaluation(mo
     rendered = [chat(TEMPLATE.format(question=p.question)) for p in TRAIN_SET + HELDOUT]
     assert {p for uid, p in prompts.items() if uid >= EVAL_UID} == set(rendered[len(TRAIN_SET) :])
     assert {p for uid, p in prompts.items() if uid < EVAL_UID} <= set(rendered[: len(TRAIN_SET)])
+
+
+class FailingUpdates(FakeCluster):
+    """The first ``fails`` optimizer steps fail (a member lost): the survivors report ``StepFailed``."""
+
+    def __init__(self, ctl: Controller, fails: int) -> None:
+        super().__init__(ctl)
+        self.fails = fails
+
+    def submit(self, cmd: Command) -> None:
+        if not isinstance(cmd, Step) or self.fails == 0:
+            return super().submit(cmd)
+        self.fails -= 1
+        self.log.append(cmd)
+        for d in cmd.devices:
+            self.version[d] = -1  # (their train state is not usable: they take the role up again)
+        self.ready.append(StepFailed(cmd.devices, cmd.version, "device 9: its process died"))
+
+
+def drive(cluster: FakeCluster) -> None:
+    ctl = cluster.ctl
+    commands = ctl.start()
+    for _ in range(10_000):
+        for c in commands:
+            cluster.submit(c)
+        if ctl.done:
+            return
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    raise AssertionError("the job did not end")
+
+
+def test_an_optimizer_step_that_fails_is_done_again():
+    ctl = controller(Colocated(2))
+    cluster = FailingUpdates(ctl, fails=UPDATE_ATTEMPTS - 1)
+    drive(cluster)
+    assert ctl.version == ctl.spec.steps and cluster.fails == 0
+    assert ctl.metrics[0]["recovered"] > 0  # every sample of the first step went through backward again
+
+
+def test_an_optimizer_step_that_keeps_failing_stops_the_attempt():
+    """A step whose devices cannot meet is not retried for ever: the job resumes from its checkpoint."""
+    ctl = controller(Colocated(2))
+    with pytest.raises(DeviceLostError, match=f"optimizer step of step 1 failed {UPDATE_ATTEMPTS} times in a row"):
+        drive(FailingUpdates(ctl, fails=UPDATE_ATTEMPTS))
