@@ -131,6 +131,9 @@ class StepRecord:
     generated: int = 0
     group_judged: dict[int, int] = field(default_factory=dict)  # prompt index -> judged members
     group_generated: dict[int, int] = field(default_factory=dict)  # prompt index -> generated members
+    group_whole_at: dict[int, float] = field(default_factory=dict)  # prompt index -> when its last member ended
+    group_waits: list[float] = field(default_factory=list)  # per group judged: seconds from whole to judged whole
+    groups_judged_at_rollout_end: int = 0  # groups whose backward could start when the rollout ended
     accumulated: int = 0  # samples whose backward is done
     backward: set[int] = field(default_factory=set)  # samples handed to a backward (indexes into samples)
     advantages: dict[int, float] = field(default_factory=dict)  # sample index -> advantage, once its group is judged
@@ -653,9 +656,12 @@ class Controller:
             generated = self.step.group_generated[s.prompt_index] = self.step.group_generated.get(s.prompt_index, 0) + 1
             if self.step.generated == len(self.step.samples):
                 self.step.rollout_end = self.clock()
+                g = self.spec.group_size
+                self.step.groups_judged_at_rollout_end = sum(n == g for n in self.step.group_judged.values())
             judge_reqs.append(JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge))
             if generated == self.spec.group_size:
                 whole.append(s.prompt_index)
+                self.step.group_whole_at[s.prompt_index] = self.clock()
         self.scheduler.submit_judge(judge_reqs)
         for p in whole:  # its judgments go first: the group trains once they are done
             assert self.step is not None
@@ -708,6 +714,8 @@ class Controller:
             self.step.group_judged[s.prompt_index] = done
             if done == self.spec.group_size:  # the whole group is judged: its advantages are known
                 self._queue_group(s.prompt_index)
+                now = self.clock()
+                self.step.group_waits.append(now - self.step.group_whole_at.get(s.prompt_index, now))
         if self.step.judged == len(self.step.samples):
             self.train_ready = True
             self.step.judge_end = self.clock()
@@ -866,6 +874,10 @@ class Controller:
             "samples_per_s": n / seconds if seconds > 0 else 0.0,
             "tokens_per_s": (resp_tokens + rec.judge_tokens) / seconds if seconds > 0 else 0.0,
             "time_s": phase_times(rec),
+            # how long groups wait for the judge once generated whole (their backward waits as long), and how
+            # many could train when the rollout ended: where a step's time after its rollout comes from
+            "group_wait_s": quantiles(rec.group_waits),
+            "groups_judged_at_rollout_end": rec.groups_judged_at_rollout_end,
             "shifts": rec.shifts,
             "migrations": rec.migrations,
             "recovered": rec.recovered,
@@ -877,6 +889,15 @@ class Controller:
 
 
 MISMATCH = "logprob_mismatch"
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    """Median, 90th percentile and maximum of ``values`` (nearest rank; zeros when there are none)."""
+    if not values:
+        return {"median": 0.0, "p90": 0.0, "max": 0.0}
+    v = sorted(values)
+    at = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return {"median": at(0.5), "p90": at(0.9), "max": v[-1]}
 
 
 def phase_times(rec: StepRecord) -> dict[str, float]:

@@ -18,7 +18,15 @@ from dataclasses import replace
 
 import pytest
 
-from pivotrl.control.controller import EVAL_STRIDE, EVAL_UID, UPDATE_ATTEMPTS, Controller, DeviceLostError, LoopSpec
+from pivotrl.control.controller import (
+    EVAL_STRIDE,
+    EVAL_UID,
+    UPDATE_ATTEMPTS,
+    Controller,
+    DeviceLostError,
+    LoopSpec,
+    quantiles,
+)
 from pivotrl.control.messages import (
     Abort,
     Aborted,
@@ -339,6 +347,8 @@ def test_shiftable_completes_with_the_same_rewards_and_updates(devices):
     assert ctl.accuracy == {v: expected_accuracy(v) for v in range(STEPS + 1)}
     for m in ctl.metrics:
         assert m["reward_mean"] == 0.5 and m["judge_agreement"] == 1.0 and m["parse_failures"] == 0
+        assert m["step_seconds"] >= m["group_wait_s"]["max"] >= m["group_wait_s"]["median"] >= 0
+        assert 0 <= m["groups_judged_at_rollout_end"] <= PROMPTS
     assert [cmd.version for cmd, _, _ in cluster.trains] == list(range(STEPS))
     for cmd, rewards, backwards in cluster.trains:
         assert rewards == {u: 1.0 if u % 2 == 0 else 0.0 for u in range(SAMPLES)}
@@ -678,3 +688,29 @@ def test_an_optimizer_step_that_keeps_failing_stops_the_attempt():
     ctl = controller(Colocated(2))
     with pytest.raises(DeviceLostError, match=f"optimizer step of step 1 failed {UPDATE_ATTEMPTS} times in a row"):
         drive(FailingUpdates(ctl, fails=UPDATE_ATTEMPTS))
+
+
+def test_how_long_groups_wait_for_the_judge_is_measured():
+    """From a group's last response to its last judgment: what its backward waits for the judge."""
+    now = [0.0]
+    ctl = Controller(spec(per_device=16), Disaggregated(3, {R: 1, G: 1, T: 1}), genrm(), TRAIN_SET, HELDOUT,
+                     lambda: now[0])  # fmt: skip
+    cluster, commands = in_roles(ctl)
+    for c in commands:
+        cluster.submit(c)
+    work = {r.uid: r for r in cluster.work[0]}  # groups of 2: uids 2p, 2p + 1
+    now[0] = 10.0
+    ctl.handle(Generated(0, (work[2], work[3])))  # group 1 whole at 10 s
+    now[0] = 13.0
+    ctl.handle(Judged(1, (JudgeResult(2, "VERDICT: yes", False, 5), JudgeResult(3, "VERDICT: no", False, 5))))
+    now[0] = 20.0
+    ctl.handle(Generated(0, tuple(work[u] for u in range(SAMPLES) if u not in (2, 3))))  # the rollout ends
+    rec = ctl.step
+    assert rec.group_waits == [3.0] and rec.groups_judged_at_rollout_end == 1
+    assert rec.group_whole_at == {1: 10.0, 0: 20.0, 2: 20.0, 3: 20.0}
+
+
+def test_quantiles_of_the_waits():
+    assert quantiles([]) == {"median": 0.0, "p90": 0.0, "max": 0.0}
+    assert quantiles([3.0, 1.0, 2.0]) == {"median": 2.0, "p90": 3.0, "max": 3.0}
+    assert quantiles([float(x) for x in range(10)]) == {"median": 5.0, "p90": 9.0, "max": 9.0}
