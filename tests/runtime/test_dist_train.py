@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
@@ -27,6 +26,7 @@ from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
 from tests.conftest import tiny_config
+from tests.runtime.ranks import spawn
 
 G = 4  # samples per GRPO group
 MODEL = "policy"
@@ -194,7 +194,7 @@ def batches() -> list[Batch]:
 @pytest.fixture(scope="module")
 def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist_train")
-    mp.spawn(_worker, args=(free_ports(6), batches, str(out)), nprocs=3, join=True)
+    spawn(_worker, (free_ports(6), batches, str(out)), 3, out / "marks")
     return out
 
 
@@ -353,7 +353,7 @@ def _listening(rank: int, out_dir: str) -> None:
 
 
 def test_rank_zero_listens_on_a_port_it_holds_and_the_others_meet_it_there(tmp_path):
-    mp.spawn(_listening, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn(_listening, (str(tmp_path),), 2, tmp_path / "marks")
     assert [float((tmp_path / f"sum.{r}").read_text()) for r in range(2)] == [3.0, 3.0]
 
 
@@ -398,7 +398,7 @@ def _after_a_failed_join(rank: int, out_dir: str) -> None:
 def test_a_rank_whose_join_failed_midway_meets_its_next_group(tmp_path):
     """torch names a process group by a per-process count that a failed join leaves one ahead: without
     starting over, the two ranks would write their keys under different names and wait forever."""
-    mp.spawn(_after_a_failed_join, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn(_after_a_failed_join, (str(tmp_path),), 2, tmp_path / "marks")
     assert [float((tmp_path / f"sum.{r}").read_text()) for r in range(2)] == [3.0, 3.0]
 
 

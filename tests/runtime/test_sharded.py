@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder, ModelConfig
@@ -26,6 +25,7 @@ from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_na
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
 from tests.conftest import tiny_config, tiny_moe_config
+from tests.runtime.ranks import spawn
 from tests.runtime.test_dist_train import (
     STAT_KEYS,
     Batch,
@@ -177,7 +177,7 @@ def batches() -> list[Batch]:
 @pytest.fixture(scope="module")
 def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
-    mp.spawn(_worker, args=(batches, str(out)), nprocs=3, join=True)
+    spawn(_worker, (batches, str(out)), 3, out / "marks")
     return out
 
 
