@@ -460,7 +460,9 @@ class RayDriver:
             if not ready:  # the call with the earliest deadline is past it: its device is lost
                 late = min(deadlines, key=deadlines.__getitem__)
                 device = self.pending[late][1]
-                self._dump_stacks(device)
+                # the other members of an optimizer step too: which one is stuck, and which wait for it
+                members = [d for r, d in step.refs.items() if r != late] if step and late in step.refs else []
+                self._dump_stacks([device, *members])
                 ray.kill(self.actors[device], no_restart=True)
                 if step is not None and late in step.refs:
                     why = f"its part of the optimizer step was not done {STEP_GRACE_S:g} s after a member was lost"
@@ -510,16 +512,22 @@ class RayDriver:
                     out.append(result)
         return out
 
-    def _dump_stacks(self, device: int) -> None:
-        """Have a device that missed its deadline write its threads' stacks to its log (same machine only)."""
-        if self.bindings[device].node_ip != dev.node_address():
-            return
-        try:
-            os.kill(self.pids[device], signal.SIGUSR1)
-            time.sleep(0.5)  # (the dump is written by the device's process, asynchronously)
-            logger.warning("device %d: its threads' stacks are in its log above", device)
-        except (OSError, IndexError):
-            pass
+    def _dump_stacks(self, devices: list[int]) -> None:
+        """Have devices (the first missed its deadline) write their threads' stacks to their logs (same machine
+        only)."""
+        here = dev.node_address()
+        dumped = []
+        for d in devices:
+            if self.bindings[d].node_ip != here:
+                continue
+            try:
+                os.kill(self.pids[d], signal.SIGUSR1)
+                dumped.append(d)
+            except (OSError, IndexError):
+                pass
+        if dumped:
+            time.sleep(0.5)  # (each dump is written by the device's process, asynchronously)
+            logger.warning("device(s) %s: their threads' stacks are in their logs above", ", ".join(map(str, dumped)))
 
     def _lose(self, device: int, reason: str) -> list[Event]:
         """Forget everything sent to ``device``; start it again (``restart_lost``); the events for the controller

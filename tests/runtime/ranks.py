@@ -26,11 +26,20 @@ def _marked(rank: int, fn: Callable[..., None], marks: str, *args: Any) -> None:
 
 
 def spawn(fn: Callable[..., None], args: tuple, nprocs: int, marks: Path) -> None:
-    """``mp.spawn(fn, args, nprocs)``, where a rank aborted at exit after ``fn`` returned on every rank passes."""
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes, waiting for every one to end (``mp.spawn`` would kill
+    the others once one aborts, maybe before they marked their end). Fails if a rank exited otherwise than
+    cleanly, unless it aborted after marking its end."""
     marks.mkdir(parents=True, exist_ok=True)
-    try:
-        mp.spawn(_marked, args=(fn, str(marks), *args), nprocs=nprocs, join=True)
-    except ProcessExitedException as e:
-        done = all((marks / f"rank{r}.done").exists() for r in range(nprocs))
-        if not (done and e.signal_name == signal.Signals.SIGABRT.name):
-            raise
+    ctx = mp.start_processes(_marked, args=(fn, str(marks), *args), nprocs=nprocs, join=False, start_method="spawn")
+    for process in ctx.processes:
+        process.join()
+    for rank, process in enumerate(ctx.processes):
+        code = process.exitcode
+        if code == 0 or (code == -signal.SIGABRT and (marks / f"rank{rank}.done").exists()):
+            continue
+        name = signal.Signals(-code).name if code < 0 else None
+        how = f"terminated with signal {name}" if name else f"exited with code {code}"
+        raise ProcessExitedException(
+            f"process {rank} {how} (its traceback, if any, is in the output above)",
+            error_index=rank, error_pid=process.pid, exit_code=code, signal_name=name,
+        )  # fmt: skip
