@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -892,12 +893,12 @@ MISMATCH = "logprob_mismatch"
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
-    """Median, 90th percentile and maximum of ``values`` (nearest rank; zeros when there are none)."""
-    if not values:
-        return {"median": 0.0, "p90": 0.0, "max": 0.0}
-    v = sorted(values)
-    at = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
-    return {"median": at(0.5), "p90": at(0.9), "max": v[-1]}
+    """Median, 90th percentile (interpolated between the values) and maximum of ``values``; zeros for none."""
+    if len(values) < 2:
+        x = values[0] if values else 0.0
+        return {"median": x, "p90": x, "max": x}
+    p90 = statistics.quantiles(values, n=10, method="inclusive")[-1]
+    return {"median": statistics.median(values), "p90": p90, "max": max(values)}
 
 
 def phase_times(rec: StepRecord) -> dict[str, float]:

@@ -97,7 +97,7 @@ def listen(world_size: int, master_addr: str = "127.0.0.1", timeout_s: float = D
 
 def _group_count() -> int | None:
     """How many process groups this process has named (torch keeps the count; None where it does not)."""
-    return getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", None)
+    return getattr(dist.distributed_c10d._world, "group_count", None)
 
 
 def _undo_failed_join(count: int | None) -> None:
@@ -108,9 +108,8 @@ def _undo_failed_join(count: int | None) -> None:
     ever."""
     if dist.is_initialized():  # a failure after the group was made (its barrier): leave it
         dist.destroy_process_group()
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if count is not None and world is not None:
-        world.group_count = count
+    if count is not None:
+        dist.distributed_c10d._world.group_count = count
 
 
 class RendezvousGone(RuntimeError):
