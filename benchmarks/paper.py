@@ -579,10 +579,16 @@ def gap(g: dict[str, Any]) -> str | None:
     if not i or "after_s" not in i or "rollout_seconds" not in r:
         return None
     devices = g["gpus"] // r["instance_gpus"]
+    trade = ""
+    if i.get("joint_rollout_s"):  # the rollout the joint floor prices: when it ends, what its decode costs
+        busy = r["busy_fraction"]["rollout"] * r["step_seconds"]  # seconds of the whole cluster
+        floor = (i["joint_rollout_gpu_s"] + i["gpu_seconds"]["rollout_prefill"]) / g["gpus"]
+        trade = (f", the joint floor's {i['joint_rollout_s']:.1f} s; it keeps the whole cluster {busy:.1f} s a step "
+                 f"against the floor's {floor:.1f} s")  # fmt: skip
     return (
         f"shiftable TP{r['instance_gpus']}: step {r['step_seconds']:.1f} s against a floor of "
         f"{i['floor_seconds']:.1f} s; its rollout ends at {r['rollout_seconds']:.1f} s (spread path "
-        f"{i['spread_rollout_s']:.1f} s), the update {r['step_seconds'] - r['rollout_seconds']:.1f} s later "
+        f"{i['spread_rollout_s']:.1f} s{trade}), the update {r['step_seconds'] - r['rollout_seconds']:.1f} s later "
         f"(the joint floor's {i['after_s']:.1f} s); shifts {r['shift_seconds_per_step'] / devices:.1f} s a device"
     )
 
@@ -864,7 +870,8 @@ def rerender(path: Path, out: Path | None) -> None:
         raise SystemExit(f"--rerender: {path} is not a report of this script ({type(e).__name__}: {e})") from None
     report["rerendered"] = {"code": code(), "machine": machine(list(os.getloadavg()))}
     table, notes, title, label = report_text(report)
-    notes.append(f"wall time {report.get('wall_s', 0.0) / 60:.1f} min (runs at {report.get('code', '?')}; "
+    again = "".join(f"{', '.join(u['modes'])} again at {u['code']}; " for u in report.get("updates", []))
+    notes.append(f"wall time {report.get('wall_s', 0.0) / 60:.1f} min (runs at {report.get('code', '?')}; {again}"
                  f"ideals and bounds at {report['rerendered']['code']})")  # fmt: skip
     show(report, table, notes, label)
     write_all(out or path.with_suffix(""), report, table, notes, title, label)

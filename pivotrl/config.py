@@ -262,7 +262,9 @@ class FaultConfig:
     first: bool = False  # fail the first device sent a command of the phase in the step, whichever it is
     step: int = 1  # the step it fails in
     phase: Phase = "rollout"  # rollout | judge | backward | optimizer | shift
-    kind: FaultKind = "kill"  # kill: the device's process dies; hang: it stops answering (device_timeout ends it)
+    # kill: the device's process dies; hang: it stops answering (device_timeout ends it); in the optimizer phase
+    # it stops inside its part of the step, after meeting its group, as on a hung kernel
+    kind: FaultKind = "kill"
 
     def __post_init__(self) -> None:
         _at_least(self, -1, "device")

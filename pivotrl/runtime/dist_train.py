@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -64,6 +64,8 @@ _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 DEFAULT_TIMEOUT_S = 600.0  # how long a collective (or the rendezvous) waits for the slowest rank
 CONNECT_TIMEOUT_S = 15.0  # how long joining may take to reach a rank 0 that already listens
 CONNECT_TRY_S = 2.0  # one try at it (a reset connection is looked at again, not retried blindly)
+ARRIVAL_POLL_S = 0.05  # how often a rank waiting for the others to arrive looks whether to give up
+ARRIVED = "pivotrl/arrived"  # the rendezvous store's count of the ranks that came
 DEFAULT_BUCKET_BYTES = 256 << 20  # gradient bytes per all-reduce; bounds the extra memory of the flat buffer
 
 # Per-rank numbers gathered at every step. Sums merge by addition, extremes by max/min.
@@ -116,6 +118,26 @@ class RendezvousGone(RuntimeError):
     """Rank 0 of a train group listened, and its end is closed now: its process is gone."""
 
 
+class JoinAbandoned(RuntimeError):
+    """A rank gave up waiting for the others of its train group: one of them is lost (the driver said so)."""
+
+
+def _arrive(store: dist.Store, rank: int, world_size: int, timeout: timedelta, abandon: Callable[[], bool]) -> None:
+    """Count this rank in at the rendezvous and wait until every rank has come, looking every
+    ``ARRIVAL_POLL_S`` whether to give up (``abandon``): torch's own wait for the others cannot be
+    interrupted, and a peer that died before it came would hold this rank there for the whole timeout."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    came = store.add(ARRIVED, 1)
+    while came < world_size:
+        if abandon():
+            raise JoinAbandoned(f"rank {rank}: gave up waiting for {world_size - came} of {world_size} ranks")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: timed out after {timeout} waiting for {world_size - came} of "
+                               f"{world_size} ranks")  # fmt: skip
+        time.sleep(ARRIVAL_POLL_S)
+        came = store.add(ARRIVED, 0)
+
+
 def _connect(master_addr: str, master_port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """A client of rank 0's store, which already listens. A refused connection means rank 0 is gone (its process
     died between telling its port and the others arriving): fail at once. Short tries, each after a look at the
@@ -151,7 +173,7 @@ class TrainGroup:
     finishing the old epoch can never rendezvous with the new one.
     """
 
-    __slots__ = ("_joined", "address", "backend", "device", "rank", "world_size")
+    __slots__ = ("_joined", "address", "backend", "device", "marks", "rank", "world_size")
 
     def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, address: str | None) -> None:
         self.rank = rank
@@ -160,6 +182,13 @@ class TrainGroup:
         self.backend = backend
         self.address = address
         self._joined = False  # a process group is made (join sets it) for several ranks, or one if asked
+        # how far this rank got: one more before each collective it enters. Ranks waiting in a collective have
+        # counted it; one stuck before it (a hung kernel, a stuck call) has not: it is the one holding the others
+        self.marks = 0
+
+    def mark(self) -> None:
+        """Count one more point of progress (before a collective, or a pass that contains some)."""
+        self.marks += 1
 
     @classmethod
     def join(
@@ -174,6 +203,7 @@ class TrainGroup:
         store: dist.TCPStore | None = None,
         process_group: bool = False,
         listening: bool = False,
+        abandon: Callable[[], bool] | None = None,
     ) -> TrainGroup:
         """Rendezvous with the other ``world_size - 1`` ranks at ``master_addr:master_port`` (rank 0 listens there).
 
@@ -189,6 +219,10 @@ class TrainGroup:
         rank 0 is gone, and joining fails at once with :class:`RendezvousGone`
         instead of retrying for ``timeout_s`` (a torch store's client retries a
         refused connection until its timeout).
+
+        ``abandon``: looked at while this rank waits for the others to arrive;
+        once it says so, joining fails with :class:`JoinAbandoned` (a peer is
+        lost and will not come).
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -227,6 +261,8 @@ class TrainGroup:
                 store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
                                       wait_for_workers=False)  # fmt: skip
         start = time.perf_counter()
+        if world_size > 1:
+            _arrive(store, rank, world_size, timeout, abandon or (lambda: False))
         count = _group_count()
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
@@ -264,6 +300,7 @@ class TrainGroup:
         """Sum ``tensor`` over the group in place (a no-op for one rank)."""
         self._check()
         if self.world_size > 1:
+            self.mark()
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
@@ -278,6 +315,7 @@ class TrainGroup:
         if self.world_size == 1:
             return tensor[None].clone()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.mark()
         dist.all_gather(parts, tensor.contiguous())
         return torch.stack(parts)
 

@@ -50,6 +50,8 @@ from pivotrl.telemetry import Slice
 
 SLICE_SECONDS = 0.05
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
+PROBE = "probe"  # a device actor's concurrency group for questions answered while a call runs (its own thread)
+PROBE_S = 5.0  # how long a device may take to say how far it is in an overdue step: no answer, it is the stuck one
 PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
 
 
@@ -64,6 +66,7 @@ class _StepCalls:
     lost: list[DeviceLost] = field(default_factory=list)
     lost_at: float = 0.0  # when the first member was lost (monotonic)
     rendezvous: Any = None  # rank 0's (host, port) of a new group (an ObjectRef for several); None: the held one
+    attempt: int = 0  # the driver's count of optimizer steps sent, this one's (a member is told which to abandon)
     errors: list[BaseException] = field(default_factory=list)
 
 
@@ -115,6 +118,17 @@ class DeviceActor:
         while True:
             time.sleep(3600)
 
+    # -- called in the PROBE concurrency group (their own thread), beside the call in progress: what the
+    # driver asks of the members of an overdue optimizer step --
+    def progress(self) -> int:
+        return self.worker.progress()
+
+    def abandon(self, attempt: int) -> None:
+        self.worker.abandon(attempt)
+
+    def hang_in_next_step(self) -> None:
+        self.worker.hang_in_next_step()
+
     def generate(self, cmd: Generate) -> None:
         self.worker.generate(cmd)
 
@@ -137,8 +151,10 @@ class DeviceActor:
     def retire_group(self) -> None:
         self.worker.retire_group()
 
-    def step(self, cmd: Step, rank: int, rendezvous: Any, state_world: int, *after: object) -> Event | None:
-        return self.worker.step(cmd, rank, rendezvous, state_world)
+    def step(
+        self, cmd: Step, rank: int, rendezvous: Any, state_world: int, attempt: int, *after: object
+    ) -> Event | None:
+        return self.worker.step(cmd, rank, rendezvous, state_world, attempt)
 
     def close(self) -> None:
         self.worker.close()
@@ -151,6 +167,31 @@ class DeviceActor:
 
 
 MARKER = "pivotrl-driver"  # in the session directory of a Ray instance a pivotrl driver started: its pid
+
+
+def _told(progress: int | None) -> str:
+    if progress is None:
+        return f"did not say how far it is within {PROBE_S:g} s"
+    if progress < 0:
+        return "has not started its part (a call before it does not end)"
+    return "is meeting its group" if progress == 0 else f"has entered {progress - 1} collective(s)"
+
+
+def blame(late: int, progress: dict[int, int | None], timeout: float) -> list[tuple[int, str]]:
+    """The members of an overdue optimizer step to declare lost, each with why, from how far each says it is
+    (``Worker.progress``; None: no answer). The members that did not answer are stuck whole; otherwise those
+    that got least far, where the others got further: they wait in a collective the laggards never entered.
+    Where none stands out (all equally far), the one whose deadline passed first (``late``)."""
+    silent = sorted(d for d, p in progress.items() if p is None)
+    if silent:
+        return [(d, f"its optimizer step was overdue (device_timeout={timeout:g} s) and it did not say how far it "
+                    f"was within {PROBE_S:g} s") for d in silent]  # fmt: skip
+    low = min(p for p in progress.values() if p is not None)
+    behind = sorted(d for d, p in progress.items() if p == low)
+    if len(behind) < len(progress):
+        why = f"it {_told(low)}, while the other members of the optimizer step waited for it past device_timeout"
+        return [(d, f"{why}={timeout:g} s") for d in behind]
+    return [(late, f"no answer within device_timeout={timeout:g} s")]
 
 
 def ray_temp_dir() -> Path:
@@ -315,7 +356,8 @@ class RayDriver:
 
             def start(d: int) -> Any:
                 where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
-                actor = ray.remote(DeviceActor).options(num_cpus=1, num_gpus=gpus, scheduling_strategy=where_d)
+                remote = ray.remote(concurrency_groups={PROBE: 1})(DeviceActor)
+                actor = remote.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=where_d)
                 return actor.remote(d, self.store, spec, train, self.origin, threads[d], d)
 
             self.origin, self._start = origin, start
@@ -346,6 +388,7 @@ class RayDriver:
         self.fault = cfg.fault if cfg.fault.device >= 0 or cfg.fault.first else None
         self.version = 0  # the newest policy version a command named (the step of a Judge: it names none)
         self.stepping: _StepCalls | None = None  # the optimizer step in flight
+        self.attempts = 0  # optimizer steps sent so far (tries again included)
         # a sharded trainer's step that loses a member cannot be saved: the run stops at once (see the controller)
         self.sharded = cfg.train.resolved_backend(self.kind) == "fsdp"
         self.groups = TrainGroups()
@@ -385,9 +428,10 @@ class RayDriver:
         elif isinstance(cmd, Step):
             rendezvous, after = self.groups.plan(cmd.devices, self._retire, self._listen)
             after = [a for a in after if a is not None]
-            self.stepping = _StepCalls(cmd.devices, cmd.version, rendezvous=rendezvous)
+            self.attempts += 1
+            self.stepping = _StepCalls(cmd.devices, cmd.version, rendezvous=rendezvous, attempt=self.attempts)
             for rank, d in enumerate(cmd.devices):
-                ref = self.actors[d].step.remote(cmd, rank, rendezvous, self.groups.state_world, *after)
+                ref = self.actors[d].step.remote(cmd, rank, rendezvous, self.groups.state_world, self.attempts, *after)
                 self._send(ref, "step", d)
                 self.stepping.refs[ref] = d
             self.groups.stepped(cmd.devices)
@@ -403,9 +447,14 @@ class RayDriver:
 
     def _inject(self, cmd: Command, devices: tuple[int, ...], before: bool) -> None:
         """``fault``: fail its device at the first command of its phase in its step (a hang is queued before
-        the command, so the command waits behind it; a kill follows the command, which dies with the actor)."""
+        the command, so the command waits behind it; a kill follows the command, which dies with the actor,
+        except for a member of an optimizer step other than rank 0: killed before, it never meets the others,
+        who wait for it at the rendezvous)."""
         f = self.fault
-        if f is None or (not f.first and f.device not in devices) or (f.kind == "hang") != before:
+        if f is None or (not f.first and f.device not in devices):
+            return
+        early = f.kind == "hang" or (isinstance(cmd, Step) and not f.first and devices.index(f.device) > 0)
+        if early != before:
             return
         phase = {Generate: "rollout", Judge: "judge", Accumulate: "backward", Step: "optimizer", Shift: "shift"}
         if phase.get(type(cmd)) != f.phase or self.version + 1 != f.step:
@@ -415,6 +464,9 @@ class RayDriver:
         device = devices[0] if f.first else f.device
         self.fault = None
         logger.warning("fault injected: device %d %s at the %s of step %d", device, f.kind, f.phase, f.step)
+        if f.kind == "hang" and isinstance(cmd, Step):  # inside the step, among the others, as a hung kernel
+            ray.get(self.actors[device].hang_in_next_step.remote(), timeout=self.timeout)
+            return
         if f.kind == "hang":
             self._send(self.actors[device].hang.remote(), "hang", device)
             return
@@ -460,15 +512,22 @@ class RayDriver:
             if not ready:  # the call with the earliest deadline is past it: its device is lost
                 late = min(deadlines, key=deadlines.__getitem__)
                 device = self.pending[late][1]
-                # the other members of an optimizer step too: which one is stuck, and which wait for it
-                members = [d for r, d in step.refs.items() if r != late] if step and late in step.refs else []
-                self._dump_stacks([device, *members])
-                ray.kill(self.actors[device], no_restart=True)
                 if step is not None and late in step.refs:
-                    why = f"its part of the optimizer step was not done {STEP_GRACE_S:g} s after a member was lost"
+                    if step.lost:
+                        why = f"its part of the optimizer step was not done {STEP_GRACE_S:g} s after a member was lost"
+                        stuck = [(device, why)]
+                    else:  # the member holding the others, not the first whose deadline passed (all wait for it)
+                        stuck = self._stuck_members(device, list(step.refs.values()))
+                    # every member writes its stacks: which one is stuck, and which wait for it
+                    self._dump_stacks([d for d, _ in stuck] + [d for d in step.refs.values() if d not in dict(stuck)])
                 else:
-                    why = f"no answer within device_timeout={self.timeout:g} s"
-                out += self._lose(device, why)
+                    stuck = [(device, f"no answer within device_timeout={self.timeout:g} s")]
+                    self._dump_stacks([device])
+                for d, _ in stuck:
+                    ray.kill(self.actors[d], no_restart=True)
+                self.lost.update(d for d, _ in stuck)  # (none of them is told to abandon the step)
+                for d, why in stuck:
+                    out += self._lose(d, why)
                 continue
             more, _ = ray.wait([r for r in refs if r not in ready], num_returns=len(refs) - 1, timeout=0)
             for ref in [*ready, *more]:
@@ -512,6 +571,23 @@ class RayDriver:
                     out.append(result)
         return out
 
+    def _stuck_members(self, late: int, members: list[int]) -> list[tuple[int, str]]:
+        """The members of an overdue optimizer step that hold it up, each with why, from how far each says it
+        is (asked in its probe group, beside the step call: ``blame``)."""
+        import ray
+
+        asked = {self.actors[d].progress.options(concurrency_group=PROBE).remote(): d for d in members}
+        done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=PROBE_S)
+        progress: dict[int, int | None] = dict.fromkeys(members)
+        for ref in done:
+            try:
+                progress[asked[ref]] = ray.get(ref)
+            except Exception:  # (its process died meanwhile: as good as no answer)
+                pass
+        for d in members:
+            logger.warning("optimizer step overdue: device %d %s", d, _told(progress[d]))
+        return blame(late, progress, self.timeout)
+
     def _dump_stacks(self, devices: list[int]) -> None:
         """Have devices (the first missed its deadline) write their threads' stacks to their logs (same machine
         only)."""
@@ -543,6 +619,10 @@ class RayDriver:
         if device in self.groups.devices:  # its group is broken: the next step meets anew (members leave theirs)
             self.groups.devices = ()
         step = self.stepping
+        if step is not None and device in step.refs.values():
+            # the others stop waiting for it to arrive (a member already in a collective with it fails there)
+            for d in {d for d in step.refs.values() if d != device and d not in self.lost}:
+                self.actors[d].abandon.options(concurrency_group=PROBE).remote(step.attempt)
         if step is not None and device in step.refs.values() and not self.sharded:
             step.refs = {r: d for r, d in step.refs.items() if d != device}
             step.lost.append(DeviceLost(device, reason))

@@ -248,6 +248,7 @@ class ShardedTrainer:
         host: dict[str, Tensor] = {}
         with torch.no_grad():
             for name, p in self.model.named_parameters():
+                self.group.mark()  # (gathering a parameter is a collective)
                 full = p.detach().to(dtype)
                 full = full.full_tensor() if hasattr(full, "full_tensor") else full
                 if self.rank == 0:
@@ -276,6 +277,7 @@ class ShardedTrainer:
         self.pending = []
         shared: list[Any] = [None] * world
         if world > 1:
+            group.mark()
             dist.all_gather_object(shared, (self.version, mine))
         else:
             shared = [(self.version, mine)]
@@ -297,6 +299,7 @@ class ShardedTrainer:
         start = time.perf_counter()
         stats: dict[str, float] = {}
         for i in range(passes):
+            group.mark()  # (each pass gathers and reduces shards with the other ranks)
             if i < len(plans[self.rank]):
                 _merge(stats, self.trainer.backward(plans[self.rank][i]))
             else:
@@ -304,6 +307,7 @@ class ShardedTrainer:
         backward_s = time.perf_counter() - start
         if world > 1:
             every: list[Any] = [None] * world
+            group.mark()
             dist.all_gather_object(every, stats)
             stats = {}
             for part in every:

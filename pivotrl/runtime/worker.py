@@ -104,6 +104,13 @@ class Worker:
         # forms another: making a process group costs a rendezvous, and an NCCL one much more.
         self.group: TrainGroup | None = None
         self.group_devices: tuple[int, ...] = ()
+        # the optimizer step in progress, as another thread sees it (``progress``, ``abandon``): the driver asks
+        # when a step is overdue, to tell the member holding the others from those waiting for it
+        self._in_step = False
+        self._step_group: TrainGroup | None = None  # its group, once met ...
+        self._marks_at_join = 0  # ... and its count of collectives then
+        self._abandoned = -1  # the attempt at an optimizer step whose group not to wait for (a member is lost)
+        self._hang_in_step = False  # fault drill: stop inside the next optimizer step, once its group is met
 
     def now(self) -> float:
         return time.time() - self.origin
@@ -368,7 +375,29 @@ class Worker:
             nbytes = ctx.sharded.export_shard(self.store, POLICY)
             self.slices.append(Slice(self.device, "shift", "train state -> GPS", t0, self.now(), {"bytes": nbytes}))
 
-    def _join(self, cmd: Step, rank: int, rendezvous: Rendezvous | None, process_group: bool) -> TrainGroup:
+    def progress(self) -> int:
+        """How far this device is in the optimizer step it runs (safe to call from another thread): -1 in
+        none, 0 while it meets its group, then one more for each collective it has entered. The members of a
+        step count alike; one that stopped short of a collective the others wait in counts fewer."""
+        if not self._in_step:
+            return -1
+        group = self._step_group
+        return 0 if group is None else 1 + group.marks - self._marks_at_join
+
+    def hang_in_next_step(self) -> None:
+        """Fault drill (``fault.kind=hang``, ``fault.phase=optimizer``): stop answering inside the next optimizer
+        step, after meeting its group and before its first collective, as a device whose kernel hangs there."""
+        self._hang_in_step = True
+
+    def abandon(self, attempt: int) -> None:
+        """Give up meeting the train group of optimizer step ``attempt`` (another thread calls this, maybe before
+        the step starts: a member is lost and will not come); a step past its rendezvous fails at its next
+        collective with the lost member instead."""
+        self._abandoned = attempt
+
+    def _join(
+        self, cmd: Step, rank: int, rendezvous: Rendezvous | None, process_group: bool, attempt: int
+    ) -> TrainGroup:
         """The step's train group: the one held (``rendezvous`` None) or a new one met at ``rendezvous``."""
         if rendezvous is None:
             if self.group is None or self.group_devices != cmd.devices or self.group.rank != rank:
@@ -376,7 +405,7 @@ class Worker:
                     f"device {self.device}: told to keep train group {cmd.devices} as rank {rank}, "
                     f"but it holds {self.group_devices or 'none'}"
                 )
-            return self.group
+            return self._met(self.group)
         if self.group is not None:
             self.group.leave()
         host, port = rendezvous
@@ -384,13 +413,17 @@ class Worker:
         # rank 0 called listen() before the port was handed out: a refused connection means it is gone
         self.group = TrainGroup.join(
             rank, len(cmd.devices), host, port, device=self.spec.device, store=store, process_group=process_group,
-            listening=True,
+            listening=True, abandon=lambda: self._abandoned == attempt,
         )  # fmt: skip
         self.group_devices = cmd.devices
-        return self.group
+        return self._met(self.group)
+
+    def _met(self, group: TrainGroup) -> TrainGroup:
+        self._marks_at_join, self._step_group = group.marks, group
+        return group
 
     def step(
-        self, cmd: Step, rank: int, rendezvous: Rendezvous | None, state_world: int = 0, *after: object
+        self, cmd: Step, rank: int, rendezvous: Rendezvous | None, state_world: int = 0, attempt: int = 0
     ) -> Trained | None:
         """This device's part of the optimizer step; rank 0 publishes the new version.
 
@@ -399,12 +432,26 @@ class Worker:
         of several devices has called ``listen`` first). ``state_world`` is the
         size of the group that wrote the sharded train state of ``cmd.version``
         to the GPS (0: none yet; a sharded trainer starts from the weights).
-        ``after`` are results the driver made this call wait for (the old
-        group's members writing their shards).
+        ``attempt`` numbers the driver's optimizer steps (a failed one is tried
+        again under a new number): ``abandon(attempt)`` names the one whose
+        group this device no longer waits for.
         """
         ctx = self._train_ctx(cmd.version)
+        self._step_group, self._in_step = None, True
+        try:
+            return self._step(ctx, cmd, rank, rendezvous, state_world, attempt)
+        finally:
+            self._in_step, self._step_group = False, None
+
+    def _step(
+        self, ctx: TrainContext, cmd: Step, rank: int, rendezvous: Rendezvous | None, state_world: int, attempt: int
+    ) -> Trained | None:
         t0 = self.now()
-        group = self._join(cmd, rank, rendezvous, process_group=ctx.backend == "fsdp")
+        group = self._join(cmd, rank, rendezvous, ctx.backend == "fsdp", attempt)
+        if self._hang_in_step:
+            self._hang_in_step = False
+            while True:  # (the driver kills this process when its step is overdue)
+                time.sleep(3600)
         if ctx.backend == "fsdp":
             stats, tokens, backward_s = self._sharded_step(ctx, cmd, group, state_world)
         else:

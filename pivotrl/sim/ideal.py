@@ -136,6 +136,8 @@ class IdealStep:
     joint_floor_s: float = 0.0  # the step time no schedule beats, the rollout's tail and all the work together
     group_path_s: float = 0.0  # the groups holding the longest responses judged, then trained on every GPU
     after_s: float = 0.0  # what the joint floor counts after the last token: its judgment, backward, the update
+    joint_rollout_s: float = 0.0  # the rollout the joint floor prices: its generation (a floor for it, no more) ...
+    joint_rollout_gpu_s: float = 0.0  # ... and its decode's GPU-seconds, in the smaller batches of its tail
 
     @property
     def total(self) -> float:
@@ -192,6 +194,8 @@ class IdealStep:
             "joint_floor_s": self.joint_floor_s,
             "group_path_s": self.group_path_s,
             "after_s": self.after_s,
+            "joint_rollout_s": self.joint_rollout_s,
+            "joint_rollout_gpu_s": self.joint_rollout_gpu_s,
             "floor_seconds": self.floor_seconds,
         }
 
@@ -269,7 +273,8 @@ def ideal_step(
     last, k_last, _ = ends[-1]
     after = max(judged_alone(last, k_last) + update - optimizer, groups_trained(last, k_last)) + optimizer
     joint = joint_floor_s(spec, n, rollout_tokens, rest, after)
-    return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint, group, after)
+    return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint.seconds, group, after,
+                     joint.rollout_s, joint.rollout_gpu_s)  # fmt: skip
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:
@@ -333,7 +338,17 @@ def ideal_of(cfg: JobConfig, spec: SimSpec) -> IdealStep:
                       group_size=r.group_size)  # fmt: skip
 
 
-def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: float, after_s: float) -> float:
+@dataclass(frozen=True, slots=True)
+class JointFloor:
+    """The joint floor, and the rollout it prices there: how long it runs and the GPU-seconds its decode takes,
+    for the instances it keeps at each decode step (the choice that minimises the dual at its peak)."""
+
+    seconds: float
+    rollout_s: float
+    rollout_gpu_s: float
+
+
+def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: float, after_s: float) -> JointFloor:
     """The shortest step any schedule of the rollout's instances allows, the tail and the work together
     (the module docstring's joint floor): the Lagrangian dual of choosing, at each decode step of the
     lock-step rollout, how many instances carry the responses still running. ``rest_gpu_s`` is the
@@ -379,6 +394,11 @@ def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: 
             total += min(lam * s + (1 - lam) * w / gpus for s, w in front)
         return total
 
+    def trade(lam: float) -> tuple[float, float]:
+        """The rollout's time (prefill included) and decode GPU-seconds of the choice that minimises at ``lam``."""
+        picked = [min(front, key=lambda o: lam * o[0] + (1 - lam) * o[1] / gpus) for front in fronts]
+        return prefill_s + sum(s for s, _ in picked), sum(w for _, w in picked)
+
     lo, hi = 0.0, 1.0  # the dual is concave in lam: golden-section search for its peak
     a, c = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
     fa, fc = dual(a), dual(c)
@@ -391,4 +411,5 @@ def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: 
             hi, c, fc = c, a, fa
             a = hi - GOLDEN * (hi - lo)
             fa = dual(a)
-    return max(fa, fc, dual(0.0), dual(1.0))
+    value, lam = max((fa, a), (fc, c), (dual(0.0), 0.0), (dual(1.0), 1.0))
+    return JointFloor(value, *trade(lam))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,15 @@ import torch.distributed as dist
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
-from pivotrl.runtime.dist_train import ElasticTrainer, RendezvousGone, TrainGroup, backend_for, listen
+from pivotrl.runtime.dist_train import (
+    ARRIVED,
+    ElasticTrainer,
+    JoinAbandoned,
+    RendezvousGone,
+    TrainGroup,
+    backend_for,
+    listen,
+)
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
@@ -349,12 +358,29 @@ def _listening(rank: int, out_dir: str) -> None:
         group = TrainGroup.join(1, 2, master_port=port, device="cpu", timeout_s=TIMEOUT_S, listening=True)
     with group:
         total = group.all_reduce_(torch.tensor([rank + 1.0]))
+        stacked = group.all_gather(torch.tensor([rank]))
     (out / f"sum.{rank}").write_text(str(total.item()))
+    (out / f"marks.{rank}").write_text(f"{group.marks} {stacked.flatten().tolist()}")
 
 
 def test_rank_zero_listens_on_a_port_it_holds_and_the_others_meet_it_there(tmp_path):
     spawn(_listening, (str(tmp_path),), 2, tmp_path / "marks")
     assert [float((tmp_path / f"sum.{r}").read_text()) for r in range(2)] == [3.0, 3.0]
+    # each rank counted the two collectives it entered: the count a stuck rank is told from the others by
+    assert [(tmp_path / f"marks.{r}").read_text() for r in range(2)] == ["2 [0, 1]"] * 2
+
+
+def test_a_join_waiting_for_a_lost_rank_gives_up_when_told():
+    """A rank that died before it came would hold the others at the rendezvous for its whole timeout: told to
+    abandon (by the driver, from another thread), joining fails at once and leaves the process as it was."""
+    store = listen(2)
+    told = threading.Event()
+    threading.Timer(0.3, told.set).start()
+    start = time.monotonic()
+    with pytest.raises(JoinAbandoned, match="gave up waiting for 1 of 2 ranks"):
+        TrainGroup.join(0, 2, device="cpu", timeout_s=600, store=store, abandon=told.is_set)
+    assert 0.3 <= time.monotonic() - start < 3
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_rank_zero_gone_after_listening_fails_the_join_at_once():
@@ -375,6 +401,7 @@ def _after_a_failed_join(rank: int, out_dir: str) -> None:
     out = Path(out_dir)
     if rank == 1:
         lonely = listen(2, timeout_s=1)  # its own store: the group's keys are written, rank 0's never come
+        lonely.add(ARRIVED, 1)  # (rank 0 counted in at the arrival, then lost before it made the group)
         with pytest.raises(Exception, match="(?i)timeout|timed out"):
             TrainGroup.join(1, 2, master_port=lonely.port, device="cpu", timeout_s=1)
         (out / "failed").write_text("1")

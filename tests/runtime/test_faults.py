@@ -63,6 +63,31 @@ def test_a_hung_device_times_out_and_is_handled_the_same(undisturbed, tiny_check
     assert_same_run(undisturbed, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        # hung inside its part, before its first collective (as on a hung kernel), while rank 0's call, sent
+        # first, is the first past device_timeout, waiting in that collective: asked how far each got, the
+        # driver loses device 1, not rank 0
+        (("fault.step=2", "fault.kind=hang", "device_timeout=8"), "entered 0 collective(s), while the other members"),
+        # killed as it is sent its part of step 1's optimizer step, a new group's first: rank 0, waiting for it
+        # at the rendezvous, is told to give up (torch's own wait would last its whole timeout)
+        (("fault.step=1",), "died"),
+    ],
+    ids=["hung-inside", "killed-before-meeting"],
+)
+def test_a_member_other_than_rank_zero_lost_in_the_optimizer_step_is_the_only_one_lost(
+    fault, reason, undisturbed, tiny_checkpoints, tmp_path, ray_cluster
+):
+    """Device 1 of a two-device group fails in the optimizer step; the step is done again with it started
+    afresh, and the run is the undisturbed one."""
+    fault = ("mode=colocated", "devices=2", "fault.device=1", "fault.phase=optimizer", *fault)
+    summary = run_job(small_job(tiny_checkpoints, *BASE, *fault), tmp_path, progress=False)
+    assert [e["device"] for e in summary["devices_lost"]] == [1]
+    assert reason in summary["devices_lost"][0]["reason"]
+    assert_same_run(undisturbed, tmp_path)
+
+
 def test_a_lost_shard_of_the_sharded_train_state_resumes_the_run_from_its_checkpoint(
     undisturbed, tiny_checkpoints, tmp_path, ray_cluster
 ):

@@ -207,6 +207,14 @@ def test_the_joint_floor_binds_where_a_long_tail_meets_much_work():
     costs = LinearCosts()
     step = ideal_step(spec(costs, LengthDist.lognormal(20, 0.6, 90)), 128, rollout_tokens=90, judge_tokens=100)
     assert step.joint_floor_s > max(step.step_seconds, step.spread_path_s) * 1.05
+    # the rollout it prices there: no faster than the spread path's, no cheaper than full batches, and a
+    # schedule with it takes at least the floor (a choice at the dual's peak meets both of its sides)
+    assert step.spread_rollout_s - 1e-9 <= step.joint_rollout_s
+    assert step.gpu_seconds["rollout_decode"] - 1e-9 <= step.joint_rollout_gpu_s
+    rest = step.total - step.gpu_seconds["rollout_decode"]
+    primal = max(step.joint_rollout_s + step.after_s, (step.joint_rollout_gpu_s + rest) / step.gpus)
+    assert step.joint_floor_s <= primal + 1e-9
+    assert primal <= 1.1 * step.joint_floor_s
 
 
 @pytest.mark.parametrize(("samples", "batch"), [(2, 1), (16, 4), (64, 8)])  # 4 instances; 8 at most to one
