@@ -43,6 +43,7 @@ from pivotrl.errors import UserError
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
 from pivotrl.runtime import devices as dev
+from pivotrl.runtime.blame import PROBE_S, blame, told
 from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
@@ -51,7 +52,6 @@ from pivotrl.telemetry import Slice
 SLICE_SECONDS = 0.05
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
 PROBE = "probe"  # a device actor's concurrency group for questions answered while a call runs (its own thread)
-PROBE_S = 5.0  # how long a device may take to say how far it is in an overdue step: no answer, it is the stuck one
 PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
 
 
@@ -167,31 +167,6 @@ class DeviceActor:
 
 
 MARKER = "pivotrl-driver"  # in the session directory of a Ray instance a pivotrl driver started: its pid
-
-
-def _told(progress: int | None) -> str:
-    if progress is None:
-        return f"did not say how far it is within {PROBE_S:g} s"
-    if progress < 0:
-        return "has not started its part (a call before it does not end)"
-    return "is meeting its group" if progress == 0 else f"has entered {progress - 1} collective(s)"
-
-
-def blame(late: int, progress: dict[int, int | None], timeout: float) -> list[tuple[int, str]]:
-    """The members of an overdue optimizer step to declare lost, each with why, from how far each says it is
-    (``Worker.progress``; None: no answer). The members that did not answer are stuck whole; otherwise those
-    that got least far, where the others got further: they wait in a collective the laggards never entered.
-    Where none stands out (all equally far), the one whose deadline passed first (``late``)."""
-    silent = sorted(d for d, p in progress.items() if p is None)
-    if silent:
-        return [(d, f"its optimizer step was overdue (device_timeout={timeout:g} s) and it did not say how far it "
-                    f"was within {PROBE_S:g} s") for d in silent]  # fmt: skip
-    low = min(p for p in progress.values() if p is not None)
-    behind = sorted(d for d, p in progress.items() if p == low)
-    if len(behind) < len(progress):
-        why = f"it {_told(low)}, while the other members of the optimizer step waited for it past device_timeout"
-        return [(d, f"{why}={timeout:g} s") for d in behind]
-    return [(late, f"no answer within device_timeout={timeout:g} s")]
 
 
 def ray_temp_dir() -> Path:
@@ -585,7 +560,7 @@ class RayDriver:
             except Exception:  # (its process died meanwhile: as good as no answer)
                 pass
         for d in members:
-            logger.warning("optimizer step overdue: device %d %s", d, _told(progress[d]))
+            logger.warning("optimizer step overdue: device %d %s", d, told(progress[d]))
         return blame(late, progress, self.timeout)
 
     def _dump_stacks(self, devices: list[int]) -> None:

@@ -3,7 +3,7 @@ told apart by how far each says it is, not the first whose deadline passed."""
 
 from __future__ import annotations
 
-from pivotrl.runtime.ray_driver import PROBE_S, blame
+from pivotrl.runtime.blame import PROBE_S, blame
 
 
 def test_a_member_whose_part_never_started_is_blamed_not_rank_zero():
