@@ -118,6 +118,9 @@ class DeviceActor:
         while True:
             time.sleep(3600)
 
+    def hang_in_next_step(self) -> None:
+        self.worker.hang_in_next_step()
+
     # -- called in the PROBE concurrency group (their own thread), beside the call in progress: what the
     # driver asks of the members of an overdue optimizer step --
     def progress(self) -> int:
@@ -125,9 +128,6 @@ class DeviceActor:
 
     def abandon(self, attempt: int) -> None:
         self.worker.abandon(attempt)
-
-    def hang_in_next_step(self) -> None:
-        self.worker.hang_in_next_step()
 
     def generate(self, cmd: Generate) -> None:
         self.worker.generate(cmd)
@@ -494,7 +494,8 @@ class RayDriver:
                     else:  # the member holding the others, not the first whose deadline passed (all wait for it)
                         stuck = self._stuck_members(device, list(step.refs.values()))
                     # every member writes its stacks: which one is stuck, and which wait for it
-                    self._dump_stacks([d for d, _ in stuck] + [d for d in step.refs.values() if d not in dict(stuck)])
+                    blamed = [d for d, _ in stuck]
+                    self._dump_stacks(blamed + [d for d in step.refs.values() if d not in blamed])
                 else:
                     stuck = [(device, f"no answer within device_timeout={self.timeout:g} s")]
                     self._dump_stacks([device])

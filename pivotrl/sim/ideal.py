@@ -272,7 +272,7 @@ def ideal_step(
     rest = sum(gpu_seconds.values()) - gpu_seconds["rollout_decode"]
     last, k_last, _ = ends[-1]
     after = max(judged_alone(last, k_last) + update - optimizer, groups_trained(last, k_last)) + optimizer
-    joint = joint_floor_s(spec, n, rollout_tokens, rest, after)
+    joint = joint_floor(spec, n, rollout_tokens, rest, after)
     return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint.seconds, group, after,
                      joint.rollout_s, joint.rollout_gpu_s)  # fmt: skip
 
@@ -348,7 +348,7 @@ class JointFloor:
     rollout_gpu_s: float
 
 
-def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: float, after_s: float) -> JointFloor:
+def joint_floor(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: float, after_s: float) -> JointFloor:
     """The shortest step any schedule of the rollout's instances allows, the tail and the work together
     (the module docstring's joint floor): the Lagrangian dual of choosing, at each decode step of the
     lock-step rollout, how many instances carry the responses still running. ``rest_gpu_s`` is the
@@ -388,16 +388,13 @@ def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: 
         fronts.append(front)
     prefill_s = costs.prefill(spec.policy, tp, min(b_max, -(-samples // d)) * p, p)
 
+    def picked(lam: float) -> list[tuple[float, float]]:
+        """Per run of decode steps, the (seconds, GPU-seconds) option that minimises the dual at ``lam``."""
+        return [min(front, key=lambda o: lam * o[0] + (1 - lam) * o[1] / gpus) for front in fronts]
+
     def dual(lam: float) -> float:
         total = lam * (prefill_s + after_s) + (1 - lam) * rest_gpu_s / gpus
-        for front in fronts:
-            total += min(lam * s + (1 - lam) * w / gpus for s, w in front)
-        return total
-
-    def trade(lam: float) -> tuple[float, float]:
-        """The rollout's time (prefill included) and decode GPU-seconds of the choice that minimises at ``lam``."""
-        picked = [min(front, key=lambda o: lam * o[0] + (1 - lam) * o[1] / gpus) for front in fronts]
-        return prefill_s + sum(s for s, _ in picked), sum(w for _, w in picked)
+        return total + sum(lam * s + (1 - lam) * w / gpus for s, w in picked(lam))
 
     lo, hi = 0.0, 1.0  # the dual is concave in lam: golden-section search for its peak
     a, c = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
@@ -412,4 +409,5 @@ def joint_floor_s(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: 
             a = hi - GOLDEN * (hi - lo)
             fa = dual(a)
     value, lam = max((fa, a), (fc, c), (dual(0.0), 0.0), (dual(1.0), 1.0))
-    return JointFloor(value, *trade(lam))
+    choice = picked(lam)  # the rollout it prices there: its time (prefill included) and decode GPU-seconds
+    return JointFloor(value, prefill_s + sum(s for s, _ in choice), sum(w for _, w in choice))
