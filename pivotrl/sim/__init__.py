@@ -8,7 +8,7 @@ continuous-batching engine, and ``synthetic``, stand-in texts) does, and
 ``config``).
 """
 
-from pivotrl.sim.costs import CostModel, DeployedCosts, RooflineCosts, StepTime, max_batch, steps_within
+from pivotrl.sim.costs import CostModel, DeployedCosts, RooflineCosts, ScaledCosts, StepTime, max_batch, steps_within
 from pivotrl.sim.hardware import GPU, GPUS
 from pivotrl.sim.measured import GenMeasure, MeasuredCosts, TrainMeasure
 from pivotrl.sim.models import MODELS, ModelSpec, get_model
@@ -26,6 +26,7 @@ __all__ = [
     "MeasuredCosts",
     "ModelSpec",
     "RooflineCosts",
+    "ScaledCosts",
     "SimWorkload",
     "StepTime",
     "TrainMeasure",

@@ -102,6 +102,10 @@ class SimConfig:
     # "paged": sequences share an instance's KV cache as they grow (vLLM, SGLang); "reserved": each holds
     # a slot of its longest context. Measured costs always have the fixed slots of the engine they measured
     kv_cache: str = "paged"
+    # what-ifs: role changes (shifts, phase switches) and sequence migrations at this share of their modeled
+    # cost (0: free, 1: as modeled); how much of a step they take is the difference
+    shift_scale: float = 1.0
+    migration_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
@@ -140,6 +144,10 @@ class SimConfig:
             raise ValueError(f"slice_s: expected a number > 0, got {self.slice_s!r}")
         if not (isinstance(self.react_s, float | int) and 0 <= self.react_s < math.inf):
             raise ValueError(f"react_s: expected a number >= 0, got {self.react_s!r}")
+        for name in ("shift_scale", "migration_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, float | int) and 0 <= value < math.inf):
+                raise ValueError(f"{name}: expected a number >= 0 (1: the modeled cost, 0: free), got {value!r}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache: expected one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
         if not isinstance(self.costs, str) or not self.costs:

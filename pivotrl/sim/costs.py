@@ -551,3 +551,56 @@ class DeployedCosts(RooflineCosts):
         """A rollout engine kept awake takes the next version by the same sync."""
         _check_tp(tp)
         return self.sync(model)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledCosts:
+    """``base`` with its role changes and its migrations scaled (``sim.shift_scale``, ``sim.migration_scale``): a
+    what-if, to see how much of a step they take. At 0 a device takes a new role, or a migrated sequence
+    resumes, at once; at 0.5 they cost half. Everything else is ``base``'s. The planner sees the scaled shifts
+    as it measures them; it still prices a migration at its re-prefill, so a what-if with free migrations
+    gains at least what it shows."""
+
+    base: CostModel
+    shift_scale: float = 1.0
+    migration_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check("shift_scale", self.shift_scale)
+        _check("migration_scale", self.migration_scale)
+
+    def shift(self, model: ModelSpec, src: Role | None, dst: Role, tp: int) -> float:
+        return self.shift_scale * self.base.shift(model, src, dst, tp)
+
+    def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
+        return self.migration_scale * self.base.migration(model, tp, tokens)
+
+    def decode_step(self, model: ModelSpec, tp: int, batch: int, mean_context: float) -> float:
+        return self.base.decode_step(model, tp, batch, mean_context)
+
+    def decode_span(self, model: ModelSpec, tp: int, batch: int, context: float, steps: int) -> float:
+        return self.base.decode_span(model, tp, batch, context, steps)
+
+    def span_of(self, model: ModelSpec, tp: int) -> Span:
+        return span_of(self.base, model, tp)
+
+    def prefill(self, model: ModelSpec, tp: int, tokens: int, seq_len: int | None = None) -> float:
+        return self.base.prefill(model, tp, tokens, seq_len)
+
+    def max_batch(self, model: ModelSpec, tp: int, context_len: int) -> int:
+        return self.base.max_batch(model, tp, context_len)
+
+    def kv_tokens(self, model: ModelSpec, tp: int) -> int | None:
+        return self.base.kv_tokens(model, tp)
+
+    def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
+        return self.base.train_tokens(model, tokens, n_gpus, seq_len)
+
+    def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
+        return self.base.optimizer_step(model, n_gpus)
+
+    def refresh(self, model: ModelSpec, tp: int) -> float:
+        return self.base.refresh(model, tp)
+
+    def spread(self, kind: str) -> float:
+        return self.base.spread(kind)

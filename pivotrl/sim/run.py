@@ -32,7 +32,7 @@ from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Problem
 from pivotrl.sim import synthetic
 from pivotrl.sim.config import SimConfig
-from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, DeployedCosts, RooflineCosts
+from pivotrl.sim.costs import OPTIMIZER_BYTES_PER_PARAM, CostModel, DeployedCosts, RooflineCosts, ScaledCosts
 from pivotrl.sim.driver import SimDriver, SimSpec
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.measured import MeasuredCosts
@@ -106,6 +106,8 @@ def build(cfg: JobConfig) -> Simulation:
     if isinstance(costs, MeasuredCosts):  # measured costs tell the roles apart by model name
         policy_model = dataclasses.replace(policy_model, name=costs.rollout.model)
         genrm_model = dataclasses.replace(genrm_model, name=costs.genrm.model)
+    if sim.shift_scale != 1 or sim.migration_scale != 1:
+        costs = ScaledCosts(costs, float(sim.shift_scale), float(sim.migration_scale))
     r, j = cfg.rollout, cfg.judge
     genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward)
     by_reward = sorted(genrm.rewards, key=lambda label: genrm.rewards[label])
@@ -317,7 +319,8 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
                       "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events,
                       "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions(),
                       "engine_gpus": {"rollout": spec.engine_tp[0] or spec.tp, "genrm": spec.engine_tp[1] or spec.tp},
-                      "elastic_engines": spec.elastic, "costs": job.sim.costs}  # fmt: skip
+                      "elastic_engines": spec.elastic, "costs": job.sim.costs,
+                      "shift_scale": job.sim.shift_scale, "migration_scale": job.sim.migration_scale}  # fmt: skip
     summary["sim_seconds"] = driver.clock()
     summary["sim"]["ideal"] = _bounds(job, spec, summary)
     title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
@@ -392,6 +395,16 @@ def _costs_text(costs: str) -> str:
     return f", costs measured in {Path(costs).name}"
 
 
+def _what_if_text(sim: dict[str, Any]) -> str:
+    """``, shifts free (a what-if)``: the costs scaled from the model's, if any."""
+    parts = []
+    for key, what in (("shift_scale", "shifts"), ("migration_scale", "migrations")):
+        scale = sim.get(key, 1)
+        if scale != 1:
+            parts.append(f"{what} free" if scale == 0 else f"{what} at {scale:g}x their cost")
+    return f", {' and '.join(parts)} (a what-if)" if parts else ""
+
+
 def format_sim(summary: dict[str, Any]) -> str:
     """The simulator's lines under the run summary: what was modeled, virtual and real time, and how
     far the run is from what any schedule could do."""
@@ -402,7 +415,7 @@ def format_sim(summary: dict[str, Any]) -> str:
         f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
         f"({summary['devices']} instances of {sim['instance_gpus']} GPU{_engines(sim)}), {sim['policy_model']} policy, "
         f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions)"
-        f"{_costs_text(sim.get('costs', 'roofline'))}; "
+        f"{_costs_text(sim.get('costs', 'roofline'))}{_what_if_text(sim)}; "
         f"{summary['wall_seconds']:.1f} s of wall time\n"
         f"ideal {ideal['samples_per_s']:.1f} samples/s; no schedule's step is shorter than "
         f"{ideal['floor_seconds']:.1f} s ({ideal['floor_samples_per_s']:.1f} samples/s): the steady steps "

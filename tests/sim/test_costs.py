@@ -3,7 +3,15 @@ import dataclasses
 import pytest
 
 from pivotrl.control.messages import Role
-from pivotrl.sim.costs import CostModel, DeployedCosts, RooflineCosts, max_batch, span_of, steps_within
+from pivotrl.sim.costs import (
+    CostModel,
+    DeployedCosts,
+    RooflineCosts,
+    ScaledCosts,
+    max_batch,
+    span_of,
+    steps_within,
+)
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.models import MODELS
 
@@ -236,3 +244,21 @@ def test_deployed_costs_check_their_numbers():
         DeployedCosts(GPUS["H100"], wake_bw=0.0)
     with pytest.raises(ValueError, match="gpus"):
         DeployedCosts(GPUS["H100"], gpus=-1)
+
+
+# -- what-ifs ---------------------------------------------------------------------------------
+
+
+def test_scaled_costs_scale_role_changes_and_migrations_and_nothing_else():
+    half = ScaledCosts(H100, shift_scale=0.5, migration_scale=0.0)
+    assert isinstance(half, CostModel)
+    assert half.shift(QWEN7, Role.ROLLOUT, Role.TRAIN, 4) == 0.5 * H100.shift(QWEN7, Role.ROLLOUT, Role.TRAIN, 4) > 0
+    assert half.migration(QWEN7, 4, 3000) == 0.0 < H100.migration(QWEN7, 4, 3000)
+    assert half.decode_step(QWEN7, 4, 64, 2048) == H100.decode_step(QWEN7, 4, 64, 2048)
+    assert span_of(half, QWEN7, 4)(64, 2048, 100) == H100.decode_span(QWEN7, 4, 64, 2048, 100)
+    assert half.prefill(QWEN7, 4, 4096, 512) == H100.prefill(QWEN7, 4, 4096, 512)
+    assert half.refresh(QWEN7, 4) == H100.refresh(QWEN7, 4)  # a new version into a running engine is no shift
+    assert half.optimizer_step(QWEN7, 8) == H100.optimizer_step(QWEN7, 8)
+    assert half.kv_tokens(QWEN7, 4) == H100.kv_tokens(QWEN7, 4)
+    with pytest.raises(ValueError, match="shift_scale: got -1, must be a finite number >= 0"):
+        ScaledCosts(H100, shift_scale=-1)

@@ -135,6 +135,8 @@ def test_measured_costs_drive_a_simulation(tmp_path):
         (["mode=disaggregated", "split=rollout:2,genrm:1,train:1"], "uses 4 devices, but devices=128"),
         (["sim.instance_gpus=4", "sim.rollout_engine_gpus=3"], "sim.rollout_engine_gpus: expected 0 (one engine"),
         (["sim.elastic_engines=3"], "sim.elastic_engines: expected true or false, got 3"),
+        (["sim.shift_scale=-1"], "sim.shift_scale: expected a number >= 0 (1: the modeled cost, 0: free), got -1"),
+        (["sim.migration_scale=inf"], "sim.migration_scale: expected a number >= 0 (1: the modeled cost, 0: free)"),
     ],
 )
 def test_a_bad_sim_setting_exits_2_with_one_line(args, message, capsys, tmp_path):
@@ -307,3 +309,20 @@ def test_the_deployed_colocated_baseline_pays_its_switches_and_moves_no_sequence
     assert all(d["shift_seconds"] > o["shift_seconds"] for d, o in zip(deployed, ours, strict=True))
     assert sum(d["migrations"] for d in deployed) == 0
     assert json.loads((tmp_path / "config.json").read_text())["sim"]["costs"] == "deployed"
+
+
+def test_free_shifts_and_migrations_are_a_what_if_that_costs_nothing_else(runs, tmp_path):
+    """``sim.shift_scale=0 sim.migration_scale=0``: every shift takes no time and the run says it is a what-if;
+    the samples are those of the run as modeled (placement never changes what is sampled)."""
+    summary = simulate(tmp_path, "mode=shiftable", "sim.shift_scale=0", "sim.migration_scale=0")
+    modeled = json.loads((runs["shiftable"] / "summary.json").read_text())
+    assert summary["shifts"] > 0 and modeled["shift_seconds"]["max"] > 0
+    assert summary["shift_seconds"] == {"mean": 0.0, "max": 0.0}
+    assert summary["sim"]["shift_scale"] == 0 and summary["sim"]["migration_scale"] == 0
+    assert "shifts free and migrations free (a what-if)" in format_sim(summary)
+    assert "what-if" not in format_sim(modeled)
+    free, as_modeled = rows(tmp_path / "samples.jsonl"), rows(runs["shiftable"] / "samples.jsonl")
+    key = [(r["step"], r["uid"], r["response_tokens"], r["reward"]) for r in as_modeled]
+    assert [(r["step"], r["uid"], r["response_tokens"], r["reward"]) for r in free] == key
+    half = simulate(tmp_path / "half", "mode=shiftable", "sim.shift_scale=0.5")
+    assert "shifts at 0.5x their cost (a what-if)" in format_sim(half)

@@ -1,0 +1,135 @@
+"""Where shiftable's gap to the step floor goes: role changes, migrations, and the schedule itself.
+
+For each of ``paper.py``'s model groups (128 simulated H100s, ``examples/sim128.yaml``), shiftable
+runs four times on the same seeds, each in its own process:
+
+    modeled          the costs as ``RooflineCosts`` models them
+    free shifts      every role change at no cost (``sim.shift_scale=0``)
+    free migrations  every migrated sequence resumed at no cost (``sim.migration_scale=0``)
+    both free        both
+
+The joint floor (``pivotrl.sim.ideal``) prices neither, so the steps of "both free" against it
+are what the schedule alone leaves, and the differences between the rows what role changes and
+migrations take. A what-if's planner measures the free shifts as it goes but still prices a
+migration at its re-prefill, so "free migrations" is what they take at least.
+
+Steady step = the mean of the steps after the first; ``--seeds`` repeats every run on more seeds
+(the table gives their mean, the JSON each). Instances of ``--tp`` GPUs, by default the size
+shiftable runs at in ``benchmarks/results/paper.json`` (4 where it has none).
+
+    python benchmarks/gap.py                        # six groups, one seed: ~6 min on 2 cores
+    python benchmarks/gap.py --groups dense-7b --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from common import machine, write_report
+from common import simulate as run_simulate
+from paper import EXAMPLE, GROUPS, RESULTS, ideal, job_overrides
+
+VARIANTS = {
+    "modeled": (),
+    "free shifts": ("sim.shift_scale=0",),
+    "free migrations": ("sim.migration_scale=0",),
+    "both free": ("sim.shift_scale=0", "sim.migration_scale=0"),
+}
+
+
+def steady_step(run_dir: Path) -> dict[str, float]:
+    """The mean step after the first, and the shift seconds and migrations of those steps."""
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    later = metrics[1:] or metrics
+    return {
+        "step_seconds": sum(m["step_seconds"] for m in later) / len(later),
+        "shift_seconds_per_step": sum(m["shift_seconds"] for m in later) / len(later),
+        "migrations_per_step": sum(m["migrations"] for m in later) / len(later),
+    }
+
+
+def one(overrides: list[str], timeout: float) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix="pivotrl-gap-"))
+    try:
+        wall, error = run_simulate(EXAMPLE, overrides, out, timeout)
+        return {"wall_s": wall, "error": error} if error else {"wall_s": wall, **steady_step(out)}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def paper_tps() -> dict[str, int]:
+    """The instance size shiftable runs at in the paper's report, per group (empty without one)."""
+    path = RESULTS / "paper.json"
+    if not path.is_file():
+        return {}
+    groups = json.loads(path.read_text()).get("groups", [])
+    return {g["name"]: g["modes"]["shiftable"]["instance_gpus"] for g in groups if "shiftable" in g.get("modes", {})}
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    ap.add_argument("--gpus", type=int, default=128)
+    ap.add_argument("--tp", type=int, default=0, help="GPUs per instance (0: shiftable's in paper.json, else 4)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at once")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="further overrides of every run")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gap.json")
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps: at least 2 (the first step is left out of the steady step)")
+    load, t0 = list(os.getloadavg()), time.perf_counter()
+    tps = paper_tps()
+    plan = []  # (group, variant, seed, overrides)
+    for name in args.groups:
+        tp = args.tp or tps.get(name, 4)
+        base = [*job_overrides(GROUPS[name], args.gpus, tp), "mode=shiftable", f"steps={args.steps}", *args.set]
+        for variant, extra in VARIANTS.items():
+            for seed in args.seeds:
+                plan.append((name, variant, seed, [*base, f"seed={seed}", *extra]))
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # (each run is its own process)
+        rows = list(pool.map(lambda p: one(p[3], args.timeout), plan))
+    groups: dict[str, dict[str, Any]] = {}
+    for (name, variant, seed, _), row in zip(plan, rows, strict=True):
+        g = groups.setdefault(name, {"name": name, "instance_gpus": tps.get(name, 4) if not args.tp else args.tp,
+                                     "variants": {}})  # fmt: skip
+        g["variants"].setdefault(variant, {})[str(seed)] = row
+    failed = [(n, v, s, r["error"]) for (n, v, s, _), r in zip(plan, rows, strict=True) if "error" in r]
+    header = f"{'group':16s} {'floor':>7s}" + "".join(f" {v:>17s}" for v in VARIANTS)
+    print(header)
+    for name, g in groups.items():
+        floor = ideal([*job_overrides(GROUPS[name], args.gpus, g["instance_gpus"]), *args.set]).floor_seconds
+        g["floor_seconds"] = floor
+        line = f"{name:16s} {floor:6.1f}s"
+        for variant in VARIANTS:
+            steps = [r["step_seconds"] for r in g["variants"][variant].values() if "step_seconds" in r]
+            g["variants"][variant]["mean_step_seconds"] = m = mean(steps)
+            g["variants"][variant]["floor_fraction"] = floor / m if steps else None
+            line += f" {m:7.1f}s ({100 * floor / m:3.0f}%)" if steps else f" {'failed':>17s}"
+        print(line)
+    print("(steady step seconds, and the floor's share of them: its throughput against the run's)")
+    for n, v, s, e in failed:
+        print(f"{n} {v} seed {s}: {e}", file=sys.stderr)
+    report = {"machine": machine(load), "gpus": args.gpus, "steps": args.steps, "seeds": args.seeds, "set": args.set,
+              "wall_s": time.perf_counter() - t0, "groups": list(groups.values())}  # fmt: skip
+    write_report(args.out, report)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
