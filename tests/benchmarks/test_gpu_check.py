@@ -111,3 +111,17 @@ def test_vllm_section_on_cpu() -> None:
     assert 0 <= r["greedy_agreement_v0"] <= 1 and 0 <= r["greedy_agreement_v1"] <= 1
     assert r["build_in_train_group"] and r["after_wake_equal"]
     print(gpu_check.headline("vllm", {"result": r}))
+
+
+def test_sections_whose_packages_are_missing_are_named_not_failed(monkeypatch) -> None:
+    """A GPU machine's own python3 (``make gpu-check-system``) may hold a CUDA torch but no Ray or vLLM:
+    the sections that need them are skipped with the reason, the others run."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    missing = "Ray is not installed (make install adds it)"
+    assert gpu_check.cannot_run("job") == gpu_check.cannot_run("gps_load_ray") == missing
+    assert all(gpu_check.cannot_run(name) is None for name in ("parity", "gps_load", "shifts", "engine", "fsdp"))
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert gpu_check.cannot_run("job") is None  # Ray is installed here
