@@ -17,7 +17,7 @@ Steady step = the mean of the steps after the first; ``--seeds`` repeats every r
 (the table gives their mean, the JSON each). Instances of ``--tp`` GPUs, by default the size
 shiftable runs at in ``benchmarks/results/paper.json`` (4 where it has none).
 
-    python benchmarks/gap.py                        # six groups, one seed: ~6 min on 2 cores
+    python benchmarks/gap.py                        # six groups, one seed: ~3.5 min on 2 cores (three: ~10)
     python benchmarks/gap.py --groups dense-7b --seeds 0 1 2
 """
 
