@@ -43,7 +43,8 @@ gpu-check: install
 	$(PY) benchmarks/gpu_check.py
 
 # The same on a GPU machine that cannot install packages (offline) but whose python3 holds a CUDA build of
-# torch: no venv, this checkout on the path. Sections whose packages are missing (Ray, vLLM) say so and are skipped.
+# torch: no venv, this checkout on the path. Without Ray the job runs one device in process; sections whose
+# packages are missing (Ray's object store, vLLM) say so and are skipped.
 gpu-check-system:
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" python3 benchmarks/gpu_check.py
 

@@ -27,6 +27,8 @@ e. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    device=cuda gpus_per_device=0.25`` in a subprocess, four device actors
    sharing the GPU; with tiny random checkpoints and a small job when the
    bundled models are not built (``make prepare``), which the output says.
+   Where Ray is not installed, one device in the training process instead
+   (``devices=1 mode=colocated``): the whole job on the GPU, no actors.
 f. ``fsdp``: the FSDP2 trainer on one GPU (see :func:`fsdp_check`).
 g. ``vllm``: the vLLM backend on the GPU (see :func:`vllm_backend`): tokens/s
    beside the native engine on the engine section's requests, greedy
@@ -614,12 +616,16 @@ def _tiny_checkpoints(root: Path) -> dict[str, Path]:
     return paths
 
 
-def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10) -> dict[str, Any]:
-    """``pivotrl train`` in a subprocess: four device actors on one GPU, shiftable mode."""
+def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: bool | None = None) -> dict[str, Any]:
+    """``pivotrl train`` in a subprocess: four device actors on one GPU, shiftable mode; without Ray (``ray``
+    None: whether it is installed), one device in the training process, colocated."""
+    import importlib.util
+
+    ray = importlib.util.find_spec("ray") is not None if ray is None else ray
     bundled = all((ROOT / "models" / m / "config.json").is_file() for m in ("policy", "judge"))
-    overrides = [f"steps={steps}", "devices=4", "mode=shiftable"]
+    overrides = [f"steps={steps}", *(("devices=4", "mode=shiftable") if ray else ("devices=1", "mode=colocated"))]
     if device.startswith("cuda"):
-        overrides += ["device=cuda", "gpus_per_device=0.25"]
+        overrides += ["device=cuda", "gpus_per_device=0.25"] if ray else ["device=cuda"]
     if bundled:
         models = "bundled (models/policy, models/judge)"
     else:
@@ -637,7 +643,8 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10) -> di
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     seconds = time.perf_counter() - t0
-    result: dict[str, Any] = {"models": models, "command": "pivotrl " + " ".join(cmd[3:]), "seconds": sig(seconds)}
+    result: dict[str, Any] = {"models": models, "command": "pivotrl " + " ".join(cmd[3:]), "seconds": sig(seconds),
+                              "devices": 4 if ray else 1, "ray": ray}  # fmt: skip
     result["returncode"] = proc.returncode
     if proc.returncode != 0:
         result["stderr_tail"] = proc.stderr[-2000:]
@@ -786,7 +793,9 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s"
         )
     if name == "job":
-        return f"{r.get('steps')} steps in {r['seconds']} s, {r.get('samples_per_s')} samples/s; models: {r['models']}"
+        where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
+        return (f"{r.get('steps')} steps on {where} in {r['seconds']} s, {r.get('samples_per_s')} samples/s; "
+                f"models: {r['models']}")  # fmt: skip
     return json.dumps(r)[:200]
 
 
@@ -813,7 +822,7 @@ def machine() -> dict[str, Any]:
 
 
 SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "vllm", "job")
-NEEDS_RAY = ("gps_load_ray", "job")  # sections that start Ray: the others run on a python3 without it
+NEEDS_RAY = ("gps_load_ray",)  # sections that need Ray (the job runs one device in process without it)
 
 
 def cannot_run(name: str) -> str | None:

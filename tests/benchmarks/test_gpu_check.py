@@ -120,8 +120,15 @@ def test_sections_whose_packages_are_missing_are_named_not_failed(monkeypatch) -
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
-    missing = "Ray is not installed (make install adds it)"
-    assert gpu_check.cannot_run("job") == gpu_check.cannot_run("gps_load_ray") == missing
-    assert all(gpu_check.cannot_run(name) is None for name in ("parity", "gps_load", "shifts", "engine", "fsdp"))
+    assert gpu_check.cannot_run("gps_load_ray") == "Ray is not installed (make install adds it)"
+    assert all(gpu_check.cannot_run(n) is None for n in ("parity", "gps_load", "shifts", "engine", "fsdp", "job"))
     monkeypatch.setattr(importlib.util, "find_spec", real)
-    assert gpu_check.cannot_run("job") is None  # Ray is installed here
+    assert gpu_check.cannot_run("gps_load_ray") is None  # Ray is installed here
+
+
+def test_without_ray_the_job_runs_one_device_in_process(tmp_path) -> None:
+    """The job section on a python3 without Ray: the whole job on one device in the training process."""
+    r = gpu_check.job("cpu", tmp_path, timeout_s=240, steps=2, ray=False)
+    assert r["pass"], r.get("stderr_tail")
+    assert r["steps"] == 2 and r["devices"] == 1 and "devices=1" in r["command"] and "mode=colocated" in r["command"]
+    assert "1 device in process (no Ray)" in gpu_check.headline("job", {"result": r})
