@@ -822,21 +822,26 @@ def machine() -> dict[str, Any]:
 
 
 SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "vllm", "job")
-NEEDS_RAY = ("gps_load_ray",)  # sections that need Ray (the job runs one device in process without it)
+# packages a section needs beyond torch, transformers and the rest every section imports (the job runs one
+# device in process without Ray; the device actors' runtime and the run files it writes need orjson)
+NEEDS = {"gps_load_ray": ("ray", "orjson"), "shifts": ("orjson",), "job": ("orjson",)}
+PACKAGES = {"ray": "Ray", "orjson": "orjson"}
 
 
 def cannot_run(name: str) -> str | None:
     """Why section ``name`` cannot run with this interpreter's packages (None: it can): a GPU machine whose
-    python3 holds a CUDA build of torch but cannot install more (``make gpu-check-system``) may lack Ray or vLLM."""
+    python3 holds a CUDA build of torch but cannot install more (``make gpu-check-system``) may lack Ray, vLLM
+    or orjson."""
     import importlib.util
 
     from pivotrl.engine.vllm_engine import available as vllm_available
 
     if name == "vllm" and not vllm_available():
         return "vLLM is not installed (make install adds it)"
-    if name in NEEDS_RAY and importlib.util.find_spec("ray") is None:
-        return "Ray is not installed (make install adds it)"
-    return None
+    missing = [PACKAGES[m] for m in NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed (make install adds it)"
 
 
 ESTIMATE_S = {

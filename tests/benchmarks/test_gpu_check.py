@@ -122,6 +122,16 @@ def test_sections_whose_packages_are_missing_are_named_not_failed(monkeypatch) -
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     assert gpu_check.cannot_run("gps_load_ray") == "Ray is not installed (make install adds it)"
     assert all(gpu_check.cannot_run(n) is None for n in ("parity", "gps_load", "shifts", "engine", "fsdp", "job"))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("ray", "orjson") else real(name, *a)
+    )
+    assert gpu_check.cannot_run("gps_load_ray") == "Ray and orjson are not installed (make install adds it)"
+    assert (
+        gpu_check.cannot_run("shifts")
+        == gpu_check.cannot_run("job")
+        == "orjson is not installed (make install adds it)"
+    )
+    assert all(gpu_check.cannot_run(n) is None for n in ("parity", "gps_load", "engine", "fsdp"))
     monkeypatch.setattr(importlib.util, "find_spec", real)
     assert gpu_check.cannot_run("gps_load_ray") is None  # Ray is installed here
 
