@@ -102,8 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         for variant, extra in VARIANTS.items():
             for seed in args.seeds:
                 plan.append((name, variant, seed, [*base, f"seed={seed}", *extra]))
+    done = [0]
+
+    def run(item: tuple[str, str, int, list[str]]) -> dict[str, Any]:
+        row = one(item[3], args.timeout)
+        done[0] += 1  # (the pool's threads only add: a lost count would only misprint the progress)
+        what = f"{row['step_seconds']:.1f} s a step" if "step_seconds" in row else row["error"]
+        print(f"gap: {done[0]}/{len(plan)} {item[0]}, {item[1]}, seed {item[2]}: {what} ({row['wall_s']:.0f} s)",
+              flush=True)  # fmt: skip
+        return row
+
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # (each run is its own process)
-        rows = list(pool.map(lambda p: one(p[3], args.timeout), plan))
+        rows = list(pool.map(run, plan))
     groups: dict[str, dict[str, Any]] = {}
     for (name, variant, seed, _), row in zip(plan, rows, strict=True):
         g = groups.setdefault(name, {"name": name, "instance_gpus": tps.get(name, 4) if not args.tp else args.tp,
