@@ -26,17 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from common import machine, write_report
-from common import simulate as run_simulate
-from paper import EXAMPLE, GROUPS, RESULTS, ideal, job_overrides
+from paper import GROUPS, RESULTS, ideal, job_overrides, simulate
 
 VARIANTS = {
     "modeled": (),
@@ -46,26 +43,6 @@ VARIANTS = {
 }
 
 
-def steady_step(run_dir: Path) -> dict[str, float]:
-    """The mean step after the first, and the shift seconds and migrations of those steps."""
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    later = metrics[1:] or metrics
-    return {
-        "step_seconds": sum(m["step_seconds"] for m in later) / len(later),
-        "shift_seconds_per_step": sum(m["shift_seconds"] for m in later) / len(later),
-        "migrations_per_step": sum(m["migrations"] for m in later) / len(later),
-    }
-
-
-def one(overrides: list[str], timeout: float) -> dict[str, Any]:
-    out = Path(tempfile.mkdtemp(prefix="pivotrl-gap-"))
-    try:
-        wall, error = run_simulate(EXAMPLE, overrides, out, timeout)
-        return {"wall_s": wall, "error": error} if error else {"wall_s": wall, **steady_step(out)}
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-
-
 def paper_tps() -> dict[str, int]:
     """The instance size shiftable runs at in the paper's report, per group (empty without one)."""
     path = RESULTS / "paper.json"
@@ -73,10 +50,6 @@ def paper_tps() -> dict[str, int]:
         return {}
     groups = json.loads(path.read_text()).get("groups", [])
     return {g["name"]: g["modes"]["shiftable"]["instance_gpus"] for g in groups if "shiftable" in g.get("modes", {})}
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,17 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps: at least 2 (the first step is left out of the steady step)")
     load, t0 = list(os.getloadavg()), time.perf_counter()
     tps = paper_tps()
+    tp = {name: args.tp or tps.get(name, 4) for name in args.groups}
     plan = []  # (group, variant, seed, overrides)
     for name in args.groups:
-        tp = args.tp or tps.get(name, 4)
-        base = [*job_overrides(GROUPS[name], args.gpus, tp), "mode=shiftable", f"steps={args.steps}", *args.set]
+        base = [*job_overrides(GROUPS[name], args.gpus, tp[name]), "mode=shiftable", f"steps={args.steps}", *args.set]
         for variant, extra in VARIANTS.items():
             for seed in args.seeds:
                 plan.append((name, variant, seed, [*base, f"seed={seed}", *extra]))
     done = [0]
 
     def run(item: tuple[str, str, int, list[str]]) -> dict[str, Any]:
-        row = one(item[3], args.timeout)
+        row = simulate(item[3], args.timeout)  # (paper.py's: its own process, the steady numbers or the error)
         done[0] += 1  # (the pool's threads only add: a lost count would only misprint the progress)
         what = f"{row['step_seconds']:.1f} s a step" if "step_seconds" in row else row["error"]
         print(f"gap: {done[0]}/{len(plan)} {item[0]}, {item[1]}, seed {item[2]}: {what} ({row['wall_s']:.0f} s)",
@@ -114,11 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # (each run is its own process)
         rows = list(pool.map(run, plan))
-    groups: dict[str, dict[str, Any]] = {}
+    groups = {name: {"name": name, "instance_gpus": tp[name], "variants": {v: {"runs": {}} for v in VARIANTS}}
+              for name in args.groups}  # fmt: skip
     for (name, variant, seed, _), row in zip(plan, rows, strict=True):
-        g = groups.setdefault(name, {"name": name, "instance_gpus": tps.get(name, 4) if not args.tp else args.tp,
-                                     "variants": {}})  # fmt: skip
-        g["variants"].setdefault(variant, {})[str(seed)] = row
+        groups[name]["variants"][variant]["runs"][str(seed)] = row
     failed = [(n, v, s, r["error"]) for (n, v, s, _), r in zip(plan, rows, strict=True) if "error" in r]
     header = f"{'group':16s} {'floor':>7s}" + "".join(f" {v:>17s}" for v in VARIANTS)
     print(header)
@@ -126,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         floor = ideal([*job_overrides(GROUPS[name], args.gpus, g["instance_gpus"]), *args.set]).floor_seconds
         g["floor_seconds"] = floor
         line = f"{name:16s} {floor:6.1f}s"
-        for variant in VARIANTS:
-            steps = [r["step_seconds"] for r in g["variants"][variant].values() if "step_seconds" in r]
-            g["variants"][variant]["mean_step_seconds"] = m = mean(steps)
-            g["variants"][variant]["floor_fraction"] = floor / m if steps else None
-            line += f" {m:7.1f}s ({100 * floor / m:3.0f}%)" if steps else f" {'failed':>17s}"
+        for v in g["variants"].values():
+            steps = [r["step_seconds"] for r in v["runs"].values() if "step_seconds" in r]
+            v["mean_step_seconds"] = m = sum(steps) / len(steps) if steps else None
+            v["floor_fraction"] = floor / m if m else None
+            line += f" {m:7.1f}s ({100 * floor / m:3.0f}%)" if m else f" {'failed':>17s}"
         print(line)
     print("(steady step seconds, and the floor's share of them: its throughput against the run's)")
     for n, v, s, e in failed:
