@@ -557,9 +557,10 @@ class DeployedCosts(RooflineCosts):
 class ScaledCosts:
     """``base`` with its role changes and its migrations scaled (``sim.shift_scale``, ``sim.migration_scale``): a
     what-if, to see how much of a step they take. At 0 a device takes a new role, or a migrated sequence
-    resumes, at once; at 0.5 they cost half. Everything else is ``base``'s. The planner sees the scaled shifts
-    as it measures them; it still prices a migration at its re-prefill, so a what-if with free migrations
-    gains at least what it shows."""
+    resumes, at once; at 0.5 they cost half. Everything else is ``base``'s. The planner learns the scaled
+    shifts as it measures them (free ones it does not measure, and keeps its prior of a few hundredths of a
+    second); it still prices a migration at its re-prefill, so a what-if with free migrations gains at least
+    what it shows."""
 
     base: CostModel
     shift_scale: float = 1.0
