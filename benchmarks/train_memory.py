@@ -1,4 +1,4 @@
-"""Peak memory per train device of the sharded (FSDP2) trainer, at 1, 2 and 4 train devices, on CPU.
+"""Peak memory per train device of the sharded trainers (FSDP2, ZeRO-1), at 1, 2 and 4 train devices, on CPU.
 
 Each world size runs in fresh processes (gloo on loopback), one per device:
 a ~100M-parameter Qwen2-shaped policy, fp32 master weights and AdamW state,
@@ -15,10 +15,17 @@ per-thread arenas (gloo's threads each have one), which measured here as
 ~1 GB of high-water mark that no tensor holds, at every world size. On a GPU
 the CUDA caching allocator manages device memory and this does not apply.
 
+The ZeRO-1 trainer (``train.backend=zero``) is measured the same way: each
+rank backpropagates its share alone first (as it would while the rollout
+runs), then meets the others for the step. It holds the compute-dtype weights
+and an fp32 gradient sum whole, and 1/W of the master weights and AdamW
+state: in fp32 compute, as here, 8 + 12/W bytes a parameter against FSDP2's
+16/W; with bf16 compute on a GPU, 6 + 12/W.
+
 It also prints the same accounting for Qwen2.5-7B on 8 x 80 GB as
 arithmetic (nothing of that size runs here).
 
-    python benchmarks/train_memory.py [--worlds 1 2 4] [--out benchmarks/results/train_memory.json]
+    python benchmarks/train_memory.py [--worlds 1 2 4] [--backends fsdp zero] [--out ...train_memory.json]
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pivotrl.model import ModelConfig  # noqa: E402
+from pivotrl.model import Decoder, ModelConfig  # noqa: E402
 from pivotrl.runtime.dist_train import TrainGroup  # noqa: E402
 from pivotrl.runtime.sharded import ShardedTrainer  # noqa: E402
+from pivotrl.runtime.zero import ZeroTrainer  # noqa: E402
 from pivotrl.sample import Sample  # noqa: E402
 from pivotrl.train.config import TrainConfig  # noqa: E402
 
@@ -78,32 +86,42 @@ def batch(vocab: int) -> tuple[list[Sample], list[float]]:
     return samples, [1.0, -1.0] * (SAMPLES // 2)
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
     torch.set_num_threads(1)
     group = TrainGroup.join(rank, world, master_port=port, device="cpu", process_group=True)
     cfg = TrainConfig(micro_batch=2, micro_batch_tokens=512, activation_checkpointing=True)
     config = model_config()
     samples, adv = batch(config.vocab_size)
-    before = peak_rss()
-    trainer = ShardedTrainer(group, config, cfg, 1.0, 0)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.to_local().normal_(0.0, 0.02)
     mine = [i for i in range(SAMPLES) if i % world == rank]
-    trainer.add([samples[i] for i in mine], [adv[i] for i in mine])
-    start = time.perf_counter()
-    trainer.step()
+    before = peak_rss()
+    if backend == "fsdp":
+        trainer = ShardedTrainer(group, config, cfg, 1.0, 0)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.to_local().normal_(0.0, 0.02)
+        trainer.add([samples[i] for i in mine], [adv[i] for i in mine])
+        start = time.perf_counter()
+        trainer.step()
+        local = sum(p.to_local().numel() for p in trainer.model.parameters())
+        state = {"param_bytes": local * 4, "grad_bytes": local * 4, "optimizer_bytes": local * 8}
+    else:
+        model = Decoder.empty(config, "cpu", torch.float32)
+        model.checkpoint_layers = True
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        trainer = ZeroTrainer(model, cfg, 1.0, 0)
+        start = time.perf_counter()
+        trainer.accumulate([samples[i] for i in mine], [adv[i] for i in mine])  # alone, before the group meets
+        trainer.bind(group)
+        trainer.load_weights(None)
+        trainer.step()
+        whole = trainer.numel
+        local = trainer.master.numel()
+        state = {"param_bytes": whole * 4 + local * 4, "grad_bytes": whole * 4, "optimizer_bytes": local * 8}
     seconds = time.perf_counter() - start
     peak = peak_rss() - before
-    local = sum(p.to_local().numel() for p in trainer.model.parameters())
-    row = {
-        "rank": rank,
-        "peak_bytes": peak,
-        "param_bytes": local * 4,
-        "grad_bytes": local * 4,
-        "optimizer_bytes": local * 8,
-        "step_seconds": seconds,
-    }
+    row = {"rank": rank, "peak_bytes": peak, **state, "step_seconds": seconds}
     Path(out, f"{world}.{rank}.json").write_text(json.dumps(row))
     group.leave()
 
@@ -114,9 +132,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int) -> dict:
+def measure(world: int, backend: str = "fsdp") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(world, free_port(), tmp), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, free_port(), tmp, backend), nprocs=world, join=True)
         rows = [json.loads(Path(tmp, f"{world}.{r}.json").read_text()) for r in range(world)]
     worst = max(rows, key=lambda r: r["peak_bytes"])
     state = worst["param_bytes"] + worst["grad_bytes"] + worst["optimizer_bytes"]
@@ -148,18 +166,46 @@ def qwen7b_arithmetic(world: int = 8, gpu_gb: float = 80.0) -> dict:
     }
     total = sum(shard.values()) + sum(gathered.values()) + sum(acts.values())
     replicated = params * 16 + sum(acts.values())
+    zero = {
+        "bf16 weights (whole)": params * 2,
+        "fp32 gradient sum (whole)": params * 4,
+        "fp32 master weights and AdamW moments (1/W)": per * 12,
+    }
     return {
         "world_size": world,
         "gpu_bytes": gpu_gb * 1e9,
         "per_device": {**shard, **gathered, **acts},
         "total_per_device": total,
         "replicated_total_per_device": replicated,
+        "zero_per_device": {**zero, **acts},
+        "zero_total_per_device": sum(zero.values()) + sum(acts.values()),
+    }
+
+
+def _table(rows: list[dict]) -> None:
+    base = rows[0]["peak_bytes_per_device"]
+    print(f"{'devices':>8} {'peak MB':>9} {'state MB':>9} {'rest MB':>8} {'vs 1':>6} {'step s':>7}")
+    for r in rows:
+        peak, state, rest = (r[k] / 1e6 for k in ("peak_bytes_per_device", "state_bytes_per_device",
+                                                   "activations_and_slack_bytes"))  # fmt: skip
+        ratio = r["peak_bytes_per_device"] / base
+        print(f"{r['world_size']:>8} {peak:>9.0f} {state:>9.0f} {rest:>8.0f} {ratio:>6.2f} {r['step_seconds']:>7.1f}")
+
+
+def _series(rows: list[dict]) -> dict:
+    base = rows[0]["peak_bytes_per_device"]
+    return {
+        "world_sizes": [r["world_size"] for r in rows],
+        "peak_bytes_per_device": [r["peak_bytes_per_device"] for r in rows],
+        "ratio_vs_one_device": [r["peak_bytes_per_device"] / base for r in rows],
+        "runs": rows,
     }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--backends", nargs="+", choices=("fsdp", "zero"), default=["fsdp", "zero"])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train_memory.json"))
     args = p.parse_args()
     params = sum(
@@ -170,32 +216,30 @@ def main() -> int:
             768,
         )
     )
-    print(f"train memory per device, {params / 1e6:.0f}M-parameter Qwen2-shaped policy, FSDP2 on CPU (gloo), "
-          "fp32 master weights and AdamW, activation checkpointing")  # fmt: skip
-    rows = [measure(w) for w in args.worlds]
-    base = rows[0]["peak_bytes_per_device"]
-    print(f"{'devices':>8} {'peak MB':>9} {'state MB':>9} {'rest MB':>8} {'vs 1':>6} {'step s':>7}")
-    for r in rows:
-        peak, state, rest = (r[k] / 1e6 for k in ("peak_bytes_per_device", "state_bytes_per_device",
-                                                   "activations_and_slack_bytes"))  # fmt: skip
-        ratio = r["peak_bytes_per_device"] / base
-        print(f"{r['world_size']:>8} {peak:>9.0f} {state:>9.0f} {rest:>8.0f} {ratio:>6.2f} {r['step_seconds']:>7.1f}")
+    result: dict = {"where": "CPU, gloo, one process per device", "parameters": params}
+    for backend in args.backends:
+        name = {"fsdp": "FSDP2", "zero": "ZeRO-1 (train.backend=zero)"}[backend]
+        print(f"train memory per device, {params / 1e6:.0f}M-parameter Qwen2-shaped policy, {name} on CPU (gloo), "
+              "fp32 compute, master weights and AdamW, activation checkpointing")  # fmt: skip
+        rows = [measure(w, backend) for w in args.worlds]
+        _table(rows)
+        print()
+        if backend == "fsdp":  # the top-level series: FSDP2's
+            result |= _series(rows)
+        else:
+            result["zero"] = _series(rows)
     q = qwen7b_arithmetic()
-    print("\nQwen2.5-7B on 8 x 80 GB, FSDP2, bf16 compute (arithmetic, not measured):")
+    print("Qwen2.5-7B on 8 x 80 GB, FSDP2, bf16 compute (arithmetic, not measured):")
     for k, v in q["per_device"].items():
         print(f"  {k:<52} {v / 1e9:6.1f} GB")
     replica = q["replicated_total_per_device"] / 1e9
     print(f"  {'total per device':<52} {q['total_per_device'] / 1e9:6.1f} GB of 80 GB "
           f"(a replica of fp32 weights, gradients and AdamW state: {replica:.0f} GB)")  # fmt: skip
-    result = {
-        "where": "CPU, gloo, one process per device",
-        "parameters": params,
-        "world_sizes": [r["world_size"] for r in rows],
-        "peak_bytes_per_device": [r["peak_bytes_per_device"] for r in rows],
-        "ratio_vs_one_device": [r["peak_bytes_per_device"] / base for r in rows],
-        "runs": rows,
-        "qwen2_5_7b_arithmetic": q,
-    }
+    print("\nthe same, ZeRO-1 (backward as groups come, alone):")
+    for k, v in q["zero_per_device"].items():
+        print(f"  {k:<52} {v / 1e9:6.1f} GB")
+    print(f"  {'total per device':<52} {q['zero_total_per_device'] / 1e9:6.1f} GB of 80 GB")
+    result["qwen2_5_7b_arithmetic"] = q
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwritten to {args.out}")

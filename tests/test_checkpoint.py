@@ -128,11 +128,12 @@ def test_resume_after_the_driver_is_killed(uninterrupted, tmp_path, tiny_checkpo
     assert again.returncode == 2 and "nothing to resume" in again.stderr and "Traceback" not in again.stderr
 
 
-def test_a_sharded_trainer_resumes_from_its_shards(tiny_checkpoints, tmp_path, ray_cluster):
-    """FSDP over Ray devices: each rank's shard of the AdamW state goes into the checkpoint (as the group
-    that stepped wrote it) and the resumed group of the same size reads it back: the same run."""
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+def test_a_sharded_trainer_resumes_from_its_shards(backend, tiny_checkpoints, tmp_path, ray_cluster):
+    """FSDP (or ZeRO-1) over Ray devices: each rank's shard of the AdamW state goes into the checkpoint (as the
+    group that stepped wrote it) and the resumed group of the same size reads it back: the same run."""
     extra = ("steps=4", "checkpoint.every=2", "eval.every=2", "mode=colocated", "devices=2", "rollout.max_batch=4",
-             "train.backend=fsdp")  # fmt: skip
+             f"train.backend={backend}")  # fmt: skip
     whole = tmp_path / "whole"
     run_job(small_job(tiny_checkpoints, *extra), whole, progress=False)
     state = ckpt.latest(whole).state

@@ -21,6 +21,10 @@ CONFIG = str(ROOT / "examples/default.yaml")
         (["missing.yaml"], "config file 'missing.yaml' not found"),
         ([CONFIG, "policy.path=/nonexistent/policy"], "policy.path: checkpoint directory '/nonexistent/policy'"),
         ([CONFIG, "task.train_file=/nonexistent.jsonl"], "task.train_file: '/nonexistent.jsonl' not found"),
+        (
+            [CONFIG, "train.backend=zero", "train.precision=fp32", "policy.rollout_dtype=bfloat16"],
+            "train.backend=zero computes in fp32 from the weights the rollout runs (bfloat16)",
+        ),
     ],
 )
 def test_user_mistakes_exit_2_with_one_clear_line(args, message, capsys, tmp_path):

@@ -265,6 +265,11 @@ class TrainContext:
       group, known at the step. Groups are buffered (``pending``) and the
       worker builds :class:`~pivotrl.runtime.sharded.ShardedTrainer` over the
       step's group (``sharded``), which then lives as long as this context.
+    * zero: the weights in the compute dtype (from the version rollout ran)
+      and an fp32 gradient sum, built here; groups are backpropagated as they
+      arrive. :class:`~pivotrl.runtime.zero.ZeroTrainer` (``sharded``) takes
+      its range of the master weights and AdamW state at the step, once the
+      group is known.
     """
 
     def __init__(
@@ -285,22 +290,36 @@ class TrainContext:
         self.trainer: Any = None  # ElasticTrainer (replicated)
         if self.backend == "fsdp":
             return
-        self.model, self.tokenizer = build_model(snap, device, torch.float32)
-        self.model.checkpoint_layers = cfg.activation_checkpointing
-        self.nbytes = snap.nbytes
-        for p in self.model.parameters():
-            p.requires_grad_(True)
-        ref = None
-        if cfg.kl_coef > 0:
-            ref_snap = store.fetch(REFERENCE, 0)
-            ref, _ = build_model(ref_snap, device, torch.float32)
-            ref.requires_grad_(False)
-            self.nbytes += ref_snap.nbytes
+        if self.backend == "zero":
+            from pivotrl.runtime.zero import ZeroTrainer, check_dtypes
+
+            check_dtypes(self.compute, DTYPES[spec.rollout_dtype])
+            model, ref = self._models(snap, store, device, self.compute)
+            self.sharded = ZeroTrainer(model, cfg, temperature, version, ref)
+            return
+        self.model, ref = self._models(snap, store, device, torch.float32)
+        self.tokenizer = _tokenizer(self.meta)
         self.trainer = ElasticTrainer(GRPOTrainer(self.model, cfg, temperature, ref, self.compute), version=version)
         if version in store.versions(POLICY, Kind.OPTIMIZER):  # none before the first update
             self.nbytes += self.trainer.import_state(store, POLICY, version, weights=False)
 
+    def _models(
+        self, snap: Snapshot, store: ParameterStore, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Decoder, Decoder | None]:
+        """The policy to train in ``dtype``, and the frozen reference policy where the loss has a KL term."""
+        model, _ = build_model(snap, device, dtype)
+        model.checkpoint_layers = self.cfg.activation_checkpointing
+        model.requires_grad_(True)
+        self.nbytes += snap.nbytes
+        ref = None
+        if self.cfg.kl_coef > 0:
+            ref_snap = store.fetch(REFERENCE, 0)
+            ref, _ = build_model(ref_snap, device, dtype)
+            ref.requires_grad_(False)
+            self.nbytes += ref_snap.nbytes
+        return model, ref
+
     def release(self) -> None:
         self.trainer = self.sharded = self.pending = None
-        if self.backend != "fsdp":
+        if self.backend == "replicated":
             del self.model

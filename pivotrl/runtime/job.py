@@ -75,6 +75,14 @@ def context_spec(
     response re-tokenized by its own tokenizer: twice the policy's token limit is its budget.
     Prompts are measured as the models read them, in their chat templates (``*_chat``) if any.
     Smaller caches make every shift into a generation role cheaper (they are allocated then)."""
+    rollout_dtype = cfg.policy.resolved_rollout_dtype(device)
+    if cfg.train.resolved_backend(device) == "zero" and cfg.train.resolved_precision(device) == "fp32" != (
+        "fp32" if rollout_dtype == "float32" else rollout_dtype
+    ):
+        raise UserError(
+            f"train.backend=zero computes in fp32 from the weights the rollout runs ({rollout_dtype}), which would "
+            "round them: set train.precision=bf16, or policy.rollout_dtype=float32"
+        )
     if problems:
         template = cfg.task.prompt_template
         policy = [template.format(question=p.question) for p in problems]
@@ -87,7 +95,7 @@ def context_spec(
     return ContextSpec(
         device=device,
         policy_dtype=cfg.policy.dtype,
-        rollout_dtype=cfg.policy.resolved_rollout_dtype(device),
+        rollout_dtype=rollout_dtype,
         judge_dtype=cfg.judge.dtype,
         max_batch=cfg.rollout.max_batch,
         max_len=prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens),
@@ -305,7 +313,7 @@ def _run_once(
         genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        sharded = cfg.train.resolved_backend(kind if in_process else driver.kind) == "fsdp"
+        sharded = cfg.train.resolved_backend(kind if in_process else driver.kind) in ("fsdp", "zero")
         loop = replace(loop_spec(cfg), sharded_train=sharded, chat=policy_chat)
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
         ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary

@@ -78,6 +78,18 @@ def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
+def free_shards(store: ParameterStore, model_name: str, imported: tuple[int, int] | None) -> None:
+    """Drop the GPS shards of ``imported`` (version, world size) of a sharded train state, those still there."""
+    if imported is None:
+        return
+    version, world_size = imported
+    for r in range(world_size):
+        try:
+            store.free(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER)
+        except VersionError:
+            pass
+
+
 def balance(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     """Indices of ``lengths`` dealt to ``world_size`` ranks, longest first to the least loaded (ties: lowest
     index, lowest rank): every rank computes the same split from the same lengths."""
@@ -203,6 +215,12 @@ class ShardedTrainer:
         """Take up the state of ``version`` written by a group of ``world_size``: each local shard is filled from
         the old shards whose rows overlap it. Returns the bytes read."""
         snaps = [store.fetch(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER) for r in range(world_size)]
+        if "rows" not in snaps[0].manifest.meta:
+            layout = snaps[0].manifest.meta.get("layout")
+            raise ValueError(
+                f"{model_name} v{version}: the train state in the GPS was written by another trainer (layout "
+                f"{layout!r}; this one: fsdp rows): resume with the train.backend that wrote it"
+            )
         spans = [(s, {n: row_range(rows, r, world_size) for n, rows in s.manifest.meta["rows"].items()})
                  for r, s in enumerate(snaps)]  # fmt: skip
         state = self.trainer.optimizer.state
@@ -232,14 +250,7 @@ class ShardedTrainer:
 
     def free_imported(self, store: ParameterStore, model_name: str) -> None:
         """Drop the GPS shards this state was read from (rank 0, once the group has stepped past them)."""
-        if self.imported is None:
-            return
-        version, world_size = self.imported
-        for r in range(world_size):
-            try:
-                store.free(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER)
-            except VersionError:
-                pass
+        free_shards(store, model_name, self.imported)
         self.imported = None
 
     def publish_weights(self, store: ParameterStore, model_name: str, dtype: torch.dtype, meta: dict[str, Any]) -> int:

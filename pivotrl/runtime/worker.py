@@ -336,7 +336,8 @@ class Worker:
         if ctx.backend == "fsdp":  # backward runs in lockstep at the step; see pivotrl.runtime.sharded
             ctx.pending.append((samples, list(shard.advantages)))
             return Accumulated(self.device, len(samples), 0, self.now() - t0)
-        stats = ctx.trainer.accumulate(samples, list(shard.advantages))
+        trainer = ctx.sharded if ctx.backend == "zero" else ctx.trainer  # (zero: alone, now; see runtime.zero)
+        stats = trainer.accumulate(samples, list(shard.advantages))
         t1 = self.now()
         tokens = int(stats.get("tokens", 0))
         self.slices.append(
@@ -360,7 +361,10 @@ class Worker:
         group reads it there) and leave the old process group. A no-op for a device that holds neither."""
         if isinstance(self.ctx, TrainContext):
             self._save_shard(self.ctx)
-            self.ctx.sharded = None  # its shards belong to the old group's mesh
+            if self.ctx.backend == "zero":  # its weights and gradient sums stay for the next group
+                self.ctx.sharded.detach()
+            else:
+                self.ctx.sharded = None  # its shards belong to the old group's mesh
         self.close()
 
     def close(self) -> None:
@@ -452,7 +456,7 @@ class Worker:
             self._hang_in_step = False
             while True:  # (the driver kills this process when its step is overdue)
                 time.sleep(3600)
-        if ctx.backend == "fsdp":
+        if ctx.backend in ("fsdp", "zero"):
             stats, tokens, backward_s = self._sharded_step(ctx, cmd, group, state_world)
         else:
             trainer = ctx.trainer
@@ -473,7 +477,13 @@ class Worker:
         self, ctx: TrainContext, cmd: Step, group: TrainGroup, state_world: int
     ) -> tuple[dict[str, float], int, float]:
         store = self.store
-        if ctx.sharded is None or ctx.sharded.group is not group:
+        if ctx.backend == "zero" and ctx.sharded.group is not group:  # the group's state: its range of it
+            ctx.sharded.bind(group)
+            if state_world:
+                ctx.sharded.import_shards(store, POLICY, cmd.version, state_world)
+            else:
+                ctx.sharded.load_weights(store.fetch(POLICY, cmd.version))
+        elif ctx.sharded is None or ctx.sharded.group is not group:
             reference = store.fetch(REFERENCE, 0) if ctx.cfg.kl_coef > 0 else None
             config = ModelConfig.from_hf(ctx.meta["config"])
             ctx.sharded = ShardedTrainer(group, config, ctx.cfg, ctx.temperature, cmd.version, ctx.compute, reference)

@@ -73,6 +73,12 @@ class CostModel(Protocol):
         """A device leaving ``src`` (None: it held no role) for ``dst``, the role's state split over ``tp``."""
         ...
 
+    def regroup(self, model: ModelSpec, n_gpus: int) -> float:
+        """A train group of ``n_gpus`` meeting anew (its process group made): paid by an optimizer step whose
+        set of train devices is not the last step's. The runtime keeps a group as long as its set holds
+        (``pivotrl.runtime.groups``), so a device joining the train role between steps pays none of it."""
+        ...
+
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
         """Resuming a migrated sequence: re-prefill of its ``tokens`` (prompt plus output so far)."""
         ...
@@ -262,7 +268,10 @@ class RooflineCosts:
     allreduce_latency_s: float = 10e-6  # one small all-reduce inside an NVLink node (NCCL or a custom kernel)
     engine_start_s: float = 1.0  # inference engine wake-up with the process kept: KV cache re-allocation and a
     # warm-up step (vLLM sleep mode reports 0.1-0.4 s to wake small models), plus the control round trip
-    train_start_s: float = 2.0  # a trainer joining: its data-parallel process group is rebuilt (NCCL init)
+    # a device taking the train role (train.backend=zero): its gradient sum allocated and zeroed (4 bytes a
+    # parameter at HBM speed, ~10 ms for 7B), the backward hooks set, the control round trip
+    train_build_s: float = 0.1
+    group_start_s: float = 2.0  # a new train group meets: its process group made (NCCL init), at the step
     mem_fraction: float = 0.9
     _NOT_NUMBERS = ("gpu", "_lines")  # (a class constant: not a field)
     # (id(model), tp, batch) -> (model, a decode step's line in the context): the simulator asks for a few
@@ -439,7 +448,11 @@ class RooflineCosts:
         if src is dst:
             return 0.0
         load = model.weight_bytes / tp / (self.gpu.h2d_bw * self.h2d_eff)
-        return load + (self.train_start_s if dst is Role.TRAIN else self.engine_start_s)
+        return load + (self.train_build_s if dst is Role.TRAIN else self.engine_start_s)
+
+    def regroup(self, model: ModelSpec, n_gpus: int) -> float:
+        _check_tp(n_gpus, "n_gpus")
+        return self.group_start_s if n_gpus > 1 else 0.0
 
     def migration(self, model: ModelSpec, tp: int, tokens: int) -> float:
         return self.prefill(model, tp, tokens)
@@ -599,6 +612,9 @@ class ScaledCosts:
 
     def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
         return self.base.optimizer_step(model, n_gpus)
+
+    def regroup(self, model: ModelSpec, n_gpus: int) -> float:
+        return self.shift_scale * self.base.regroup(model, n_gpus)
 
     def refresh(self, model: ModelSpec, tp: int) -> float:
         return self.base.refresh(model, tp)

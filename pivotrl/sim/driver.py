@@ -219,6 +219,7 @@ class SimDriver:
         self._judged_right: dict[tuple[int, int], bool] = {}
         self._spreads = {kind: spec.costs.spread(kind) for kind in SPREAD_KINDS}
         self._drawn_count: dict[tuple[str, int], int] = {}  # (kind, device) -> operations of the kind drawn on it
+        self._train_set: tuple[int, ...] = ()  # the devices of the last optimizer step: their group is kept
 
     # -- the driver interface -------------------------------------------------------
     def clock(self) -> float:
@@ -367,6 +368,9 @@ class SimDriver:
     def _step(self, cmd: Step) -> None:
         devs, spec = [self._train_device(d, cmd.version) for d in cmd.devices], self.spec
         seconds = self._drawn(spec.costs.optimizer_step(spec.policy, len(devs) * spec.tp), "optimizer", devs[0].id)
+        if tuple(cmd.devices) != self._train_set:  # another set than the last step's: a new group meets first
+            seconds += spec.costs.regroup(spec.policy, len(devs) * spec.tp)
+            self._train_set = tuple(cmd.devices)
         t0 = max([self.now] + [d.free_at for d in devs])
         t1 = t0 + seconds
         for d in devs:

@@ -151,6 +151,9 @@ class EngineLayout:
     def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
         return self.base.optimizer_step(model, n_gpus)
 
+    def regroup(self, model: ModelSpec, n_gpus: int) -> float:
+        return self.base.regroup(model, n_gpus)
+
     def shift(self, model: ModelSpec, src: Role | None, dst: Role, tp: int) -> float:
         """Every engine loads the whole model over its own GPUs' links, all at once."""
         return self.base.shift(model, src, dst, tp if dst is Role.TRAIN else self.engine_tp)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Backend = Literal["auto", "fsdp", "replicated"]
+Backend = Literal["auto", "fsdp", "zero", "replicated"]
 Precision = Literal["auto", "fp32", "bf16"]
-BACKENDS = ("auto", "fsdp", "replicated")
+BACKENDS = ("auto", "fsdp", "zero", "replicated")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -25,8 +25,10 @@ class TrainConfig:
     micro_batch: int = 64  # at most this many sequences per forward/backward
     micro_batch_tokens: int = 16384  # and at most this many (padded) tokens; 0 = no bound
     scale_by_std: bool = True  # False: Dr.GRPO, advantages only mean-centred
-    # fsdp: parameters, gradients and AdamW state sharded over the train devices (FSDP2); replicated: every train
-    # device holds all of them and gradients are summed; auto: fsdp on CUDA, replicated on CPU
+    # fsdp: parameters, gradients and AdamW state sharded over the train devices (FSDP2), groups backpropagated in
+    # lockstep at the step; zero: compute-dtype weights and an fp32 gradient sum on every train device, groups
+    # backpropagated as they are judged, fp32 master weights and AdamW state sharded at the step (ZeRO-1);
+    # replicated: every train device holds all of it in fp32; auto: fsdp on CUDA, replicated on CPU
     backend: Backend = "auto"
     # fp32 master weights and optimizer state always; bf16 = compute in bfloat16; auto: bf16 on CUDA, fp32 on CPU
     precision: Precision = "auto"

@@ -139,6 +139,26 @@ def _merge(into: dict[str, float], stats: dict[str, float]) -> None:
             into[key] += value
 
 
+def step_report(sums: dict[str, float], tokens: int, grad_norm: float, skipped: bool) -> dict[str, float]:
+    """What an optimizer step reports from the batch's running ``sums`` (means over its response tokens)."""
+    local = max(sums.get("tokens", 0.0), 1.0)
+    out = {
+        "grad_norm": grad_norm,
+        "tokens": float(tokens),
+        "loss": sums.get("loss_sum", 0.0) / local,
+        "pg_loss": sums.get("pg_loss_sum", 0.0) / local,
+        "clip_frac": sums.get("clipped_tokens", 0.0) / local,
+        "logprob_mismatch": sums.get("mismatch_sum", 0.0) / local,
+        "skipped": float(skipped),
+    }
+    if "kl_sum" in sums:
+        out["kl"] = sums["kl_sum"] / local
+    for key in ("ratio_max", "ratio_min"):
+        if key in sums:
+            out[key] = sums[key]
+    return out
+
+
 class GRPOTrainer:
     """Accumulates GRPO gradients sample group by sample group, then takes one optimizer step.
 
@@ -296,22 +316,7 @@ class GRPOTrainer:
                 clip_grads_with_norm_(params, self.cfg.grad_clip, grad_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        local = max(sums.get("tokens", 0.0), 1.0)
-        out = {
-            "grad_norm": float(grad_norm),
-            "tokens": float(n),
-            "loss": sums.get("loss_sum", 0.0) / local,
-            "pg_loss": sums.get("pg_loss_sum", 0.0) / local,
-            "clip_frac": sums.get("clipped_tokens", 0.0) / local,
-            "logprob_mismatch": sums.get("mismatch_sum", 0.0) / local,
-            "skipped": float(skipped),
-        }
-        if "kl_sum" in sums:
-            out["kl"] = sums["kl_sum"] / local
-        for key in ("ratio_max", "ratio_min"):
-            if key in sums:
-                out[key] = sums[key]
-        return out
+        return step_report(sums, n, float(grad_norm), skipped)
 
     def train_batch(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
         """One whole-batch update: ``accumulate`` then ``step``."""

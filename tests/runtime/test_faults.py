@@ -88,12 +88,13 @@ def test_a_member_other_than_rank_zero_lost_in_the_optimizer_step_is_the_only_on
     assert_same_run(undisturbed, tmp_path)
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
 def test_a_lost_shard_of_the_sharded_train_state_resumes_the_run_from_its_checkpoint(
-    undisturbed, tiny_checkpoints, tmp_path, ray_cluster
+    backend, undisturbed, tiny_checkpoints, tmp_path, ray_cluster
 ):
-    """FSDP: the device's shard of the weights and AdamW state is nowhere else; the job resumes itself from its
-    newest checkpoint on devices started afresh and ends as the undisturbed run."""
-    fault = ("fault.first=true", "fault.phase=optimizer", "fault.step=2", "train.backend=fsdp")
+    """FSDP (or ZeRO-1): the device's shard of the master weights and AdamW state is nowhere else; the job
+    resumes itself from its newest checkpoint on devices started afresh and ends as the undisturbed run."""
+    fault = ("fault.first=true", "fault.phase=optimizer", "fault.step=2", f"train.backend={backend}")
     summary = run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
     assert [a["from"] for a in summary["auto_resumed"]] == ["checkpoint"]
     assert "optimizer step of step 2" in summary["auto_resumed"][0]["reason"]

@@ -45,14 +45,14 @@ def test_four_ray_devices_match_one_local_device(mode, one_device, tiny_checkpoi
     json.loads((tmp_path / "trace.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["colocated", "shiftable"])
+@pytest.mark.parametrize(("mode", "backend"), [("colocated", "fsdp"), ("shiftable", "fsdp"), ("shiftable", "zero")])
 def test_sharded_trainer_on_ray_devices_matches_one_local_device(
-    mode, one_device, tiny_checkpoints, tmp_path, ray_cluster
+    mode, backend, one_device, tiny_checkpoints, tmp_path, ray_cluster
 ):
-    """FSDP2 over the train devices: colocated keeps one group of four whose shards leave through the GPS
-    at every shift out of the train role and come back; shiftable changes the group as the planner moves
-    devices. Either way the samples are those of one replicated device, and the update equal to its."""
-    extra = ("steps=2", "eval.every=1", f"mode={mode}", "devices=4", "rollout.max_batch=4", "train.backend=fsdp")
+    """FSDP2 (or ZeRO-1) over the train devices: colocated keeps one group of four whose shards leave through
+    the GPS at every shift out of the train role and come back; shiftable changes the group as the planner
+    moves devices. Either way the samples are those of one replicated device, and the update equal to its."""
+    extra = ("steps=2", "eval.every=1", f"mode={mode}", "devices=4", "rollout.max_batch=4", f"train.backend={backend}")
     summary = run_job(small_job(tiny_checkpoints, *extra), tmp_path, progress=False)
     many = metrics(tmp_path)
     for a, b in zip(one_device, many, strict=True):
@@ -69,11 +69,20 @@ def test_sharded_trainer_on_ray_devices_matches_one_local_device(
         assert {e["device"] for e in saved} == {0, 1, 2, 3}
     else:
         assert all(1 <= n <= 4 for n in sizes)
+    backward = [e for e in events if e["name"].startswith("accumulate")]
+    if backend == "zero":  # each group backpropagated as it came, before its step, on the device it went to
+        steps = [e for e in events if e["name"].startswith("step v")]
+        assert backward and all(any(e["end"] <= s["start"] for s in steps) for e in backward)
+    else:  # in lockstep inside the step
+        assert not backward
 
 
-def test_sharded_bf16_on_a_static_split_keeps_its_group(tiny_checkpoints, tmp_path, ray_cluster):
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+def test_sharded_bf16_on_a_static_split_keeps_its_group(backend, tiny_checkpoints, tmp_path, ray_cluster):
     extra = ("steps=3", "mode=disaggregated", "devices=4", "split=rollout:1,genrm:1,train:2", "rollout.max_batch=4",
-             "train.backend=fsdp", "train.precision=bf16", "train.kl_coef=0.05")  # fmt: skip
+             f"train.backend={backend}", "train.precision=bf16", "train.kl_coef=0.05")  # fmt: skip
+    if backend == "zero":  # its compute copy is loaded from the weights rollout runs
+        extra += ("policy.rollout_dtype=bfloat16",)
     run_job(small_job(tiny_checkpoints, *extra), tmp_path, progress=False)
     many = metrics(tmp_path)
     assert [m["train_world_size"] for m in many] == [2.0, 2.0, 2.0]

@@ -165,12 +165,13 @@ def test_optimizer_step_syncs_over_the_group():
     assert H100.optimizer_step(QWEN7, 128) < 1.0 < alone  # a sliver of the state each, over the network
 
 
-def test_shifting_into_training_loads_the_weights_and_starts_the_trainer():
+def test_shifting_into_training_loads_the_weights_and_builds_the_trainer():
     into_train = H100.shift(QWEN7, Role.ROLLOUT, Role.TRAIN, 8)
     into_rollout = H100.shift(QWEN7, Role.TRAIN, Role.ROLLOUT, 8)
-    assert into_train > into_rollout > H100.engine_start_s
+    assert into_rollout > into_train > H100.train_build_s  # no engine to start; the group meets at the step
     # the optimizer shard comes at the optimizer step: the same bytes, a different start
-    assert into_train - H100.train_start_s == pytest.approx(into_rollout - H100.engine_start_s)
+    assert into_train - H100.train_build_s == pytest.approx(into_rollout - H100.engine_start_s)
+    assert H100.regroup(QWEN7, 8) == H100.group_start_s and H100.regroup(QWEN7, 1) == 0.0  # one meets nobody
     assert H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1) > H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 8)
     assert H100.shift(QWEN7, Role.ROLLOUT, Role.ROLLOUT, 1) == 0.0
     assert H100.shift(QWEN7, None, Role.ROLLOUT, 1) == H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1)

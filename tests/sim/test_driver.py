@@ -22,6 +22,8 @@ from pivotrl.control.messages import (
     Role,
     Shift,
     ShiftDone,
+    Step,
+    Trained,
 )
 from pivotrl.errors import UserError
 from pivotrl.sim.costs import RooflineCosts, steps_within
@@ -423,3 +425,23 @@ def test_a_spread_draws_each_operation_about_its_cost_by_the_jobs_seed():
     assert statistics.pstdev(drawn) / mean == pytest.approx(0.5, rel=0.2)
     assert shift_seconds({"shift": 0.5}) == drawn and shift_seconds({"shift": 0.5}, seed=1) != drawn
     assert shift_seconds({"accumulate": 0.5, "optimizer": 0.5}) == flat  # other kinds leave shifts alone
+
+
+def test_a_new_train_group_meets_once_and_is_kept_while_its_set_holds():
+    """The step of a set of train devices other than the last step's pays the group's start (its process
+    group made); the next step of the same set does not; one device meets nobody."""
+    d = driver("sim.gpus=6", "sim.instance_gpus=2")
+    costs, model, tp = d.spec.costs, d.spec.policy, d.spec.tp
+    shifted(d, Role.TRAIN, 0, 1, 2)
+
+    def step(devices: tuple[int, ...], version: int) -> float:
+        d.submit(Step(devices, version, 10))
+        return next(e for e in d.next_events() if isinstance(e, Trained)).seconds
+
+    update = costs.optimizer_step(model, 2 * tp)
+    assert step((0, 1), 0) == pytest.approx(update + costs.regroup(model, 2 * tp))
+    assert costs.regroup(model, 2 * tp) > 0
+    assert step((0, 1), 1) == pytest.approx(update)
+    d.submit(Shift(2, Role.TRAIN, 2))  # the third device takes the current version
+    assert any(isinstance(e, ShiftDone) for e in d.next_events())
+    assert step((0, 1, 2), 2) == pytest.approx(costs.optimizer_step(model, 3 * tp) + costs.regroup(model, 3 * tp))

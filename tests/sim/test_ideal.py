@@ -46,6 +46,9 @@ class LinearCosts:
     def optimizer_step(self, model, n_gpus):
         return 2.0 / n_gpus
 
+    def regroup(self, model, n_gpus):
+        return 0.0
+
 
 def spec(costs: LinearCosts, lengths: LengthDist) -> SimSpec:
     qwen = MODELS["Qwen2.5-7B"]
