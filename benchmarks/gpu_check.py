@@ -737,6 +737,75 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
         group.leave()
 
 
+def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, length: int = 1024) -> dict[str, Any]:
+    """The ZeRO-1 trainer (``train.backend=zero``) on one device: the update of a small model equals the plain
+    trainer's in fp32; then ``shape`` in bf16 with activation checkpointing, its backward timed apart from the
+    optimizer step (the backward runs as groups come, the step after the last): seconds, tokens/s, peak memory."""
+    import torch
+
+    from pivotrl.model import Decoder
+    from pivotrl.runtime.dist_train import TrainGroup
+    from pivotrl.runtime.zero import ZeroTrainer
+    from pivotrl.sample import Sample
+    from pivotrl.train.config import TrainConfig
+    from pivotrl.train.grpo import GRPOTrainer
+
+    def batch(vocab: int, n: int, size: int) -> tuple[list[Sample], list[float]]:
+        gen = torch.Generator().manual_seed(0)
+        out = []
+        for uid in range(n):
+            ids = torch.randint(1, vocab, (size,), generator=gen).tolist()
+            lp = (-torch.rand(size // 2, generator=gen) * 5).tolist()
+            out.append(Sample(uid, uid // 4, "", "", ids[: size // 2], 0, response_ids=ids[size // 2 :], logprobs=lp))
+        return out, [1.0, -1.0] * (n // 2)
+
+    group = TrainGroup.join(0, 1, device=device)
+    small = PARITY.model_config()
+    cfg = TrainConfig(micro_batch=4)
+    torch.manual_seed(0)
+    plain_model = Decoder(small).to(device)
+    copy = Decoder(small).to(device)
+    copy.load_state_dict(plain_model.state_dict())
+    samples, adv = batch(small.vocab_size, 8, 64)
+    GRPOTrainer(plain_model, cfg).train_batch(samples, adv)
+    zero = ZeroTrainer(copy, cfg, 1.0, 0)
+    zero.accumulate(samples, adv)
+    zero.bind(group)
+    zero.load_weights(None)
+    zero.step()
+    diff = max(float((p - q).abs().max()) for p, q in zip(copy.parameters(), plain_model.parameters(), strict=True))
+    del zero, plain_model, copy
+    torch.cuda.empty_cache()
+
+    big = shape.model_config()
+    cfg = TrainConfig(micro_batch=4, micro_batch_tokens=8192, activation_checkpointing=True)
+    reset_peak(device)
+    model = Decoder.empty(big, device, torch.bfloat16)
+    model.checkpoint_layers = True
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    trainer = ZeroTrainer(model, cfg, 1.0, 0)
+    samples, adv = batch(big.vocab_size, sequences, length)
+    warm = timed(device, lambda: trainer.accumulate(samples, adv))
+    trainer.bind(group)
+    trainer.load_weights(None)
+    trainer.step()
+    backward = timed(device, lambda: trainer.accumulate(samples, adv))
+    step = timed(device, lambda: trainer.step())
+    tokens = sequences * length
+    return {
+        "fp32_max_abs_vs_plain": diff,
+        "pass": diff < 1e-5,
+        "bf16_backward_seconds": round(backward, 3),
+        "first_backward_seconds": round(warm, 3),
+        "optimizer_step_seconds": round(step, 3),
+        "tokens_per_s": round(tokens / backward),
+        "peak_memory_gb": gb(peak_memory(device)),
+        "parameters": trainer.numel,
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # driver
 
@@ -786,6 +855,12 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"fp32 vs plain max|d| {r['fp32_max_abs_vs_plain']:.1e}; bf16 step {r['bf16_step_seconds']} s, "
             f"{r['tokens_per_s']} tok/s, peak {r['peak_memory_gb']} GB"
         )
+    if name == "zero":
+        return (
+            f"fp32 vs plain max|d| {r['fp32_max_abs_vs_plain']:.1e}; bf16 backward {r['bf16_backward_seconds']} s "
+            f"({r['tokens_per_s']} tok/s), optimizer step {r['optimizer_step_seconds']} s, "
+            f"peak {r['peak_memory_gb']} GB"
+        )
     if name == "vllm":
         return (
             f"{r['tokens_per_s']:.0f} tok/s vs native {r['native_tokens_per_s']:.0f}; greedy agreement "
@@ -821,7 +896,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "vllm", "job")
+SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "job")
 # packages a section needs beyond torch, transformers and the rest every section imports (the job runs one
 # device in process without Ray; the device actors' runtime and the run files it writes need orjson)
 NEEDS = {"gps_load_ray": ("ray", "orjson"), "shifts": ("orjson",), "job": ("orjson",)}
@@ -845,7 +920,8 @@ def cannot_run(name: str) -> str | None:
 
 
 ESTIMATE_S = {
-    "parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "vllm": 90, "job": 120,
+    "parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 90,
+    "job": 120,
 }  # fmt: skip
 
 
@@ -876,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
         "shifts": lambda: shifts(device),
         "engine": lambda: engine_throughput(device),
         "fsdp": lambda: fsdp_check(device),
+        "zero": lambda: zero_check(device),
         "vllm": lambda: vllm_backend(device),
     }
     sections: dict[str, dict[str, Any]] = {}

