@@ -417,8 +417,8 @@ class RooflineCosts:
         return flops / (n_gpus * self.gpu.peak_flops * mfu)
 
     def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
-        """ZeRO-style over the whole group, the elastic trainer's flat data-parallel layout: fp32 gradients
-        reduce-scattered, each GPU updates its shard (memory-bound), the updated bf16 weights all-gathered.
+        """ZeRO-1 over the whole group, as ``train.backend=zero`` runs it (``pivotrl.runtime.zero``): fp32 gradient
+        sums reduce-scattered, each GPU updates its shard (memory-bound), the updated bf16 weights all-gathered.
         Each collective moves ``(g-1)/g`` of its buffer per GPU, over the network once the group leaves a
         node. Counted after the backward, not overlapped with it: an upper bound. A model-parallel
         trainer (TP/EP inside the node) would sync only its shard and pay far less for a 235B model.
