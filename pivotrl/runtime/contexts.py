@@ -286,7 +286,7 @@ class TrainContext:
         self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version
         self.nbytes = 0
         self.pending: list[tuple[list[Sample], list[float]]] = []
-        self.sharded: Any = None  # ShardedTrainer, once the worker built it for a group
+        self.sharded: Any = None  # ShardedTrainer, once the worker built it for a group; ZeroTrainer, built here
         self.trainer: Any = None  # ElasticTrainer (replicated)
         if self.backend == "fsdp":
             return
