@@ -112,6 +112,9 @@ class DeviceView:
     grads: bool = False  # holds gradients of this step: stays in the train role until the step
     held: list[int] = field(default_factory=list)  # samples (indexes) handed to its backward this step
     lost: bool = False  # died or hung; out of every role until it joins again
+    # holds its shard of a sharded train state, which nothing else holds: it stepped in the last optimizer step
+    # and has not shifted since (a shift writes the shard to the GPS first)
+    shard: bool = False
 
 
 @dataclass(slots=True)
@@ -523,7 +526,7 @@ class Controller:
             self._pick_role.pop(d.role, None)
         self._holders[e.role].add(d.id)
         self._pick_role.pop(e.role, None)
-        d.role, d.version, d.shifting = e.role, e.version, False
+        d.role, d.version, d.shifting, d.shard = e.role, e.version, False, False
         self._rebalance_due |= e.role is Role.ROLLOUT
         self.shift_log.append(e)
         if self.step is not None:
@@ -546,7 +549,7 @@ class Controller:
             raise DeviceLostError(f"{where} was lost in the optimizer step of step {step}: {e.reason}")
         if d.training:  # the step is done again (StepFailed comes with this) or was done (Trained came first)
             d.held = []
-        if d.role is Role.TRAIN and self.spec.sharded_train and self.version > 0:
+        if d.shard:
             raise DeviceLostError(f"{where} was lost holding its shard of the sharded train state: {e.reason}")
         if d.role is not None:
             self._holders[d.role].discard(d.id)
@@ -815,6 +818,7 @@ class Controller:
             d = self.devices[i]
             d.training, d.grads = False, False
             d.version = e.version  # the trainer's replica is the new version
+            d.shard = self.spec.sharded_train
         self.training = False
         self.step.train_stats = e.stats
         samples = self.step.samples

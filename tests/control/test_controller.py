@@ -33,6 +33,7 @@ from pivotrl.control.messages import (
     Accumulate,
     Accumulated,
     Command,
+    DeviceLost,
     Event,
     Generate,
     Generated,
@@ -715,3 +716,39 @@ def test_quantiles_of_the_waits():
     assert quantiles([4.0]) == {"median": 4.0, "p90": 4.0, "max": 4.0}
     assert quantiles([3.0, 1.0, 2.0]) == pytest.approx({"median": 2.0, "p90": 2.8, "max": 3.0})
     assert quantiles([float(x) for x in range(11)]) == pytest.approx({"median": 5.0, "p90": 9.0, "max": 10.0})
+
+
+def run_until_trained(ctl: Controller) -> FakeCluster:
+    """The job up to the first update, handled."""
+    cluster = FakeCluster(ctl)
+    commands = ctl.start()
+    for _ in range(10_000):
+        for c in commands:
+            cluster.submit(c)
+        if ctl.version == 1:
+            return cluster
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    raise AssertionError("no update")
+
+
+def test_only_a_device_holding_its_shard_of_a_sharded_train_state_stops_the_attempt():
+    """A sharded trainer's shard is nowhere else while its device stays in the train role after stepping: losing
+    that device ends the attempt (the job resumes from its checkpoint). A device that shifted since has written
+    its shard to the GPS, and one that joined the role after the step holds none: losing those costs nothing."""
+    ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}), sharded_train=True)
+    run_until_trained(ctl)
+    assert [d.shard for d in ctl.devices] == [False, False, True]  # the train device stays in its role
+    ctl.handle(DeviceLost(0, "its process died"))  # a rollout device: its sequences start again elsewhere
+    with pytest.raises(DeviceLostError, match="device 2 \\(train\\) was lost holding its shard"):
+        ctl.handle(DeviceLost(2, "its process died"))
+
+    ctl = controller(Colocated(2), sharded_train=True)
+    cluster = run_until_trained(ctl)
+    assert all(d.shard for d in ctl.devices)
+    for e in cluster.next_events():  # every device shifts to the rollout for the next step, its shard to the GPS
+        ctl.handle(e)
+    assert not any(d.shard for d in ctl.devices)
+    ctl.handle(ShiftDone(1, T, 1, 0.5, 1000))  # back in the train role before the next update: no shard yet
+    assert ctl.devices[1].role is T and not ctl.devices[1].shard
+    ctl.handle(DeviceLost(1, "its process died"))
+    assert ctl.devices[1].lost

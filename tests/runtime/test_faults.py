@@ -55,6 +55,16 @@ def test_a_device_killed_mid_phase_costs_nothing(phase, step, undisturbed, tiny_
     assert_same_run(undisturbed, tmp_path)
 
 
+def test_a_zero_trainer_device_killed_mid_backward_costs_nothing(undisturbed, tiny_checkpoints, tmp_path, ray_cluster):
+    """train.backend=zero: the lost device's gradient sums go with it, and the groups it held are backpropagated
+    again on the others; if it also held its shard of the master weights (it stepped last and stayed in the train
+    role), the job resumes from its checkpoint. Either way the update is the undisturbed (replicated) run's."""
+    fault = ("fault.first=true", "fault.phase=backward", "fault.step=2", "train.backend=zero")
+    summary = run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
+    assert len(summary["devices_lost"] or summary["auto_resumed"]) == 1
+    assert_same_run(undisturbed, tmp_path)
+
+
 def test_a_hung_device_times_out_and_is_handled_the_same(undisturbed, tiny_checkpoints, tmp_path, ray_cluster):
     fault = ("fault.first=true", "fault.phase=rollout", "fault.step=2", "fault.kind=hang", "device_timeout=8")
     summary = run_job(small_job(tiny_checkpoints, *RAY, *fault), tmp_path, progress=False)
