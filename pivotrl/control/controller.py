@@ -93,6 +93,9 @@ class LoopSpec:
     judge_kv: int = 0  # tokens of paged KV cache a judge device holds: its judgments' reads at most (0: no limit)
     rebalance: bool = True  # even out the sequences in flight over the rollout devices once none is queued
     sharded_train: bool = False  # the trainer shards its state over the train devices (one lost loses the state)
+    # the trainer backpropagates every group at the optimizer step, in lockstep over its devices (FSDP2): a group
+    # handed to a train device before is only buffered there, and no backward overlaps the rollout or the judge
+    lockstep_train: bool = False
     checkpoint_every: int = 0  # a checkpoint after every this many steps (0: none); see ``Controller.checkpoint``
     # the policy's chat template (task.chat_template) as a function of the formatted prompt; None: none
     chat: Callable[[str], str] | None = None
@@ -426,7 +429,9 @@ class Controller:
         judge_devs = sorted(self._holders[Role.GENRM])
         judging = [uid for d in judge_devs for uid in s.running(d)]
         step, g = self.step, self.spec.group_size
-        groups_left = 0 if step is None else -(-(len(step.samples) - step.accumulated) // g)
+        # (lockstep: a buffered group is not backpropagated yet; every group of the step is, at the step)
+        done = 0 if self.spec.lockstep_train else step.accumulated if step is not None else 0
+        groups_left = 0 if step is None else -(-(len(step.samples) - done) // g)
         by_uid, m = self.by_uid, self.measured
 
         def reads(uids: Iterable[int]) -> int:
@@ -466,6 +471,7 @@ class Controller:
             judge_read_running=read_running,
             judge_left_running=sum(self._verdict_left(so_far.get(uid, 0)) for uid in judging),
             judge_reread=self.measured["judge_reread"],
+            lockstep_train=self.spec.lockstep_train,
         )
 
     def _measure(self, event: Event) -> None:
@@ -484,8 +490,8 @@ class Controller:
             # finish first are the short ones, and those that finish last the long ones)
             prompt = sum(len(r.prompt_ids) for r in event.results) / len(event.results)
             m["prompt_tokens"] += a * (prompt - m["prompt_tokens"])
-        elif isinstance(event, Trained):
-            m["step_seconds"] += a * (event.seconds - m["step_seconds"])
+        elif isinstance(event, Trained):  # (the update alone: a lockstep trainer's backward is priced as such)
+            m["step_seconds"] += a * (event.seconds - event.backward_seconds - m["step_seconds"])
 
     # -- steps ----------------------------------------------------------------------
     def _begin_step(self, step: int) -> None:

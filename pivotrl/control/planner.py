@@ -103,6 +103,7 @@ class _Work:
     context: tuple[float, ...] = ()
     ended: tuple[float, ...] = ()
     whole: tuple[float, ...] = ()
+    lockstep: bool = False  # every group's backward runs at the step, once all are judged (FSDP2)
     memo: dict = field(default_factory=dict, compare=False)  # what every allocation of a plan asks alike
 
 
@@ -206,6 +207,7 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
         judge_wait_context=judge_wait_context,
         judge_kv=judge_kv,
         judge_reread=w.judge_reread,
+        lockstep=w.lockstep_train,
         **_rollout_grid(w, lm, longest),
     )
 
@@ -506,7 +508,10 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         # the last group's backward: its samples shared out over the train devices there will be
         spread = min(w.group_size, max(1, sum(k for _, k in arrivals)))
         group, rate = w.group_tokens / spread / p.train.device_rate, p.train.device_rate
-        if w.judge_items and 0.0 < t_g < INF:
+        if w.lockstep and w.judge_items and 0.0 < t_g < INF:  # every group at the step, once the last is judged
+            t_first = t_g
+            bulk = _fluid([(t_g, w.groups * w.group_tokens)], arrivals, rate)
+        elif w.judge_items and 0.0 < t_g < INF:
             # a group trains once its last response is judged: the groups judged now from now, those
             # generated whole once their judgments are done (the queue takes them first), the rest (a
             # response of theirs still generating, mostly the longest) when judging ends

@@ -532,6 +532,7 @@ class Workload:
     # tokens a judge device reads per token of those prompts and responses (its template, and judgments a
     # full paged cache preempted, read again): measured over the last step
     judge_reread: float = 1.0
+    lockstep_train: bool = False  # every group's backward runs at the step, once all are judged (FSDP2)
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.rollout_remaining):

@@ -313,8 +313,9 @@ def _run_once(
         genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        sharded = cfg.train.resolved_backend(kind if in_process else driver.kind) in ("fsdp", "zero")
-        loop = replace(loop_spec(cfg), sharded_train=sharded, chat=policy_chat)
+        backend = cfg.train.resolved_backend(kind if in_process else driver.kind)
+        loop = replace(loop_spec(cfg), sharded_train=backend in ("fsdp", "zero"), lockstep_train=backend == "fsdp",
+                       chat=policy_chat)  # fmt: skip
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
         ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary
         bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)

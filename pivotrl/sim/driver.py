@@ -126,6 +126,9 @@ class SimSpec:
     # GPUs of each engine of a rollout and of a judge instance (0: one engine of the instance's ``tp``)
     engine_tp: tuple[int, int] = (0, 0)
     elastic: bool = False  # engines take the fastest layout of each decode span, for free: a bound (``layout``)
+    # the trainer backpropagates every group at the optimizer step, in lockstep over its instances (FSDP2,
+    # ``train.backend=fsdp``); else each group on its own as it is handed out (``zero``, ``replicated``)
+    lockstep_train: bool = False
     _role_costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def role_costs(self, role: Role) -> CostModel:
@@ -220,6 +223,7 @@ class SimDriver:
         self._spreads = {kind: spec.costs.spread(kind) for kind in SPREAD_KINDS}
         self._drawn_count: dict[tuple[str, int], int] = {}  # (kind, device) -> operations of the kind drawn on it
         self._train_set: tuple[int, ...] = ()  # the devices of the last optimizer step: their group is kept
+        self._buffered: dict[int, list[int]] = {}  # lockstep: device -> [samples, tokens] handed to it this step
 
     # -- the driver interface -------------------------------------------------------
     def clock(self) -> float:
@@ -354,6 +358,12 @@ class SimDriver:
         samples = len(shard.response_ids)
         response = sum(len(r) for r in shard.response_ids)
         tokens = response + sum(len(p) for p in shard.prompt_ids)
+        if spec.lockstep_train:  # buffered until the step, as FSDP2's worker does (it reports no tokens)
+            held = self._buffered.setdefault(dev.id, [0, 0])
+            held[0] += samples
+            held[1] += tokens
+            self._at(max(self.now, dev.free_at), lambda: [Accumulated(dev.id, samples, 0, 0.0)])
+            return
         seconds = spec.costs.train_tokens(spec.policy, tokens, spec.tp, round(tokens / max(samples, 1)))
         seconds = self._drawn(seconds, "accumulate", dev.id)
         t0 = max(self.now, dev.free_at)
@@ -371,6 +381,16 @@ class SimDriver:
         if tuple(cmd.devices) != self._train_set:  # another set than the last step's: a new group meets first
             seconds += spec.costs.regroup(spec.policy, len(devs) * spec.tp)
             self._train_set = tuple(cmd.devices)
+        backward, tokens = 0.0, 0
+        if spec.lockstep_train:  # every buffered sample, dealt evenly by tokens over the step's instances
+            samples = sum(self._buffered.get(d, (0, 0))[0] for d in cmd.devices)
+            tokens = sum(self._buffered.get(d, (0, 0))[1] for d in cmd.devices)
+            self._buffered.clear()
+            if tokens:
+                share = -(-tokens // len(devs))
+                backward = spec.costs.train_tokens(spec.policy, share, spec.tp, round(tokens / max(samples, 1)))
+                backward = self._drawn(backward, "accumulate", devs[0].id)
+                seconds += backward
         t0 = max([self.now] + [d.free_at for d in devs])
         t1 = t0 + seconds
         for d in devs:
@@ -381,8 +401,10 @@ class SimDriver:
         def done() -> list[Event]:
             for d in devs:
                 d.version = new
-                self._record(d.id, "train", f"step v{cmd.version}->v{new}", t0, t1)
-            return [Trained(cmd.devices, new, stats, seconds)]
+                if backward:  # (FSDP2: the step's backward, in lockstep, then the update)
+                    self._record(d.id, "train", "backward in lockstep", t0, t0 + backward, tokens=tokens)
+                self._record(d.id, "train", f"step v{cmd.version}->v{new}", t0 + backward, t1)
+            return [Trained(cmd.devices, new, stats, seconds, tokens, backward)]
 
         self._at(t1, done)
 

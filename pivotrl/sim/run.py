@@ -155,6 +155,10 @@ def build(cfg: JobConfig) -> Simulation:
             _engine_gpus(sim, costs, genrm_model, sim.genrm_engine_gpus, judge_context),
         ),  # fmt: skip
         elastic=sim.elastic_engines,
+        # the trainer the runtime would run on the modeled devices (``auto``: FSDP2 on GPUs; a measured CPU
+        # profile's runtime trains replicated)
+        lockstep_train=cfg.train.resolved_backend("cpu" if isinstance(_unscaled(costs), MeasuredCosts) else "cuda")
+        == "fsdp",
     )
     checks = ((Role.ROLLOUT, sim.policy_model, spec.rollout_context, "rollout_engine_gpus"),
               (Role.GENRM, sim.genrm_model, spec.judge_context, "genrm_engine_gpus"))  # fmt: skip
@@ -189,9 +193,14 @@ def build(cfg: JobConfig) -> Simulation:
     heldout = synthetic.problems(cfg.eval.size, tag="h")
     # the synthetic responses are written for the exact checker, whatever task.checker says (no text is real here)
     loop = dataclasses.replace(
-        loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0, checkpoint_every=0, check=exact_match
-    )
+        loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0, checkpoint_every=0, check=exact_match,
+        lockstep_train=spec.lockstep_train,
+    )  # fmt: skip
     return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
+
+
+def _unscaled(costs: CostModel) -> CostModel:
+    return costs.base if isinstance(costs, ScaledCosts) else costs
 
 
 def _engine_gpus(sim: SimConfig, costs: CostModel, model: ModelSpec, given: int, context: int) -> int:

@@ -425,15 +425,21 @@ def test_a_judged_backlog_goes_out_in_shares():
         assert {a.device for a in accumulates} == {3}
 
 
-def in_roles(ctl: Controller) -> tuple[FakeCluster, list[Command]]:
-    """The job run until every device holds its role: the fake cluster, and the first rollout's commands."""
+def run_until(ctl: Controller, kind: type) -> tuple[FakeCluster, list[Command]]:
+    """The job run until the controller first sends a command of ``kind``: the fake cluster, and those commands
+    (not submitted)."""
     cluster = FakeCluster(ctl)
     commands = ctl.start()
-    while not any(isinstance(c, Generate) for c in commands):
+    while not any(isinstance(c, kind) for c in commands):
         for c in commands:
             cluster.submit(c)
         commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
     return cluster, commands
+
+
+def in_roles(ctl: Controller) -> tuple[FakeCluster, list[Command]]:
+    """The job run until every device holds its role: the fake cluster, and the first rollout's commands."""
+    return run_until(ctl, Generate)
 
 
 def test_a_backlog_is_shared_by_tokens_not_by_groups():
@@ -752,3 +758,17 @@ def test_only_a_device_holding_its_shard_of_a_sharded_train_state_stops_the_atte
     assert ctl.devices[1].role is T and not ctl.devices[1].shard
     ctl.handle(DeviceLost(1, "its process died"))
     assert ctl.devices[1].lost
+
+
+def test_a_lockstep_trainer_leaves_every_group_to_the_step():
+    """FSDP2 backpropagates at the step: groups handed out before are only buffered, so the planner's workload
+    counts them as training still to do, and the step's measured seconds leave its backward out (it is priced as
+    training)."""
+    for lockstep in (False, True):
+        ctl = controller(Colocated(2), lockstep_train=lockstep)
+        run_until(ctl, Step)
+        groups = ctl.spec.prompts_per_step
+        assert ctl.workload().train_groups_left == (groups if lockstep else 0)
+    before = ctl.measured["step_seconds"]
+    ctl.handle(Trained((0, 1), 1, {"loss": 0.0}, 5.0, 400, 4.5))
+    assert ctl.measured["step_seconds"] == pytest.approx(before + 0.2 * (0.5 - before))

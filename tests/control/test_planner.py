@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from itertools import pairwise
 
@@ -273,6 +274,19 @@ def test_a_role_with_work_and_no_device_never_ends(workload, counts, phase):
 def test_devices_of_a_phase_ending_later_join_the_next_one():
     e = estimate(EARLY, profiles(), alloc(4, 0, 0), MAX_BATCH)  # judge and train get the rollout devices
     assert e.rollout_end < e.judge_end < e.backward_end < e.total < math.inf
+
+
+def test_a_lockstep_trainer_backpropagates_every_group_once_judging_ends():
+    """FSDP2 trains every group at the step: no backward before the last judgment, all of it after, on the train
+    devices there are then; a trainer that backpropagates each judged group at once starts with the first."""
+    ready = dataclasses.replace(JUDGE_BURST, train_groups_ready=4)
+    free = estimate(ready, profiles(), alloc(0, 2, 2), MAX_BATCH)
+    lock = estimate(dataclasses.replace(ready, lockstep_train=True), profiles(), alloc(0, 2, 2), MAX_BATCH)
+    assert free.train_from == 0.0 < free.judge_end == lock.judge_end == lock.train_from
+    # 8 groups x 500 tokens at 1000 tok/s a device, from the judge's end: the 2 train devices alone for the
+    # 0.05 s the judge devices take to join them, then all 4
+    assert lock.backward_end == pytest.approx(lock.judge_end + 0.05 + (4000 - 2 * 1000 * 0.05) / 4000)
+    assert free.backward_end < lock.backward_end
 
 
 # -- decisions --------------------------------------------------------------------------------------

@@ -64,7 +64,14 @@ def real_driver(ckpt: dict[str, Path]) -> LocalDriver:
 def sim_driver() -> SimDriver:
     cfg = load_config(
         None,
-        ["sim.gpus=1", "sim.lengths.kind=fixed", "sim.lengths.value=100", "sim.slice_s=0.05", "sim.prompt_len=8"],
+        [
+            "sim.gpus=1",
+            "sim.lengths.kind=fixed",
+            "sim.lengths.value=100",
+            "sim.slice_s=0.05",
+            "sim.prompt_len=8",
+            "train.backend=replicated",
+        ],  # (the real worker's, on this CPU: each group backpropagated as it comes)
     )
     return SimDriver(build(cfg).spec)
 

@@ -12,6 +12,8 @@ from pivotrl.config import ConfigError, load_config
 from pivotrl.control.messages import (
     Abort,
     Aborted,
+    Accumulate,
+    Accumulated,
     Generate,
     Generated,
     GenParams,
@@ -24,6 +26,7 @@ from pivotrl.control.messages import (
     ShiftDone,
     Step,
     Trained,
+    TrainShard,
 )
 from pivotrl.errors import UserError
 from pivotrl.sim.costs import RooflineCosts, steps_within
@@ -445,3 +448,22 @@ def test_a_new_train_group_meets_once_and_is_kept_while_its_set_holds():
     d.submit(Shift(2, Role.TRAIN, 2))  # the third device takes the current version
     assert any(isinstance(e, ShiftDone) for e in d.next_events())
     assert step((0, 1, 2), 2) == pytest.approx(costs.optimizer_step(model, 3 * tp) + costs.regroup(model, 3 * tp))
+
+
+def test_a_lockstep_trainer_buffers_groups_and_backpropagates_them_at_the_step():
+    """train.backend=fsdp: a group handed to a train instance is only buffered there (no tokens reported, as the
+    runtime's FSDP2 worker does); the step backpropagates every buffered token, dealt evenly over its instances,
+    then updates, and reports that backward in ``Trained``."""
+    d = driver("sim.gpus=4", "sim.instance_gpus=2", "train.backend=fsdp")
+    assert d.spec.lockstep_train and not driver("train.backend=zero").spec.lockstep_train
+    shifted(d, Role.TRAIN, 0, 1)
+    shard = TrainShard(((1,) * 10, (1,) * 10), ((2,) * 20, (2,) * 20), ((0.0,) * 20, (0.0,) * 20), (1.0, -1.0))
+    d.submit(Accumulate(0, 0, shard))
+    assert d.next_events() == [Accumulated(0, 2, 0, 0.0)]
+    d.submit(Step((0, 1), 0, 40))
+    trained = next(e for e in d.next_events() if isinstance(e, Trained))
+    costs, model, tp = d.spec.costs, d.spec.policy, d.spec.tp
+    backward = costs.train_tokens(model, 30, tp, 30)  # 60 tokens over 2 instances
+    assert (trained.backward_tokens, trained.backward_seconds) == (60, pytest.approx(backward))
+    update = costs.optimizer_step(model, 2 * tp) + costs.regroup(model, 2 * tp)
+    assert trained.seconds == pytest.approx(backward + update)

@@ -109,6 +109,15 @@ def test_placement_never_changes_what_is_sampled(runs):
     assert sum(r["migrations"] for r in samples["shiftable"]) > 0
 
 
+def test_the_simulated_trainer_is_the_one_the_runtime_would_run():
+    """On modeled GPUs ``auto`` is FSDP2 (backward in lockstep at the step); a measured CPU profile's runtime
+    trains replicated (each group as it comes); zero and replicated never wait for the step."""
+    assert build(load_config(None, ["sim.gpus=2"])).spec.lockstep_train
+    assert build(load_config(None, ["sim.gpus=2"])).loop.lockstep_train
+    for backend in ("zero", "replicated"):
+        assert not build(load_config(None, ["sim.gpus=2", f"train.backend={backend}"])).spec.lockstep_train
+
+
 def test_measured_costs_drive_a_simulation(tmp_path):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(PROFILE))
@@ -116,6 +125,9 @@ def test_measured_costs_drive_a_simulation(tmp_path):
                  "eval.max_new_tokens=64", "judge.max_new_tokens=64", "sim.judge_output_len=32", "sim.prompt_len=64",
                  "rollout.max_batch=32")  # fmt: skip
     assert s["shifts"] > 0 and 0 < s["shift_seconds"]["max"] <= max(PROFILE["shift"].values())
+    sized = [f"sim.costs={costs}", "rollout.max_new_tokens=64", "eval.max_new_tokens=64", "judge.max_new_tokens=64",
+             "sim.prompt_len=64", "rollout.max_batch=32"]  # fmt: skip
+    assert not build(load_config(None, sized)).spec.lockstep_train  # (a CPU runtime's auto trains replicated)
 
 
 @pytest.mark.parametrize(
