@@ -21,10 +21,6 @@ CONFIG = str(ROOT / "examples/default.yaml")
         (["missing.yaml"], "config file 'missing.yaml' not found"),
         ([CONFIG, "policy.path=/nonexistent/policy"], "policy.path: checkpoint directory '/nonexistent/policy'"),
         ([CONFIG, "task.train_file=/nonexistent.jsonl"], "task.train_file: '/nonexistent.jsonl' not found"),
-        (
-            [CONFIG, "train.backend=zero", "train.precision=fp32", "policy.rollout_dtype=bfloat16"],
-            "train.backend=zero computes in fp32 from the weights the rollout runs (bfloat16)",
-        ),
     ],
 )
 def test_user_mistakes_exit_2_with_one_clear_line(args, message, capsys, tmp_path):
@@ -32,6 +28,17 @@ def test_user_mistakes_exit_2_with_one_clear_line(args, message, capsys, tmp_pat
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()  # nothing written, nothing lost
+
+
+def test_a_trainer_that_would_round_its_weights_is_refused(tmp_path, capsys, tiny_checkpoints):
+    """train.backend=zero computes from the weights the rollout runs: fp32 compute from bf16 ones is one line."""
+    models = [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}"]
+    zero = ["train.backend=zero", "train.precision=fp32", "policy.rollout_dtype=bfloat16"]
+    args = ["train", CONFIG, *models, *zero, "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "train.backend=zero computes in fp32 from the weights the rollout runs (bfloat16)" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
 def test_invalid_yaml_file(tmp_path, capsys):
