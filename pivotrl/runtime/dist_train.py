@@ -67,6 +67,9 @@ CONNECT_TRY_S = 2.0  # one try at it (a reset connection is looked at again, not
 ARRIVAL_POLL_S = 0.05  # how often a rank waiting for the others to arrive looks whether to give up
 ARRIVED = "pivotrl/arrived"  # the rendezvous store's count of the ranks that came
 DEFAULT_BUCKET_BYTES = 256 << 20  # gradient bytes per all-reduce; bounds the extra memory of the flat buffer
+# torch 2.13 names the single-tensor collectives *_single; older releases (2.11 on some GPU images) only *_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Per-rank numbers gathered at every step. Sums merge by addition, extremes by max/min.
 _SUM_KEYS = ("tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum", "mismatch_sum")
@@ -173,14 +176,19 @@ class TrainGroup:
     finishing the old epoch can never rendezvous with the new one.
     """
 
-    __slots__ = ("_joined", "address", "backend", "device", "marks", "rank", "world_size")
+    __slots__ = ("_joined", "address", "backend", "device", "marks", "rank", "staged", "world_size")
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, address: str | None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, device: torch.device, backend: str, address: str | None, staged: bool = False
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.backend = backend
         self.address = address
+        # collectives go through host memory over gloo: ranks that share a GPU (``gpus_per_device`` below 1),
+        # where NCCL refuses a second rank on the same device
+        self.staged = staged
         self._joined = False  # a process group is made (join sets it) for several ranks, or one if asked
         # how far this rank got: one more before each collective it enters. Ranks waiting in a collective have
         # counted it; one stuck before it (a hung kernel, a stuck call) has not: it is the one holding the others
@@ -204,6 +212,7 @@ class TrainGroup:
         process_group: bool = False,
         listening: bool = False,
         abandon: Callable[[], bool] | None = None,
+        staged: bool = False,
     ) -> TrainGroup:
         """Rendezvous with the other ``world_size - 1`` ranks at ``master_addr:master_port`` (rank 0 listens there).
 
@@ -223,6 +232,11 @@ class TrainGroup:
         ``abandon``: looked at while this rank waits for the others to arrive;
         once it says so, joining fails with :class:`JoinAbandoned` (a peer is
         lost and will not come).
+
+        ``staged``: the ranks may share a GPU (``gpus_per_device`` below 1). NCCL takes one rank per GPU, so
+        the group is gloo's and every collective copies its tensors to host memory and back
+        (:meth:`all_reduce_`, :meth:`all_gather`, :meth:`reduce_scatter_`, :meth:`all_gather_into_`): slower,
+        for trying the whole path on one card, not for training at scale.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -231,11 +245,11 @@ class TrainGroup:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         device = torch.device(device)
-        backend = backend_for(device)
+        backend = "gloo" if staged else backend_for(device)
         if store is not None and rank != 0:
             raise ValueError(f"store: only rank 0 brings the end it listens on, got one for rank {rank}")
         if world_size == 1 and not process_group:
-            return cls(0, 1, device, backend, None)
+            return cls(0, 1, device, backend, None, staged)
         if world_size > 1:
             if store is not None:
                 master_port = store.port
@@ -248,7 +262,8 @@ class TrainGroup:
         kwargs: dict[str, Any] = {}
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            kwargs["device_id"] = device  # bind the communicator to this GPU now, not at the first collective
+            if not staged:
+                kwargs["device_id"] = device  # bind the communicator to this GPU now, not at the first collective
         timeout = timedelta(seconds=timeout_s)
         if world_size == 1:  # a group of one meets nobody: an in-process store
             address, store = "local", dist.HashStore()
@@ -270,7 +285,7 @@ class TrainGroup:
             _undo_failed_join(count)  # (a peer lost midway: the next join must start as this one did)
             raise
         logger.info("train group: rank %d/%d joined in %.2f s", rank, world_size, time.perf_counter() - start)
-        group = cls(rank, world_size, device, backend, address)
+        group = cls(rank, world_size, device, backend, address, staged)
         group._joined = True
         return group
 
@@ -296,13 +311,45 @@ class TrainGroup:
         if not self.active:
             raise RuntimeError(f"train group {self.address} (rank {self.rank}/{self.world_size}) was left")
 
+    def _host(self, tensor: Tensor) -> Tensor:
+        """Where a collective runs on ``tensor``: itself, or (staged) a copy in host memory."""
+        return tensor.to("cpu", copy=True) if self.staged else tensor
+
     def all_reduce_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over the group in place (a no-op for one rank)."""
         self._check()
         if self.world_size > 1:
             self.mark()
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            work = self._host(tensor)
+            dist.all_reduce(work, op=dist.ReduceOp.SUM)
+            if work is not tensor:
+                tensor.copy_(work)
         return tensor
+
+    def reduce_scatter_(self, out: Tensor, tensor: Tensor) -> Tensor:
+        """``out`` = this rank's 1/W slice of ``tensor`` summed over the group (``tensor`` holds W slices of
+        ``out``'s size, in rank order)."""
+        if self.world_size == 1:
+            self._check()
+            return out.copy_(tensor[: out.numel()])
+        return self._into(_reduce_scatter, out, tensor)
+
+    def all_gather_into_(self, out: Tensor, tensor: Tensor) -> Tensor:
+        """``out`` = every rank's ``tensor`` end to end, in rank order."""
+        if self.world_size == 1:
+            self._check()
+            return out[: tensor.numel()].copy_(tensor)
+        return self._into(_all_gather_single, out, tensor)
+
+    def _into(self, collective: Callable[[Tensor, Tensor], Any], out: Tensor, tensor: Tensor) -> Tensor:
+        """``collective(out, tensor)`` over the group; staged, on host copies, ``out`` filled from its copy."""
+        self._check()
+        self.mark()
+        work = torch.empty(out.shape, dtype=out.dtype) if self.staged else out
+        collective(work, self._host(tensor))
+        if work is not out:
+            out.copy_(work)
+        return out
 
     def all_gather(self, tensor: Tensor) -> Tensor:
         """``tensor`` of every rank stacked in rank order, ``[world_size, *tensor.shape]``.
@@ -314,10 +361,11 @@ class TrainGroup:
         self._check()
         if self.world_size == 1:
             return tensor[None].clone()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = self._host(tensor.contiguous())
+        parts = [torch.empty_like(work) for _ in range(self.world_size)]
         self.mark()
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.stack(parts)
+        dist.all_gather(parts, work)
+        return torch.stack(parts).to(tensor.device)
 
 
 def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

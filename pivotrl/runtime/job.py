@@ -76,6 +76,13 @@ def context_spec(
     Prompts are measured as the models read them, in their chat templates (``*_chat``) if any.
     Smaller caches make every shift into a generation role cheaper (they are allocated then)."""
     rollout_dtype = cfg.policy.resolved_rollout_dtype(device)
+    shared = device == "cuda" and cfg.gpus_per_device < 1 and cfg.devices > 1
+    if shared and cfg.train.resolved_backend(device) == "fsdp":
+        raise UserError(
+            f"train.backend=fsdp (auto on GPUs) cannot train on devices that share a GPU (gpus_per_device="
+            f"{cfg.gpus_per_device}): NCCL takes one rank per GPU and FSDP2's collectives need it; use "
+            "train.backend=zero or replicated, whose few collectives go through host memory there"
+        )
     if cfg.train.resolved_backend(device) == "zero" and cfg.train.resolved_precision(device) == "fp32" != (
         "fp32" if rollout_dtype == "float32" else rollout_dtype
     ):

@@ -52,7 +52,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError
@@ -68,10 +67,6 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 _SUM_KEYS = ("tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum", "mismatch_sum")
 CHUNK = 1 << 24  # elements AdamW updates at once: its temporaries stay ~128 MB, not two copies of the range
 SLACK = 4096  # spare elements after the gradient sum: the padding of a reduce-scatter over up to this many ranks
-
-# torch 2.13 names the single-tensor collectives *_single; older releases (2.11 on some GPU images) only *_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_dtypes(compute: torch.dtype, rollout: torch.dtype) -> None:
@@ -318,8 +313,7 @@ class ZeroTrainer:
             self.grads = torch.cat([self.grads, self.grads.new_zeros(size * world - self.grads.numel())])
         if world > 1:
             shard = torch.empty(size, dtype=torch.float32, device=self.grads.device)
-            group.mark()
-            _reduce_scatter(shard, self.grads[: size * world])
+            group.reduce_scatter_(shard, self.grads[: size * world])
         else:
             shard = self.grads[:size]  # (one rank: its range is the whole sum, in place)
         grad = shard[: b - a]
@@ -357,8 +351,7 @@ class ZeroTrainer:
         full = self.grads[: size * world]
         if world > 1:
             assert self.group is not None
-            self.group.mark()
-            _all_gather(full, shard)
+            self.group.all_gather_into_(full, shard)
         with torch.no_grad():
             for p, (lo, hi) in zip(self.params, self.spans, strict=True):
                 p.copy_(full[lo:hi].view_as(p))

@@ -227,6 +227,17 @@ def test_a_chat_template_turned_on_for_a_checkpoint_without_one_stops_the_job_be
     assert not (tmp_path / "run").exists()
 
 
+def test_fsdp_on_devices_sharing_a_gpu_is_refused_with_what_works():
+    """NCCL takes one rank per GPU: FSDP2 cannot train devices that share one; ZeRO-1 and the replicated trainer
+    can, their few collectives staged through host memory."""
+    shared = ["devices=4", "gpus_per_device=0.25"]
+    with pytest.raises(UserError, match="train.backend=zero or replicated"):
+        context_spec(load_config(None, shared), device="cuda")  # auto: fsdp on GPUs
+    for backend in ("zero", "replicated"):
+        context_spec(load_config(None, [*shared, f"train.backend={backend}"]), device="cuda")
+    context_spec(load_config(None, ["devices=4"]), device="cuda")  # a GPU each: fsdp is fine
+
+
 def test_context_spec_sizes_prompts_in_their_chat_templates(chat_checkpoints):
     cfg = small_job(chat_checkpoints, "task.chat_template.enabled=true", "judge.chat_template.enabled=true")
     problems = read_jsonl(cfg.task.train_file)

@@ -88,22 +88,27 @@ class FileStore:
         return store
 
 
-def _group(rank: int, world: int, name: str, out: Path) -> TrainGroup:
+def _group(rank: int, world: int, name: str, out: Path, staged: bool = False) -> TrainGroup:
     """Rank 0 listens on a port the system picks and tells it through a file (the driver's part in the
-    runtime); a port found free beforehand could be taken by any other socket in between."""
+    runtime); a port found free beforehand could be taken by any other socket in between. ``staged``: the
+    collectives copy through host memory, as ranks sharing a GPU do."""
     if world == 1:
-        return TrainGroup.join(0, 1, device="cpu", process_group=True)
+        return TrainGroup.join(0, 1, device="cpu", process_group=True, staged=staged)
     told = out / f"{name}.port"
     if rank == 0:
         store = listen(world, timeout_s=TIMEOUT_S)
         told.with_suffix(".tmp").write_text(str(store.port))
         told.with_suffix(".tmp").rename(told)
-        return TrainGroup.join(0, world, device="cpu", timeout_s=TIMEOUT_S, store=store, process_group=True)
+        return TrainGroup.join(
+            0, world, device="cpu", timeout_s=TIMEOUT_S, store=store, process_group=True, staged=staged
+        )
     deadline = time.monotonic() + TIMEOUT_S
     while not told.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     port = int(told.read_text())
-    return TrainGroup.join(rank, world, master_port=port, device="cpu", timeout_s=TIMEOUT_S, process_group=True)
+    return TrainGroup.join(
+        rank, world, master_port=port, device="cpu", timeout_s=TIMEOUT_S, process_group=True, staged=staged
+    )
 
 
 def _step(trainer: ShardedTrainer, batch: Batch) -> dict[str, float]:

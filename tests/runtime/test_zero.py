@@ -73,7 +73,10 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         torch.save({"state": _published(trainer), "stats": stats, "compute": module_tensors(trainer.model)},
                    out / f"{name}.{rank}.pt")  # fmt: skip
 
-    def run(name: str, world: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False, share=local_share) -> None:
+    def run(
+        name: str, world: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False, share=local_share,
+        staged: bool = False,
+    ) -> None:  # fmt: skip
         if rank >= world:
             return
         dtype = torch.bfloat16 if bf16 else torch.float32
@@ -81,7 +84,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         ref = compute_copy(weights(initial(tied)), tied, dtype).requires_grad_(False) if cfg.kl_coef > 0 else None
         trainer = ZeroTrainer(compute_copy(snap, tied, dtype), cfg, 1.0, 0, ref)
         stats = []
-        with _group(rank, world, name, out) as group:
+        with _group(rank, world, name, out, staged) as group:
             for i, batch in enumerate(batches[:2]):
                 trainer.accumulate(*share(batch, world, rank))  # before the group is known, the first time
                 if i == 0:
@@ -94,6 +97,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
     run("w2", 2, CFG)
     run("w3", 3, CFG, tied=True)
     run("order", 3, CFG, share=reversed_share)
+    run("staged", 3, CFG, staged=True)  # the collectives through host memory, as ranks sharing a GPU run them
     run("kl", 2, KL)
     run("bf16", 2, CFG, bf16=True)
 
@@ -165,7 +169,8 @@ def load(runs: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("name", "world", "tied"), [("w1", 1, False), ("w2", 2, False), ("w3", 3, True), ("order", 3, False)]
+    ("name", "world", "tied"),
+    [("w1", 1, False), ("w2", 2, False), ("w3", 3, True), ("order", 3, False), ("staged", 3, False)],
 )
 def test_group_size_and_order_do_not_change_the_update(runs, batches, name, world, tied):
     state, stats = one_device(batches[:2], tied=tied)
