@@ -280,7 +280,7 @@ class TrainContext:
 
         device = torch.device(spec.device)
         self.version, self.cfg, self.temperature = version, cfg, temperature
-        self.backend = cfg.resolved_backend(device.type)
+        self.backend = cfg.resolved_backend(device.type, device.type == "cuda" and spec.memory_share < 1)
         self.compute = compute_dtype(cfg, device)
         snap = store.fetch(POLICY, version)
         self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version

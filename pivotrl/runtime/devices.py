@@ -76,6 +76,12 @@ def machine_cores() -> int:
         return os.cpu_count() or 1
 
 
+def shares_gpu(kind: str, gpus_per_device: float, devices: int) -> bool:
+    """Several devices on one GPU (``gpus_per_device`` below 1): their train group cannot be NCCL's, which takes
+    one rank per GPU (``TrainGroup``'s ``staged``)."""
+    return kind == CUDA and gpus_per_device < 1 and devices > 1
+
+
 def bundle(kind: Kind, gpus_per_device: float) -> dict[str, float]:
     """What one device actor reserves on its node."""
     return {"CPU": 1, "GPU": gpus_per_device} if kind == CUDA else {"CPU": 1}

@@ -76,14 +76,14 @@ def context_spec(
     Prompts are measured as the models read them, in their chat templates (``*_chat``) if any.
     Smaller caches make every shift into a generation role cheaper (they are allocated then)."""
     rollout_dtype = cfg.policy.resolved_rollout_dtype(device)
-    shared = device == "cuda" and cfg.gpus_per_device < 1 and cfg.devices > 1
-    if shared and cfg.train.resolved_backend(device) == "fsdp":
+    shared = dev.shares_gpu(device, cfg.gpus_per_device, cfg.devices)
+    if shared and cfg.train.backend == "fsdp":
         raise UserError(
-            f"train.backend=fsdp (auto on GPUs) cannot train on devices that share a GPU (gpus_per_device="
+            f"train.backend=fsdp cannot train on devices that share a GPU (gpus_per_device="
             f"{cfg.gpus_per_device}): NCCL takes one rank per GPU and FSDP2's collectives need it; use "
             "train.backend=zero or replicated, whose few collectives go through host memory there"
         )
-    if cfg.train.resolved_backend(device) == "zero" and cfg.train.resolved_precision(device) == "fp32" != (
+    if cfg.train.resolved_backend(device, shared) == "zero" and cfg.train.resolved_precision(device) == "fp32" != (
         "fp32" if rollout_dtype == "float32" else rollout_dtype
     ):
         raise UserError(
@@ -320,7 +320,8 @@ def _run_once(
         genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        backend = cfg.train.resolved_backend(kind if in_process else driver.kind)
+        kind = kind if in_process else driver.kind
+        backend = cfg.train.resolved_backend(kind, dev.shares_gpu(kind, cfg.gpus_per_device, cfg.devices))
         loop = replace(loop_spec(cfg), sharded_train=backend in ("fsdp", "zero"), lockstep_train=backend == "fsdp",
                        chat=policy_chat)  # fmt: skip
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)

@@ -365,7 +365,8 @@ class RayDriver:
         self.stepping: _StepCalls | None = None  # the optimizer step in flight
         self.attempts = 0  # optimizer steps sent so far (tries again included)
         # a sharded trainer's step that loses a member cannot be saved: the run stops at once (see the controller)
-        self.sharded = cfg.train.resolved_backend(self.kind) in ("fsdp", "zero")
+        shared = dev.shares_gpu(self.kind, cfg.gpus_per_device, cfg.devices)
+        self.sharded = cfg.train.resolved_backend(self.kind, shared) in ("fsdp", "zero")
         self.groups = TrainGroups()
         if self.kind == dev.CUDA and any(b.kind != dev.CUDA for b in self.bindings):
             logger.warning("device actors hold GPU shares but their torch sees no CUDA: they compute on the CPU")

@@ -28,7 +28,8 @@ class TrainConfig:
     # fsdp: parameters, gradients and AdamW state sharded over the train devices (FSDP2), groups backpropagated in
     # lockstep at the step; zero: compute-dtype weights and an fp32 gradient sum on every train device, groups
     # backpropagated as they are judged, fp32 master weights and AdamW state sharded at the step (ZeRO-1);
-    # replicated: every train device holds all of it in fp32; auto: fsdp on CUDA, replicated on CPU
+    # replicated: every train device holds all of it in fp32; auto: fsdp on CUDA (zero where devices share a
+    # GPU), replicated on CPU
     backend: Backend = "auto"
     # fp32 master weights and optimizer state always; bf16 = compute in bfloat16; auto: bf16 on CUDA, fp32 on CPU
     precision: Precision = "auto"
@@ -62,11 +63,14 @@ class TrainConfig:
         check("activation_checkpointing", isinstance(self.activation_checkpointing, bool), "true or false")
         check("recompute_logprobs", isinstance(self.recompute_logprobs, bool), "true or false")
 
-    def resolved_backend(self, device_type: str) -> str:
-        """``auto`` made concrete for a device type ("cuda" or "cpu")."""
+    def resolved_backend(self, device_type: str, shared: bool = False) -> str:
+        """``auto`` made concrete for a device type ("cuda" or "cpu"); ``shared``: several devices on one GPU,
+        where a train group's collectives go through host memory, which FSDP2 cannot (ZeRO-1 then)."""
         if self.backend != "auto":
             return self.backend
-        return "fsdp" if device_type == "cuda" else "replicated"
+        if device_type == "cuda":
+            return "zero" if shared else "fsdp"
+        return "replicated"
 
     def resolved_precision(self, device_type: str) -> str:
         if self.precision != "auto":

@@ -228,14 +228,17 @@ def test_a_chat_template_turned_on_for_a_checkpoint_without_one_stops_the_job_be
 
 
 def test_fsdp_on_devices_sharing_a_gpu_is_refused_with_what_works():
-    """NCCL takes one rank per GPU: FSDP2 cannot train devices that share one; ZeRO-1 and the replicated trainer
-    can, their few collectives staged through host memory."""
+    """NCCL takes one rank per GPU: FSDP2 cannot train devices that share one; ZeRO-1 (what ``auto`` takes there)
+    and the replicated trainer can, their few collectives staged through host memory."""
     shared = ["devices=4", "gpus_per_device=0.25"]
     with pytest.raises(UserError, match="train.backend=zero or replicated"):
-        context_spec(load_config(None, shared), device="cuda")  # auto: fsdp on GPUs
-    for backend in ("zero", "replicated"):
+        context_spec(load_config(None, [*shared, "train.backend=fsdp"]), device="cuda")
+    for backend in ("auto", "zero", "replicated"):
         context_spec(load_config(None, [*shared, f"train.backend={backend}"]), device="cuda")
-    context_spec(load_config(None, ["devices=4"]), device="cuda")  # a GPU each: fsdp is fine
+    context_spec(load_config(None, ["devices=4", "train.backend=fsdp"]), device="cuda")  # a GPU each: fine
+    train = load_config(None, []).train
+    assert (train.resolved_backend("cuda"), train.resolved_backend("cuda", shared=True)) == ("fsdp", "zero")
+    assert train.resolved_backend("cpu", shared=True) == "replicated"
 
 
 def test_context_spec_sizes_prompts_in_their_chat_templates(chat_checkpoints):
