@@ -368,6 +368,35 @@ class TrainGroup:
         return torch.stack(parts).to(tensor.device)
 
 
+def gather_step_stats(
+    group: TrainGroup, version: int, local: dict[str, float], flags: Sequence[bool]
+) -> tuple[dict[str, float], list[bool]]:
+    """One small collective at an optimizer step: every rank's policy version, running stat sums and ``flags``
+    (which parameters got a gradient). Returns the group's sums and, per parameter, whether any rank has a
+    gradient; raises (on every rank alike) when the ranks hold different versions."""
+    row = torch.zeros(_FLAGS + len(flags), dtype=torch.float64)
+    row[_VERSION] = version
+    row[_HAS_KL] = float("kl_sum" in local)
+    row[_SUMS:_RATIO_MAX] = torch.tensor([float(local.get(k, 0.0)) for k in _SUM_KEYS], dtype=torch.float64)
+    row[_RATIO_MAX] = local.get("ratio_max", float("-inf"))
+    row[_RATIO_MIN] = local.get("ratio_min", float("inf"))
+    row[_FLAGS:] = torch.tensor([float(f) for f in flags], dtype=torch.float64)
+    rows = group.all_gather(row.to(group.device)).cpu()
+    versions = [int(v) for v in rows[:, _VERSION].tolist()]
+    if len(set(versions)) > 1:
+        raise RuntimeError(
+            f"train group {group.address}: ranks hold different policy versions {versions} (by rank); "
+            "a device that newly takes the train role must import the current version's state first"
+        )
+    sums = dict(zip(_SUM_KEYS, rows[:, _SUMS:_RATIO_MAX].sum(0).tolist(), strict=True))
+    if not rows[:, _HAS_KL].any():
+        del sums["kl_sum"]
+    ratio_max, ratio_min = float(rows[:, _RATIO_MAX].max()), float(rows[:, _RATIO_MIN].min())
+    if ratio_max != float("-inf"):
+        sums["ratio_max"], sums["ratio_min"] = ratio_max, ratio_min
+    return sums, rows[:, _FLAGS:].amax(0).bool().tolist()
+
+
 def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Parameters grouped by (dtype, device), in model order, cut into buckets of at most ``bucket_bytes``.
 
@@ -445,27 +474,6 @@ class ElasticTrainer:
         count = torch.tensor([float(self.trainer.pending_tokens)], dtype=torch.float64, device=self.group.device)
         return int(self.group.all_reduce_(count).item())
 
-    def _gather(self) -> tuple[list[int], dict[str, float], list[bool]]:
-        """One small collective: every rank's version, stat sums and which parameters have a gradient."""
-        local = self.trainer.pending_stats
-        row = torch.zeros(_FLAGS + len(self._params), dtype=torch.float64)
-        row[_VERSION] = self.version
-        row[_HAS_KL] = float("kl_sum" in local)
-        row[_SUMS:_RATIO_MAX] = torch.tensor([float(local.get(k, 0.0)) for k in _SUM_KEYS], dtype=torch.float64)
-        row[_RATIO_MAX] = local.get("ratio_max", float("-inf"))
-        row[_RATIO_MIN] = local.get("ratio_min", float("inf"))
-        row[_FLAGS:] = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float64)
-        rows = self.group.all_gather(row.to(self.group.device)).cpu()
-        versions = [int(v) for v in rows[:, _VERSION].tolist()]
-        sums = dict(zip(_SUM_KEYS, rows[:, _SUMS:_RATIO_MAX].sum(0).tolist(), strict=True))
-        if not rows[:, _HAS_KL].any():
-            del sums["kl_sum"]
-        ratio_max, ratio_min = float(rows[:, _RATIO_MAX].max()), float(rows[:, _RATIO_MIN].min())
-        if ratio_max != float("-inf"):
-            sums["ratio_max"], sums["ratio_min"] = ratio_max, ratio_min
-        has_grad = rows[:, _FLAGS:].amax(0).bool().tolist()
-        return versions, sums, has_grad
-
     def _all_reduce_grads(self, has_grad: list[bool]) -> None:
         """Sum every gradient over the group, one flat buffer per bucket; a missing gradient counts as zeros.
 
@@ -502,13 +510,13 @@ class ElasticTrainer:
         """
         group = self.group
         if group.world_size > 1:
-            versions, sums, has_grad = self._gather()
-            if len(set(versions)) > 1:
-                self.trainer.discard()
-                raise RuntimeError(
-                    f"train group {group.address}: replicas hold different policy versions {versions} (by rank); "
-                    "a device that newly takes the train role must import_state(...) of the current version first"
+            try:
+                sums, has_grad = gather_step_stats(
+                    group, self.version, self.trainer.pending_stats, [p.grad is not None for p in self._params]
                 )
+            except RuntimeError:
+                self.trainer.discard()
+                raise
             accumulated = int(sums["tokens"])
             if total_tokens is not None and total_tokens < accumulated:
                 raise ValueError(

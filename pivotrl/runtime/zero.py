@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError
 from pivotrl.log import logger
-from pivotrl.runtime.dist_train import TrainGroup
+from pivotrl.runtime.dist_train import TrainGroup, gather_step_stats
 from pivotrl.runtime.sharded import free_shards, row_range, shard_name
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
@@ -64,7 +64,6 @@ from pivotrl.train.grpo import GRPOTrainer, step_report
 
 LAYOUT = "flat"  # the meta mark of this trainer's shards (FSDP2's are cut per parameter, by rows)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_SUM_KEYS = ("tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum", "mismatch_sum")
 CHUNK = 1 << 24  # elements AdamW updates at once: its temporaries stay ~128 MB, not two copies of the range
 SLACK = 4096  # spare elements after the gradient sum: the padding of a reduce-scatter over up to this many ranks
 
@@ -257,25 +256,6 @@ class ZeroTrainer:
         self.imported = None
 
     # -- the step ----------------------------------------------------------------------------------------------------
-    def _gather_stats(self) -> tuple[list[int], dict[str, float], list[bool]]:
-        """Every rank's version, stat sums and which parameters got a gradient: one small all-gather."""
-        local = self.trainer.pending_stats
-        row = [float(self.version), float("kl_sum" in local)]
-        row += [float(local.get(k, 0.0)) for k in _SUM_KEYS]
-        row += [local.get("ratio_max", float("-inf")), local.get("ratio_min", float("inf"))]
-        row += [float(g) for g in self._got]
-        group = self.group
-        assert group is not None
-        rows = group.all_gather(torch.tensor(row, dtype=torch.float64, device=group.device)).cpu()
-        sums = dict(zip(_SUM_KEYS, rows[:, 2 : 2 + len(_SUM_KEYS)].sum(0).tolist(), strict=True))
-        if not rows[:, 1].any():
-            del sums["kl_sum"]
-        k = 2 + len(_SUM_KEYS)
-        ratio_max, ratio_min = float(rows[:, k].max()), float(rows[:, k + 1].min())
-        if ratio_max != float("-inf"):
-            sums["ratio_max"], sums["ratio_min"] = ratio_max, ratio_min
-        return [int(v) for v in rows[:, 0].tolist()], sums, rows[:, k + 2 :].amax(0).bool().tolist()
-
     def step(self, total_tokens: int | None = None) -> tuple[dict[str, float], int, float]:
         """The optimizer step over the bound group (call on every rank). Returns the group's numbers (identical on
         every rank, with ``world_size`` and the new ``version``), and 0 tokens and 0 seconds of backward: that ran
@@ -287,15 +267,13 @@ class ZeroTrainer:
         if self._dirty:
             self._clear()
         if world > 1:
-            versions, sums, got = self._gather_stats()
-            if len(set(versions)) > 1:
+            try:
+                sums, got = gather_step_stats(group, self.version, self.trainer.pending_stats, self._got)
+            except RuntimeError:  # (another version's gradients: none of them is of use)
                 self.trainer.discard()
                 self._clear()
                 self._got = [False] * len(self.params)
-                raise RuntimeError(
-                    f"train group {group.address}: ranks hold different policy versions {versions} (by rank); "
-                    "a device that newly takes the train role must load the current version first"
-                )
+                raise
         else:
             sums, got = self.trainer.pending_stats, list(self._got)
         accumulated = int(sums.get("tokens", 0))
@@ -362,14 +340,13 @@ class ZeroTrainer:
         weights the step gathered; returns the bytes published (0 on the other ranks)."""
         if self.rank != 0:
             return 0
-        start = time.perf_counter()
         src = self._gathered
+        if src is None:
+            raise RuntimeError("publish_weights() goes right after step(): a backward since has cleared the weights")
+        start = time.perf_counter()
         with torch.no_grad():
-            if src is None:  # (no step since the last backward: the compute copy is what there is)
-                host = {n: p.detach().to(dtype).cpu() for n, p in zip(self.names, self.params, strict=True)}
-            else:
-                host = {n: src[lo:hi].view_as(p).to(dtype).cpu()
-                        for n, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True)}  # fmt: skip
+            host = {n: src[lo:hi].view_as(p).to(dtype).cpu()
+                    for n, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True)}  # fmt: skip
         nbytes = store.publish(model_name, self.version, host, Kind.WEIGHTS, meta).nbytes
         logger.debug("zero: published %s v%d (%d bytes) in %.3f s", model_name, self.version, nbytes,
                      time.perf_counter() - start)  # fmt: skip

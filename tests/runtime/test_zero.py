@@ -257,3 +257,12 @@ def test_adamw_by_chunks_is_torch_adamw(monkeypatch):
         opt.step()
     assert torch.equal(trainer.master, plain.detach())
     assert torch.equal(trainer.moments["exp_avg_sq"], opt.state[plain]["exp_avg_sq"])
+
+
+def test_weights_are_published_from_the_step_they_come_from(batches):
+    """The published version is the gathered fp32 master weights of the step just taken; once a backward has
+    cleared them, publishing is a mistake, not a quiet copy of the compute weights."""
+    trainer = ZeroTrainer(compute_copy(weights(initial()), False), CFG, 1.0, 0)
+    trainer.accumulate(*batches[0])
+    with pytest.raises(RuntimeError, match="right after step"):
+        trainer.publish_weights(LocalStore(), MODEL, torch.float32, {})
