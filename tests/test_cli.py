@@ -37,7 +37,7 @@ def test_a_trainer_that_would_round_its_weights_is_refused(tmp_path, capsys, tin
     args = ["train", CONFIG, *models, *zero, "--out", str(tmp_path / "run")]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "train.backend=zero computes in fp32 from the weights the rollout runs (bfloat16)" in err
+    assert "train.backend=zero computes in float32 from the weights the rollout runs (bfloat16)" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 

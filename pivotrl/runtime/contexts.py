@@ -95,6 +95,7 @@ class ContextSpec:
     policy_chat: bool = False  # policy prompts come in its chat template (task.chat_template), rendered already
     kv_cache_bytes: int = 0  # KV-cache budget per device (rollout.kv_cache_gb); 0 = auto
     memory_share: float = 1.0  # share of the GPU this device may use when device actors share one (gpus_per_device)
+    shared_gpu: bool = False  # other devices of the job are on its GPU: its train group goes through host memory
     rollout_backend: str = "native"  # generation backend of the policy (rollout.backend): native | vllm
     judge_backend: str = "native"  # generation backend of the judge (judge.backend)
     audit_migrations: bool = False  # generate each resumed sequence unmigrated beside it and compare (rollout.*)
@@ -280,7 +281,7 @@ class TrainContext:
 
         device = torch.device(spec.device)
         self.version, self.cfg, self.temperature = version, cfg, temperature
-        self.backend = cfg.resolved_backend(device.type, device.type == "cuda" and spec.memory_share < 1)
+        self.backend = cfg.resolved_backend(device.type, spec.shared_gpu)
         self.compute = compute_dtype(cfg, device)
         snap = store.fetch(POLICY, version)
         self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version

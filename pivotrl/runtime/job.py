@@ -30,6 +30,7 @@ from pivotrl.gps import Kind, LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
 from pivotrl.model.chat import ChatTemplate, copy_chat_template, load_chat_template
+from pivotrl.model.loader import DTYPES
 from pivotrl.reward import GenRM
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import devices as dev
@@ -40,11 +41,13 @@ from pivotrl.runtime.contexts import (
     REFERENCE,
     ContextSpec,
     build_model,
+    compute_dtype,
     publish_checkpoint,
 )
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.sharded import shard_name
 from pivotrl.runtime.worker import TrainSpec, Worker
+from pivotrl.runtime.zero import check_dtypes
 from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
@@ -83,13 +86,11 @@ def context_spec(
             f"{cfg.gpus_per_device}): NCCL takes one rank per GPU and FSDP2's collectives need it; use "
             "train.backend=zero or replicated, whose few collectives go through host memory there"
         )
-    if cfg.train.resolved_backend(device, shared) == "zero" and cfg.train.resolved_precision(device) == "fp32" != (
-        "fp32" if rollout_dtype == "float32" else rollout_dtype
-    ):
-        raise UserError(
-            f"train.backend=zero computes in fp32 from the weights the rollout runs ({rollout_dtype}), which would "
-            "round them: set train.precision=bf16, or policy.rollout_dtype=float32"
-        )
+    if cfg.train.resolved_backend(device, shared) == "zero":
+        try:
+            check_dtypes(compute_dtype(cfg.train, torch.device(device)), DTYPES[rollout_dtype])
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if problems:
         template = cfg.task.prompt_template
         policy = [template.format(question=p.question) for p in problems]
@@ -112,6 +113,7 @@ def context_spec(
         policy_chat=policy_chat is not None,
         kv_cache_bytes=int(cfg.rollout.kv_cache_gb * GB),
         memory_share=cfg.gpus_per_device,  # devices sharing a GPU size their caches from their share of it
+        shared_gpu=shared,
         rollout_backend=cfg.rollout.backend,
         judge_backend=cfg.judge.backend,
         audit_migrations=cfg.rollout.audit_migrations == "on"

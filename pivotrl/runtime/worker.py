@@ -415,11 +415,9 @@ class Worker:
         host, port = rendezvous
         store, self._rendezvous = (self._rendezvous, None) if rank == 0 and len(cmd.devices) > 1 else (None, None)
         # rank 0 called listen() before the port was handed out: a refused connection means it is gone
-        # devices sharing a GPU (gpus_per_device below 1) cannot be ranks of one NCCL group: through host memory
-        staged = self.spec.device.startswith("cuda") and self.spec.memory_share < 1
         self.group = TrainGroup.join(
             rank, len(cmd.devices), host, port, device=self.spec.device, store=store, process_group=process_group,
-            listening=True, abandon=lambda: self._abandoned == attempt, staged=staged,
+            listening=True, abandon=lambda: self._abandoned == attempt, staged=self.spec.shared_gpu,
         )  # fmt: skip
         self.group_devices = cmd.devices
         return self._met(self.group)

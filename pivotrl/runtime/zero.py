@@ -72,9 +72,10 @@ def check_dtypes(compute: torch.dtype, rollout: torch.dtype) -> None:
     """The compute copy is loaded from the version rollout ran, so it must not be narrower than the compute
     dtype: fp32 compute from bf16 rollout weights would train other weights than the master's."""
     if compute.itemsize > rollout.itemsize:
+        name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
         raise ValueError(
-            f"train.backend=zero computes in {compute} from the weights the rollout runs ({rollout}), which would "
-            "round them: set train.precision=bf16, or policy.rollout_dtype=float32"
+            f"train.backend=zero computes in {name(compute)} from the weights the rollout runs ({name(rollout)}), "
+            "which would round them: set train.precision=bf16, or policy.rollout_dtype=float32"
         )
 
 

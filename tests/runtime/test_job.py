@@ -234,8 +234,9 @@ def test_fsdp_on_devices_sharing_a_gpu_is_refused_with_what_works():
     with pytest.raises(UserError, match="train.backend=zero or replicated"):
         context_spec(load_config(None, [*shared, "train.backend=fsdp"]), device="cuda")
     for backend in ("auto", "zero", "replicated"):
-        context_spec(load_config(None, [*shared, f"train.backend={backend}"]), device="cuda")
-    context_spec(load_config(None, ["devices=4", "train.backend=fsdp"]), device="cuda")  # a GPU each: fine
+        assert context_spec(load_config(None, [*shared, f"train.backend={backend}"]), device="cuda").shared_gpu
+    assert not context_spec(load_config(None, ["devices=4", "train.backend=fsdp"]), device="cuda").shared_gpu
+    assert not context_spec(load_config(None, ["gpus_per_device=0.25"]), device="cuda").shared_gpu  # one device
     train = load_config(None, []).train
     assert (train.resolved_backend("cuda"), train.resolved_backend("cuda", shared=True)) == ("fsdp", "zero")
     assert train.resolved_backend("cpu", shared=True) == "replicated"
