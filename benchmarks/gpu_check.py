@@ -665,6 +665,22 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
 # f. the FSDP2 trainer on one GPU
 
 
+def random_batch(vocab: int, n: int, size: int) -> tuple[list[Any], list[float]]:
+    """``n`` random samples of ``size`` tokens, half prompt and half response, with advantages +1 and -1: what
+    the trainer sections backpropagate."""
+    import torch
+
+    from pivotrl.sample import Sample
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for uid in range(n):
+        ids = torch.randint(1, vocab, (size,), generator=gen).tolist()
+        lp = (-torch.rand(size // 2, generator=gen) * 5).tolist()
+        out.append(Sample(uid, uid // 4, "", "", ids[: size // 2], 0, response_ids=ids[size // 2 :], logprobs=lp))
+    return out, [1.0, -1.0] * (n // 2)
+
+
 def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, length: int = 1024) -> dict[str, Any]:
     """The sharded (FSDP2) trainer on one device: the update of a small model equals the plain trainer's in
     fp32, then one bf16 step of ``shape`` with activation checkpointing: seconds, tokens/s, peak memory."""
@@ -672,18 +688,8 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
 
     from pivotrl.runtime.dist_train import TrainGroup
     from pivotrl.runtime.sharded import ShardedTrainer
-    from pivotrl.sample import Sample
     from pivotrl.train.config import TrainConfig
     from pivotrl.train.grpo import GRPOTrainer
-
-    def batch(vocab: int, n: int, size: int) -> tuple[list[Sample], list[float]]:
-        gen = torch.Generator().manual_seed(0)
-        out = []
-        for uid in range(n):
-            ids = torch.randint(1, vocab, (size,), generator=gen).tolist()
-            lp = (-torch.rand(size // 2, generator=gen) * 5).tolist()
-            out.append(Sample(uid, uid // 4, "", "", ids[: size // 2], 0, response_ids=ids[size // 2 :], logprobs=lp))
-        return out, [1.0, -1.0] * (n // 2)
 
     group = TrainGroup.join(0, 1, device=device, process_group=True)
     try:
@@ -694,7 +700,7 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
 
         plain_model = Decoder(small).to(device)
         state = {k: v.detach().cpu().clone() for k, v in plain_model.state_dict().items()}
-        samples, adv = batch(small.vocab_size, 8, 64)
+        samples, adv = random_batch(small.vocab_size, 8, 64)
         plain = GRPOTrainer(plain_model, cfg)
         plain.train_batch(samples, adv)
         sharded = ShardedTrainer(group, small, cfg, 1.0, 0)
@@ -719,7 +725,7 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
         with torch.no_grad():
             for p in trainer.model.parameters():
                 p.to_local().normal_(0.0, 0.02)
-        samples, adv = batch(big.vocab_size, sequences, length)
+        samples, adv = random_batch(big.vocab_size, sequences, length)
         trainer.add(samples, adv)
         warm = timed(device, lambda: trainer.step())
         trainer.add(samples, adv)
@@ -747,18 +753,8 @@ def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
     from pivotrl.model import Decoder
     from pivotrl.runtime.dist_train import TrainGroup
     from pivotrl.runtime.zero import ZeroTrainer
-    from pivotrl.sample import Sample
     from pivotrl.train.config import TrainConfig
     from pivotrl.train.grpo import GRPOTrainer
-
-    def batch(vocab: int, n: int, size: int) -> tuple[list[Sample], list[float]]:
-        gen = torch.Generator().manual_seed(0)
-        out = []
-        for uid in range(n):
-            ids = torch.randint(1, vocab, (size,), generator=gen).tolist()
-            lp = (-torch.rand(size // 2, generator=gen) * 5).tolist()
-            out.append(Sample(uid, uid // 4, "", "", ids[: size // 2], 0, response_ids=ids[size // 2 :], logprobs=lp))
-        return out, [1.0, -1.0] * (n // 2)
 
     group = TrainGroup.join(0, 1, device=device)
     small = PARITY.model_config()
@@ -767,7 +763,7 @@ def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
     plain_model = Decoder(small).to(device)
     copy = Decoder(small).to(device)
     copy.load_state_dict(plain_model.state_dict())
-    samples, adv = batch(small.vocab_size, 8, 64)
+    samples, adv = random_batch(small.vocab_size, 8, 64)
     GRPOTrainer(plain_model, cfg).train_batch(samples, adv)
     zero = ZeroTrainer(copy, cfg, 1.0, 0)
     zero.accumulate(samples, adv)
@@ -787,7 +783,7 @@ def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
         for p in model.parameters():
             p.normal_(0.0, 0.02)
     trainer = ZeroTrainer(model, cfg, 1.0, 0)
-    samples, adv = batch(big.vocab_size, sequences, length)
+    samples, adv = random_batch(big.vocab_size, sequences, length)
     warm = timed(device, lambda: trainer.accumulate(samples, adv))
     trainer.bind(group)
     trainer.load_weights(None)

@@ -429,9 +429,9 @@ class Controller:
         judge_devs = sorted(self._holders[Role.GENRM])
         judging = [uid for d in judge_devs for uid in s.running(d)]
         step, g = self.step, self.spec.group_size
-        # (lockstep: a buffered group is not backpropagated yet; every group of the step is, at the step)
-        done = 0 if self.spec.lockstep_train else step.accumulated if step is not None else 0
-        groups_left = 0 if step is None else -(-(len(step.samples) - done) // g)
+        groups_left = 0
+        if step is not None:  # (lockstep: a buffered group is not backpropagated yet: every group is, at the step)
+            groups_left = -(-(len(step.samples) - (0 if self.spec.lockstep_train else step.accumulated)) // g)
         by_uid, m = self.by_uid, self.measured
 
         def reads(uids: Iterable[int]) -> int:

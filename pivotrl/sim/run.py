@@ -103,7 +103,8 @@ def build(cfg: JobConfig) -> Simulation:
     sim = cfg.sim
     costs = _costs(cfg)
     policy_model, genrm_model = MODELS[sim.policy_model], MODELS[sim.genrm_model]
-    if isinstance(costs, MeasuredCosts):  # measured costs tell the roles apart by model name
+    measured = isinstance(costs, MeasuredCosts)
+    if measured:  # measured costs tell the roles apart by model name
         policy_model = dataclasses.replace(policy_model, name=costs.rollout.model)
         genrm_model = dataclasses.replace(genrm_model, name=costs.genrm.model)
     if sim.shift_scale != 1 or sim.migration_scale != 1:
@@ -157,8 +158,7 @@ def build(cfg: JobConfig) -> Simulation:
         elastic=sim.elastic_engines,
         # the trainer the runtime would run on the modeled devices (``auto``: FSDP2 on GPUs; a measured CPU
         # profile's runtime trains replicated)
-        lockstep_train=cfg.train.resolved_backend("cpu" if isinstance(_unscaled(costs), MeasuredCosts) else "cuda")
-        == "fsdp",
+        lockstep_train=cfg.train.resolved_backend("cpu" if measured else "cuda") == "fsdp",
     )
     checks = ((Role.ROLLOUT, sim.policy_model, spec.rollout_context, "rollout_engine_gpus"),
               (Role.GENRM, sim.genrm_model, spec.judge_context, "genrm_engine_gpus"))  # fmt: skip
@@ -197,10 +197,6 @@ def build(cfg: JobConfig) -> Simulation:
         lockstep_train=spec.lockstep_train,
     )  # fmt: skip
     return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
-
-
-def _unscaled(costs: CostModel) -> CostModel:
-    return costs.base if isinstance(costs, ScaledCosts) else costs
 
 
 def _engine_gpus(sim: SimConfig, costs: CostModel, model: ModelSpec, given: int, context: int) -> int:
