@@ -34,6 +34,7 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
         per_device=r.max_batch,
         check=get_checker(cfg.task.checker),
         rebalance=r.rebalance,
+        min_train_devices=cfg.train.min_devices,
         checkpoint_every=cfg.checkpoint.every,
     )
 

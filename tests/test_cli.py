@@ -102,3 +102,19 @@ def test_run_summary_lines_name_the_outputs():
     assert "0.590 -> 0.700 (+0.110)" in text and "2 unparsable verdicts" in text
     assert "9 shifts (mean 12 ms, max 30 ms), 0 migrations" in text
     assert "runs/latest/timeline.png" in text and "runs/latest/trace.json" in text
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (["mode=disaggregated", "devices=4", "split=rollout:2,genrm:1,train:1"], "split: train:1 is fewer than the 2"),
+        (["devices=1"], "train.min_devices: the optimizer step needs 2 devices, but the job has 1"),
+    ],
+)
+def test_fewer_train_devices_than_the_step_needs_are_refused(layout, message, tmp_path, capsys, tiny_checkpoints):
+    models = [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}"]
+    args = ["train", CONFIG, *models, *layout, "train.min_devices=2", "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -96,6 +96,9 @@ class LoopSpec:
     # the trainer backpropagates every group at the optimizer step, in lockstep over its devices (FSDP2): a group
     # handed to a train device before is only buffered there, and no backward overlaps the rollout or the judge
     lockstep_train: bool = False
+    # the fewest train devices the optimizer step runs on (train.min_devices): where one cannot hold the
+    # trainer's state, the step waits for as many as hold it (at most every device not lost)
+    min_train_devices: int = 1
     checkpoint_every: int = 0  # a checkpoint after every this many steps (0: none); see ``Controller.checkpoint``
     # the policy's chat template (task.chat_template) as a function of the formatted prompt; None: none
     chat: Callable[[str], str] | None = None
@@ -472,6 +475,8 @@ class Controller:
             judge_left_running=sum(self._verdict_left(so_far.get(uid, 0)) for uid in judging),
             judge_reread=self.measured["judge_reread"],
             lockstep_train=self.spec.lockstep_train,
+            # (an optimizer step still to run: it waits for as many train devices)
+            train_devices_needed=self._train_needed() if step is not None and not self.training else 0,
         )
 
     def _measure(self, event: Event) -> None:
@@ -787,8 +792,8 @@ class Controller:
             self.devices[i].accumulating, self.devices[i].grads = len(take), True
             if self.step.train_start is None:
                 self.step.train_start = self.clock()
-        # every backward done (so nothing was handed out above) and every train device free
-        if self.step.accumulated == n and len(free) == len(train_devs):
+        # every backward done (so nothing was handed out above), every train device free, and enough of them
+        if self.step.accumulated == n and len(free) == len(train_devs) >= self._train_needed():
             assert all(not d.grads or d.id in train_devs for d in self.devices), "gradients on a non-train device"
             self.training, self.train_ready = True, False
             for i in train_devs:
@@ -798,6 +803,10 @@ class Controller:
             checkpoint = bool(every) and step % every == 0 and step < self.spec.steps
             cmds.append(Step(train_devs, self.version, tokens, checkpoint))
         return cmds
+
+    def _train_needed(self) -> int:
+        """Train devices the optimizer step waits for: ``min_train_devices``, or every device not lost if fewer."""
+        return min(self.spec.min_train_devices, sum(1 for d in self.devices if not d.lost))
 
     def _shard(self, idx: list[int]) -> TrainShard:
         assert self.step is not None

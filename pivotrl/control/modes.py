@@ -76,13 +76,16 @@ class Colocated(StaticPolicy):
         return tuple(range(self.devices))
 
 
-def default_split(devices: int) -> dict[Role, int]:
-    """A split for disaggregated mode when none is given: one trainer, a judge per
-    three devices beyond it, the rest on rollout."""
-    if devices < 3:
-        raise ValueError(f"disaggregated mode needs at least 3 devices (one per role), got {devices}")
-    genrm = max(1, round((devices - 1) / 3))
-    return {Role.ROLLOUT: devices - 1 - genrm, Role.GENRM: genrm, Role.TRAIN: 1}
+def default_split(devices: int, train: int = 1) -> dict[Role, int]:
+    """A split for disaggregated mode when none is given: ``train`` trainers (the fewest the
+    optimizer step may run on), a judge per three devices beyond them, the rest on rollout."""
+    if devices < train + 2:
+        raise ValueError(
+            f"disaggregated mode needs at least {train + 2} devices ({train} to train, one each to generate and "
+            f"judge), got {devices}"
+        )
+    genrm = max(1, round((devices - train) / 3))
+    return {Role.ROLLOUT: devices - train - genrm, Role.GENRM: genrm, Role.TRAIN: train}
 
 
 class Disaggregated(StaticPolicy):
@@ -91,14 +94,19 @@ class Disaggregated(StaticPolicy):
     name = "disaggregated"
     preempt = False
 
-    def __init__(self, devices: int, split: dict[Role, int] | None = None) -> None:
-        split = split or default_split(devices)
+    def __init__(self, devices: int, split: dict[Role, int] | None = None, min_train: int = 1) -> None:
+        split = split or default_split(devices, min_train)
         missing = [r.value for r in Role if split.get(r, 0) < 1]
         if missing:
             raise ValueError(f"split: disaggregated mode needs at least one device for {', '.join(missing)}")
         if sum(split.values()) != devices:
             layout = ",".join(f"{r.value}:{n}" for r, n in split.items())
             raise ValueError(f"split: {layout} uses {sum(split.values())} devices, but devices={devices}")
+        if split[Role.TRAIN] < min_train:
+            raise ValueError(
+                f"split: train:{split[Role.TRAIN]} is fewer than the {min_train} devices the optimizer step needs "
+                "(train.min_devices)"
+            )
         self.devices = devices
         self.split = split
         self.roles: dict[int, Role] = {}
@@ -121,14 +129,18 @@ def make_policy(
     rollout_tokens: int = 64,
     judge_tokens: int = 64,
     step_samples: int = 0,
+    min_train: int = 1,
 ) -> AllocationPolicy:
-    """The allocation policy registered under ``mode``."""
+    """The allocation policy registered under ``mode``; ``min_train``: the fewest devices the optimizer step
+    may run on (``train.min_devices``)."""
+    if mode in ("colocated", "shiftable") and devices < min_train:
+        raise ValueError(f"train.min_devices: the optimizer step needs {min_train} devices, but the job has {devices}")
     if mode == "colocated":
         if split:
             raise ValueError("split: only used with mode=disaggregated")
         return Colocated(devices)
     if mode == "disaggregated":
-        return Disaggregated(devices, {Role(k): v for k, v in split.items()} if split else None)
+        return Disaggregated(devices, {Role(k): v for k, v in split.items()} if split else None, min_train)
     if mode == "shiftable":
         if split:
             raise ValueError("split: only used with mode=disaggregated")

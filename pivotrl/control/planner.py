@@ -104,6 +104,7 @@ class _Work:
     ended: tuple[float, ...] = ()
     whole: tuple[float, ...] = ()
     lockstep: bool = False  # every group's backward runs at the step, once all are judged (FSDP2)
+    train_needed: int = 0  # the fewest train devices the optimizer step runs on (0: no step to run)
     memo: dict = field(default_factory=dict, compare=False)  # what every allocation of a plan asks alike
 
 
@@ -208,6 +209,7 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
         judge_kv=judge_kv,
         judge_reread=w.judge_reread,
         lockstep=w.lockstep_train,
+        train_needed=w.train_devices_needed,
         **_rollout_grid(w, lm, longest),
     )
 
@@ -323,7 +325,8 @@ def estimate(
       it waits for judged groups), and cannot end before judging does plus the
       last group's backward, its samples shared out over the train devices
       (up to one sample each); the optimizer step follows, and waits for the
-      train devices still shifting in.
+      train devices still shifting in; it needs ``train_devices_needed`` of them
+      (the trainer's state must fit), and an allocation that leaves fewer never ends.
 
     Devices of a phase that ends later in the step join the next phase with work
     when it ends, after the shift that takes them there (its measured cost):
@@ -538,7 +541,10 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         t_b = max(bulk, group, t_g + group if w.judge_items else 0.0)
         if late[2][0]:  # the optimizer step waits for every train device, those still shifting in too
             t_b = max(t_b, late[2][1])
-    total = max(t_r, t_g, t_b) + w.step_seconds
+    # the optimizer step runs on as many train devices as hold the trainer's state: those there, and the devices
+    # that phases ending with work hand over (a role without work keeps its devices idle: moving them is the plan's)
+    at_step = n_t + (n_g if 0.0 < t_g < INF else 0) + (n_r if handoff_r else 0)
+    total = max(t_r, t_g, t_b) + w.step_seconds if at_step >= w.train_needed else INF
     return Estimate(alloc, t_r, t_g, t_b, total, w.seqs, tail, worst, t_first)
 
 

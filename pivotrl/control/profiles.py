@@ -533,13 +533,15 @@ class Workload:
     # full paged cache preempted, read again): measured over the last step
     judge_reread: float = 1.0
     lockstep_train: bool = False  # every group's backward runs at the step, once all are judged (FSDP2)
+    train_devices_needed: int = 0  # the fewest train devices the step's optimizer step runs on (0: none to run)
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.rollout_remaining):
             raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
         counts = ("rollout_queued", "rollout_holders", "judge_queued", "judge_running", "judge_holders",
                   "judge_future", "train_groups_left", "train_groups_ready", "train_groups_judging",
-                  "step_seconds", "prompt_tokens_mean", "judge_read_tokens", "judge_read_running")  # fmt: skip
+                  "train_devices_needed", "step_seconds", "prompt_tokens_mean", "judge_read_tokens",
+                  "judge_read_running")  # fmt: skip
         for name in counts:
             _positive(name, getattr(self, name), strict=False)
         if self.rollout_groups and len(self.rollout_groups) != len(self.rollout_remaining):

@@ -286,6 +286,7 @@ def _run_once(
         cfg.rollout.max_new_tokens,
         cfg.judge.max_new_tokens,
         cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        cfg.train.min_devices,
     )
     origin = time.time()
     if in_process is None:

@@ -181,7 +181,7 @@ def build(cfg: JobConfig) -> Simulation:
     r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
     try:
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
-                            j.max_new_tokens, r.prompts_per_step * r.group_size)  # fmt: skip
+                            j.max_new_tokens, r.prompts_per_step * r.group_size, cfg.train.min_devices)  # fmt: skip
         job = dataclasses.replace(cfg, devices=sim.devices, rollout=r)
     except ValueError as e:
         raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None

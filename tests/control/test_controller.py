@@ -772,3 +772,32 @@ def test_a_lockstep_trainer_leaves_every_group_to_the_step():
     before = ctl.measured["step_seconds"]
     ctl.handle(Trained((0, 1), 1, {"loss": 0.0}, 5.0, 400, 4.5))
     assert ctl.measured["step_seconds"] == pytest.approx(before + 0.2 * (0.5 - before))
+
+
+class SteeredTrain(Steered):
+    """``Steered``, training on the devices its targets put in the train role (as shiftable mode does)."""
+
+    def train_devices(self) -> tuple[int, ...]:
+        return tuple(d for d, r in sorted(self.targets(None).items()) if r is T)
+
+
+def test_the_optimizer_step_waits_for_the_train_devices_it_needs():
+    """A trainer whose state one device cannot hold (train.min_devices=2): every backward done on the one train
+    device, the step waits, and the workload tells the planner how many it needs; it runs once a second joins."""
+    policy = SteeredTrain()  # rollout: 0, 1; genrm: 2; train: 3
+    ctl = controller(policy, min_train_devices=2)
+    cluster = FakeCluster(ctl)
+    commands = ctl.start()
+    while not (ctl.step is not None and ctl.step.accumulated == SAMPLES and not commands and not cluster.ready):
+        for c in commands:
+            cluster.submit(c)
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    assert not any(isinstance(x, Step) for x in cluster.log)
+    assert ctl.workload().train_devices_needed == 2
+    policy.override[2] = T  # the judge device, idle now, joins the train role
+    commands = ctl.pump()
+    assert commands == [Shift(2, T, 0)]
+    cluster.submit(commands[0])
+    step = [c for e in cluster.next_events() for c in ctl.handle(e) if isinstance(c, Step)]
+    assert [s.devices for s in step] == [(2, 3)]
+    assert ctl.workload().train_devices_needed == 0  # (the step runs)

@@ -65,6 +65,11 @@ DEFAULT_SPLITS = [
 ]
 
 
+def test_default_split_trains_on_the_fewest_devices_the_step_needs():
+    assert default_split(8, train=3) == {R: 3, G: 2, T: 3}
+    assert make_policy("disaggregated", 8, min_train=3).train_devices() == (5, 6, 7)
+
+
 @pytest.mark.parametrize(("devices", "counts"), DEFAULT_SPLITS)
 def test_default_split(devices, counts):
     split = default_split(devices)
@@ -95,6 +100,22 @@ ERRORS = [
         lambda: make_policy("colocated", 3, {"rollout": 1}), r"split: only used with mode=disagg", id="coloc+split"
     ),
     pytest.param(lambda: make_policy("disaggregated", 2), r"needs at least 3 devices", id="make-disagg-2dev"),
+    pytest.param(
+        lambda: make_policy("disaggregated", 4, {"rollout": 2, "genrm": 1, "train": 1}, min_train=2),
+        r"split: train:1 is fewer than the 2 devices the optimizer step needs \(train.min_devices\)",
+        id="split-below-min-train",
+    ),
+    pytest.param(lambda: default_split(4, train=3), r"needs at least 5 devices \(3 to train", id="default-min-train"),
+    pytest.param(
+        lambda: make_policy("colocated", 2, min_train=3),
+        r"optimizer step needs 3 devices, but the job has 2",
+        id="colocated-below-min-train",
+    ),
+    pytest.param(
+        lambda: make_policy("shiftable", 2, min_train=3),
+        r"optimizer step needs 3 devices, but the job has 2",
+        id="shiftable-below-min-train",
+    ),
 ]
 
 

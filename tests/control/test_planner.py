@@ -571,6 +571,33 @@ def test_the_optimizer_step_waits_for_train_devices_shifting_in():
     assert on_time.backward_end < 1.0 and late.backward_end == pytest.approx(30.0)
 
 
+def test_an_optimizer_step_that_needs_more_train_devices_never_ends_with_fewer():
+    """A trainer whose state one device cannot hold steps on ``train_devices_needed`` devices: counted are the
+    train devices and those the phases still working hand over when they end; idle ones stay where they are."""
+    step_due = Workload(step_seconds=1.0, train_devices_needed=3)
+    assert estimate(step_due, profiles(), alloc(0, 0, 2), MAX_BATCH).total == math.inf
+    assert estimate(step_due, profiles(), alloc(1, 1, 1), MAX_BATCH).total == math.inf  # (idle roles)
+    assert estimate(step_due, profiles(), alloc(0, 0, 3), MAX_BATCH).total == pytest.approx(1.0)
+    # while the rollout and the judge work, their devices join the train role when they end
+    early = dataclasses.replace(EARLY, train_devices_needed=4)
+    assert estimate(early, profiles(), alloc(3, 1, 0), MAX_BATCH).total < math.inf
+    assert estimate(dataclasses.replace(early, train_devices_needed=5), profiles(), alloc(3, 1, 0),
+                    MAX_BATCH).total == math.inf  # fmt: skip
+
+
+@pytest.mark.parametrize("needed", [2, 3, 4])
+def test_the_planner_brings_the_train_devices_the_step_needs(needed):
+    """Every backward done on one train device, nothing else to do: moving devices gains nothing unless the
+    optimizer step needs them, and then the planner moves as many as it needs, whatever the margin."""
+    done = Workload(step_seconds=1.0, train_devices_needed=needed)
+    d = Planner(4, hysteresis=10.0).plan(0.0, roles("rrgt"), {}, {3}, done, profiles(), MAX_BATCH)
+    assert sum(1 for r in d.targets.values() if r is T) >= needed, d.reason
+    assert d.after.total < math.inf
+    alone = Planner(4).plan(0.0, roles("rrgt"), {}, {3}, dataclasses.replace(done, train_devices_needed=1),
+                            profiles(), MAX_BATCH)  # fmt: skip
+    assert alone.moves == []
+
+
 def test_fifo_pieces_end_in_order_as_devices_join():
     # 2 devices at 1/s from 0, 2 more at 10: 10 units now end at 5; 20 released at 6: 8 by 10, the
     # other 12 by 4 devices in 3 s;

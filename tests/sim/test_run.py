@@ -118,6 +118,12 @@ def test_the_simulated_trainer_is_the_one_the_runtime_would_run():
         assert not build(load_config(None, ["sim.gpus=2", f"train.backend={backend}"])).spec.lockstep_train
 
 
+def test_every_optimizer_step_runs_on_the_train_devices_it_needs(tmp_path):
+    """train.min_devices=4 on 4 simulated instances: the planner brings every one of them to each step."""
+    simulate(tmp_path / "run", "mode=shiftable", "train.min_devices=4", "train.backend=zero")
+    assert [m["train_world_size"] for m in rows(tmp_path / "run" / "metrics.jsonl")] == [4.0, 4.0]
+
+
 def test_measured_costs_drive_a_simulation(tmp_path):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(PROFILE))
