@@ -51,6 +51,7 @@ from pivotrl.runtime.dist_train import TrainGroup  # noqa: E402
 from pivotrl.runtime.sharded import ShardedTrainer  # noqa: E402
 from pivotrl.runtime.zero import ZeroTrainer  # noqa: E402
 from pivotrl.sample import Sample  # noqa: E402
+from pivotrl.train import memory  # noqa: E402
 from pivotrl.train.config import TrainConfig  # noqa: E402
 
 SAMPLES, PROMPT, RESPONSE = 8, 64, 192  # one step's batch: 8 sequences of 256 tokens
@@ -89,7 +90,7 @@ def batch(vocab: int) -> tuple[list[Sample], list[float]]:
 def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
     torch.set_num_threads(1)
     group = TrainGroup.join(rank, world, master_port=port, device="cpu", process_group=True)
-    cfg = TrainConfig(micro_batch=2, micro_batch_tokens=512, activation_checkpointing=True)
+    cfg = TrainConfig(micro_batch=2, micro_batch_tokens=MICRO_TOKENS, activation_checkpointing=True)
     config = model_config()
     samples, adv = batch(config.vocab_size)
     mine = [i for i in range(SAMPLES) if i % world == rank]
@@ -132,6 +133,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MICRO_TOKENS = 512  # train.micro_batch_tokens of the measured runs (two 256-token sequences)
+
+
 def measure(world: int, backend: str = "fsdp") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(world, free_port(), tmp, backend), nprocs=world, join=True)
@@ -143,53 +147,53 @@ def measure(world: int, backend: str = "fsdp") -> dict:
         "peak_bytes_per_device": worst["peak_bytes"],
         "state_bytes_per_device": state,
         "activations_and_slack_bytes": worst["peak_bytes"] - state,
+        # what pivotrl.train.memory says of it (fp32 compute, checkpointed)
+        "predicted_bytes_per_device": memory.per_device(model_config(), backend, world, MICRO_TOKENS, 4, True),
         "step_seconds": max(r["step_seconds"] for r in rows),
         "ranks": rows,
     }
 
 
+QWEN2_5_7B = ModelConfig(  # Qwen/Qwen2.5-7B's config.json: 7.62e9 parameters
+    architecture="Qwen2ForCausalLM",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    head_dim=128,
+    qkv_bias=True,
+    tie_word_embeddings=False,
+)
+TOKENS_7B = 8192  # one micro batch (train.micro_batch_tokens) of the 7B accounting, activation checkpointing on
+
+
 def qwen7b_arithmetic(world: int = 8, gpu_gb: float = 80.0) -> dict:
-    """Qwen2.5-7B (7.62e9 parameters, 28 layers, width 3584, vocab 152064) under FSDP2 with bf16 compute."""
-    params, layers, hidden, vocab = 7.62e9, 28, 3584, 152064
-    per = params / world
-    shard = {"fp32 master weights": per * 4, "fp32 gradients": per * 4, "AdamW moments (fp32)": per * 8}
-    layer_params = (params - 2 * vocab * hidden) / layers
-    gathered = {
-        "one layer gathered (bf16, x2 for prefetch)": 2 * layer_params * 2,
-        "embedding and head gathered (bf16)": 2 * vocab * hidden * 2,
-    }
-    tokens = 8192  # one micro batch (train.micro_batch_tokens), activation checkpointing on
-    acts = {
-        "checkpointed layer inputs (bf16)": layers * tokens * hidden * 2,
-        "one layer recomputed (~34 values/token/width, bf16)": 34 * tokens * hidden * 2,
-        "logits chunk (1024 positions, fp32, x3 in backward)": 3 * 1024 * vocab * 4,
-    }
-    total = sum(shard.values()) + sum(gathered.values()) + sum(acts.values())
-    replicated = params * 16 + sum(acts.values())
-    zero = {
-        "bf16 weights (whole)": params * 2,
-        "fp32 gradient sum (whole)": params * 4,
-        "fp32 master weights and AdamW moments (1/W)": per * 12,
-    }
-    return {
-        "world_size": world,
-        "gpu_bytes": gpu_gb * 1e9,
-        "per_device": {**shard, **gathered, **acts},
-        "total_per_device": total,
-        "replicated_total_per_device": replicated,
-        "zero_per_device": {**zero, **acts},
-        "zero_total_per_device": sum(zero.values()) + sum(acts.values()),
-    }
+    """Qwen2.5-7B with bf16 compute on ``world`` devices of ``gpu_gb``, by trainer (``pivotrl.train.memory``)."""
+    out: dict = {"world_size": world, "gpu_bytes": gpu_gb * 1e9, "parameters": QWEN2_5_7B.num_parameters(),
+                 "micro_batch_tokens": TOKENS_7B}  # fmt: skip
+    acts = memory.activation_bytes(QWEN2_5_7B, TOKENS_7B, 2, checkpointed=True)
+    for trainer in memory.TRAINERS:
+        pieces = {**memory.state_bytes(QWEN2_5_7B, trainer, world, 2), **acts}
+        fewest = memory.fewest_devices(QWEN2_5_7B, trainer, gpu_gb * 1e9, 64, TOKENS_7B, 2, checkpointed=True)
+        out[trainer] = {"per_device": pieces, "total_per_device": sum(pieces.values()), "fewest_devices": fewest}
+    return out
 
 
 def _table(rows: list[dict]) -> None:
     base = rows[0]["peak_bytes_per_device"]
-    print(f"{'devices':>8} {'peak MB':>9} {'state MB':>9} {'rest MB':>8} {'vs 1':>6} {'step s':>7}")
+    head = f"{'devices':>8} {'peak MB':>9} {'state MB':>9} {'rest MB':>8} {'vs 1':>6} {'step s':>7}"
+    print(f"{head} {'predicted MB':>13}")
     for r in rows:
-        peak, state, rest = (r[k] / 1e6 for k in ("peak_bytes_per_device", "state_bytes_per_device",
-                                                   "activations_and_slack_bytes"))  # fmt: skip
+        peak, state, rest, predicted = (r[k] / 1e6 for k in ("peak_bytes_per_device", "state_bytes_per_device",
+                                                              "activations_and_slack_bytes",
+                                                              "predicted_bytes_per_device"))  # fmt: skip
         ratio = r["peak_bytes_per_device"] / base
-        print(f"{r['world_size']:>8} {peak:>9.0f} {state:>9.0f} {rest:>8.0f} {ratio:>6.2f} {r['step_seconds']:>7.1f}")
+        print(
+            f"{r['world_size']:>8} {peak:>9.0f} {state:>9.0f} {rest:>8.0f} {ratio:>6.2f} {r['step_seconds']:>7.1f} "
+            f"{predicted:>13.0f}"
+        )
 
 
 def _series(rows: list[dict]) -> dict:
@@ -208,14 +212,7 @@ def main() -> int:
     p.add_argument("--backends", nargs="+", choices=("fsdp", "zero"), default=["fsdp", "zero"])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train_memory.json"))
     args = p.parse_args()
-    params = sum(
-        n
-        for n in (
-            model_config().vocab_size * 768 * 2,
-            12 * (768 * 768 * 2 + 768 * 128 * 2 + 768 + 256 + 3 * 768 * 2048 + 2 * 768),
-            768,
-        )
-    )
+    params = model_config().num_parameters()
     result: dict = {"where": "CPU, gloo, one process per device", "parameters": params}
     for backend in args.backends:
         name = {"fsdp": "FSDP2", "zero": "ZeRO-1 (train.backend=zero)"}[backend]
@@ -229,16 +226,14 @@ def main() -> int:
         else:
             result["zero"] = _series(rows)
     q = qwen7b_arithmetic()
-    print("Qwen2.5-7B on 8 x 80 GB, FSDP2, bf16 compute (arithmetic, not measured):")
-    for k, v in q["per_device"].items():
-        print(f"  {k:<52} {v / 1e9:6.1f} GB")
-    replica = q["replicated_total_per_device"] / 1e9
-    print(f"  {'total per device':<52} {q['total_per_device'] / 1e9:6.1f} GB of 80 GB "
-          f"(a replica of fp32 weights, gradients and AdamW state: {replica:.0f} GB)")  # fmt: skip
-    print("\nthe same, ZeRO-1 (backward as groups come, alone):")
-    for k, v in q["zero_per_device"].items():
-        print(f"  {k:<52} {v / 1e9:6.1f} GB")
-    print(f"  {'total per device':<52} {q['zero_total_per_device'] / 1e9:6.1f} GB of 80 GB")
+    print(f"Qwen2.5-7B on 8 x 80 GB, bf16 compute, {TOKENS_7B}-token micro batches, activation checkpointing "
+          "(arithmetic, not measured; pivotrl.train.memory):")  # fmt: skip
+    for trainer in memory.TRAINERS:
+        t = q[trainer]
+        print(f"  {trainer}: {t['total_per_device'] / 1e9:.1f} GB a device at 8; the fewest 80 GB devices it fits on: "
+              f"{t['fewest_devices'] or 'none'}")  # fmt: skip
+        for k, v in t["per_device"].items():
+            print(f"    {k:<50} {v / 1e9:6.1f} GB")
     result["qwen2_5_7b_arithmetic"] = q
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -148,7 +148,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     run_dir = Path(args.profile) if args.profile else None
     if run_dir is not None and not (run_dir / "metrics.jsonl").is_file():
         raise UserError(f"--profile: {str(run_dir)!r} is not a run directory (no metrics.jsonl)")
-    report = plan_report(cfg, run_dir)
+    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
+        raise UserError(f"--device-memory-gb: got {args.device_memory_gb:g}, must be > 0 (a train device's memory)")
+    report = plan_report(cfg, run_dir, device_gb=args.device_memory_gb)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -209,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--profile", help="a finished run directory whose measured lengths and throughputs to use")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--device-memory-gb", type=float, help="a train device's memory: the fewest train devices "
+                    "each trainer fits on (train.min_devices)")  # fmt: skip
     pl.set_defaults(func=cmd_plan)
     tl = sub.add_parser("timeline", help="redraw a run's timeline picture from its events.jsonl")
     tl.add_argument("run_dir")

@@ -4,6 +4,12 @@ It builds the workload of one whole step from the config (and, given a
 finished run, the lengths and throughputs that run measured), estimates the
 step for every split of the devices, and prints the recommended start split
 with its expected timeline. Pure logic, no devices touched.
+
+It also prints what a train device would hold of the policy (``policy.path``'s
+config.json), by trainer and number of train devices at the optimizer step, in
+the compute dtype a GPU runs (``pivotrl.train.memory``'s arithmetic), and with
+``device_gb`` the fewest train devices each trainer fits on: what
+``train.min_devices`` should be.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from pivotrl.config import JobConfig
 from pivotrl.control.messages import ROLES, Role
 from pivotrl.control.planner import Profiles, Workload, estimate, fmt_alloc, initial_split
 from pivotrl.control.shiftable import Shiftable
+from pivotrl.model.config import ModelConfig, UnsupportedModelError
+from pivotrl.train import memory
 
 
 def measured(run_dir: Path) -> dict[str, float]:
@@ -40,7 +48,39 @@ def measured(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5) -> dict[str, Any]:
+def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, Any]:
+    """Bytes a train device holds of the policy, by trainer and train devices at the step (1, 2, 4, ... and
+    every device), in GB; with ``device_gb``, the fewest train devices each trainer fits on (None: none)."""
+    file = Path(cfg.policy.path) / "config.json"
+    try:
+        config = ModelConfig.from_hf(json.loads(file.read_text()))
+    except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
+        return {"error": f"policy.path: cannot read {str(file)!r} ({e})"}
+    c = 2 if cfg.train.resolved_precision("cuda") == "bf16" else 4
+    tokens, checkpointed = cfg.train.micro_batch_tokens or 16384, cfg.train.activation_checkpointing
+    worlds = sorted({2**i for i in range(cfg.devices.bit_length()) if 2**i <= cfg.devices} | {cfg.devices})
+    out: dict[str, Any] = {
+        "parameters": config.num_parameters(),
+        "compute_bytes": c,
+        "micro_batch_tokens": tokens,
+        "activation_checkpointing": checkpointed,
+        "backend": cfg.train.resolved_backend("cuda"),
+        "worlds": worlds,
+        "per_device_gb": {
+            t: [memory.per_device(config, t, w, tokens, c, checkpointed) / 1e9 for w in worlds] for t in memory.TRAINERS
+        },
+    }
+    if device_gb is not None:
+        out["device_gb"] = device_gb
+        out["fewest_devices"] = {
+            t: memory.fewest_devices(config, t, device_gb * 1e9, cfg.devices, tokens, c, checkpointed)
+            for t in memory.TRAINERS
+        }
+    return out
+
+
+def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, device_gb: float | None = None
+                ) -> dict[str, Any]:  # fmt: skip
     policy = Shiftable(cfg.devices, cfg.rollout.max_batch, cfg.rollout.max_new_tokens, cfg.judge.max_new_tokens)
     profiles: Profiles = policy.profiles
     seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -75,6 +115,7 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5) -> di
         "source": source,
         "recommended": {r.value: best[r] for r in ROLES},
         "estimates": [{"split": fmt_alloc(e.alloc), "timeline": e.describe(), "seconds": e.total} for e in rows[:top]],
+        "train_memory": train_memory(cfg, device_gb),
     }
 
 
@@ -86,4 +127,32 @@ def format_report(report: dict[str, Any]) -> str:
         "expected step (best splits, phases end at):",
     ]
     lines += [f"  {e['timeline']}" for e in report["estimates"]]
+    lines += _memory_lines(report["train_memory"])
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _memory_lines(m: dict[str, Any]) -> list[str]:
+    if "error" in m:
+        return [f"train memory: not estimated, {m['error']}"]
+    dtype = {2: "bf16", 4: "fp32"}[m["compute_bytes"]]
+    lines = [
+        f"train memory per device at the optimizer step, GB (arithmetic: {_count(m['parameters'])} parameters, "
+        f"{dtype} compute, {m['micro_batch_tokens']}-token micro batches, activation checkpointing "
+        f"{'on' if m['activation_checkpointing'] else 'off'}):",
+        "  train devices " + "".join(f"{w:>8}" for w in m["worlds"]),
+    ]
+    for t, row in m["per_device_gb"].items():
+        mark = " *" if t == m["backend"] else ""
+        lines.append(f"  {t + mark:<13} " + "".join(f"{x:>8.1f}" if x >= 10 else f"{x:>8.2f}" for x in row))
+    lines.append("  (* train.backend=auto's on a GPU with a device each)")
+    if "fewest_devices" in m:
+        fewest = m["fewest_devices"]
+        fits = ", ".join(f"{t} {n if n else 'none of ' + str(m['worlds'][-1])}" for t, n in fewest.items())
+        lines.append(f"  fewest train devices that fit {m['device_gb']:g} GB: {fits}")
+        if fewest[m["backend"]]:
+            lines.append(f"  -> train.min_devices={fewest[m['backend']]} for {m['backend']}")
+    return lines
