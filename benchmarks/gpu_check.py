@@ -896,8 +896,15 @@ def machine() -> dict[str, Any]:
 SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "job")
 # packages a section needs beyond torch, transformers and the rest every section imports (the job runs one
 # device in process without Ray; the device actors' runtime and the run files it writes need orjson)
-NEEDS = {"gps_load_ray": ("ray", "orjson"), "shifts": ("orjson",), "job": ("orjson",)}
-PACKAGES = {"ray": "Ray", "orjson": "orjson"}
+NEEDS = {
+    "parity": ("transformers",),
+    "engine": ("transformers",),
+    "gps_load_ray": ("ray", "orjson"),
+    "shifts": ("orjson",),
+    "job": ("orjson", "yaml", "jinja2", "tqdm", "matplotlib"),  # (the run's config, chat template, bar, timeline)
+}
+PACKAGES = {"ray": "Ray", "orjson": "orjson", "transformers": "transformers", "yaml": "PyYAML", "jinja2": "Jinja2",
+            "tqdm": "tqdm", "matplotlib": "matplotlib"}  # fmt: skip
 
 
 def cannot_run(name: str) -> str | None:
@@ -906,10 +913,13 @@ def cannot_run(name: str) -> str | None:
     or orjson."""
     import importlib.util
 
-    from pivotrl.engine.vllm_engine import available as vllm_available
-
-    if name == "vllm" and not vllm_available():
-        return "vLLM is not installed (make install adds it)"
+    if name == "vllm":
+        try:
+            from pivotrl.engine.vllm_engine import available as vllm_available
+        except ImportError as e:  # (a package the backend's module needs)
+            return f"the vLLM backend cannot be imported ({e})"
+        if not vllm_available():
+            return "vLLM is not installed (make install adds it)"
     missing = [PACKAGES[m] for m in NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
     if not missing:
         return None

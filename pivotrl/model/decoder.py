@@ -257,7 +257,7 @@ class Decoder(nn.Module):
         RoPE table (a buffer not stored in checkpoints)."""
         with torch.device("meta"):
             model = cls(cfg)
-        model = model.to_empty(device=device).to(dtype)
+        model = model.to(dtype).to_empty(device=device)  # (cast on meta: storage is allocated once, in dtype)
         if cfg.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32, device=device)

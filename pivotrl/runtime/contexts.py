@@ -30,6 +30,7 @@ see :mod:`pivotrl.engine.kv_budget`), once the weights are on the device.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +169,7 @@ def release_device_memory(device: str) -> None:
     memory the device reports free. Called once per shift, after a release.
     """
     if torch.device(device).type == "cuda":
+        gc.collect()  # an FSDP2 model and its state hold each other: freed by the collector, not as released
         torch.cuda.empty_cache()
 
 

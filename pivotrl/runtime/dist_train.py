@@ -163,6 +163,14 @@ def _connect(master_addr: str, master_port: int, world_size: int, timeout: timed
         return store
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` names the current GPU (a device actor sees one, as 0).
+    ``torch.cuda.set_device`` and NCCL's ``device_id`` refuse a CUDA device without one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class TrainGroup:
     """One membership epoch of the train role: this process's rank in a torch.distributed process group.
 
@@ -244,7 +252,7 @@ class TrainGroup:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        device = torch.device(device)
+        device = indexed(torch.device(device))
         backend = "gloo" if staged else backend_for(device)
         if store is not None and rank != 0:
             raise ValueError(f"store: only rank 0 brings the end it listens on, got one for rank {rank}")

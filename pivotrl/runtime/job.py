@@ -296,9 +296,14 @@ def _run_once(
     if not in_process:
         from pivotrl.runtime.ray_driver import RayDriver
 
-        # the devices' kind is known once the cluster is: the driver puts it in the spec
-        cspec = context_spec(cfg, train_set + heldout, policy_chat=policy_chat, judge_chat=judge_chat)
-        driver: Any = RayDriver(cfg, cspec, origin, ray_address)
+        # the devices' kind is known once the cluster is: the driver builds their spec for it
+        def spec_for(kind: str) -> ContextSpec:
+            return context_spec(cfg, train_set + heldout, kind, policy_chat, judge_chat)
+
+        if ray_address is None:  # an instance of our own has this machine's devices: a mistake in the job is
+            spec_for(dev.resolve(cfg.device, dev.local_gpus()))  # one line before Ray starts
+
+        driver: Any = RayDriver(cfg, spec_for, origin, ray_address)
         store = driver.store
     else:  # devices in this process: they share its cores (and its one GPU, when it has one)
         store = LocalStore()

@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -297,7 +298,12 @@ def _threads(pg: Any, cfg: JobConfig, local: bool) -> list[int]:
 
 
 class RayDriver:
-    def __init__(self, cfg: JobConfig, spec: ContextSpec, origin: float, address: str | None = None) -> None:
+    def __init__(
+        self, cfg: JobConfig, spec_for: Callable[[str], ContextSpec], origin: float, address: str | None = None
+    ) -> None:
+        """Device actors on the cluster at ``address`` (None: a Ray instance of this process's own); ``spec_for``
+        builds their context spec for the kind of device the cluster has (what it resolves: the rollout's
+        dtype, whether devices share a GPU and so which trainer they run), once that is known."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -325,7 +331,7 @@ class RayDriver:
             self.pg = _place(self.kind, cfg, address)
             threads = _threads(self.pg, cfg, local=address is None)
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
-            spec = replace(spec, device=self.kind)
+            spec = spec_for(self.kind)
             train = TrainSpec(cfg.train, cfg.rollout.temperature)
             gpus = cfg.gpus_per_device if self.kind == dev.CUDA else 0
 

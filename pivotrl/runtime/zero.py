@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,10 +113,18 @@ class ZeroTrainer:
         self._gathered: Tensor | None = None  # the step's full fp32 weights, until published
 
     def _hook(self, i: int, a: int, b: int) -> Any:
+        # the hook lives on the parameter, in C++, where Python's collector cannot see it: holding the trainer
+        # there would make an uncollectable cycle (parameter -> hook -> trainer -> model -> parameter), and a
+        # trainer released at a shift would keep its weights and gradient sum on the device for good
+        ref = weakref.ref(self)
+
         def add(p: Tensor) -> None:
-            self.grads[a:b].view_as(p).add_(p.grad)
+            trainer = ref()
+            if trainer is None:  # (released: nothing backpropagates through its model any more)
+                return
+            trainer.grads[a:b].view_as(p).add_(p.grad)
             p.grad = None  # the sum lives in the buffer; the next backward writes a fresh gradient
-            self._got[i] = True
+            trainer._got[i] = True
 
         return add
 

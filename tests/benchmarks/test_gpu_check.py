@@ -139,6 +139,14 @@ def test_sections_whose_packages_are_missing_are_named_not_failed(monkeypatch) -
         == "orjson is not installed (make install adds it)"
     )
     assert all(gpu_check.cannot_run(n) is None for n in ("parity", "gps_load", "engine", "fsdp"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("matplotlib", "transformers")
+                        else real(name, *a))  # fmt: skip
+    assert gpu_check.cannot_run("job") == "matplotlib is not installed (make install adds it)"  # (the timeline)
+    assert (
+        gpu_check.cannot_run("parity")
+        == gpu_check.cannot_run("engine")
+        == ("transformers is not installed (make install adds it)")
+    )
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # every package there
     assert all(gpu_check.cannot_run(n) is None for n in gpu_check.SECTIONS if n != "vllm")
 

@@ -142,7 +142,8 @@ from pivotrl.runtime.ray_driver import RayDriver
 out = {}
 for devices, share in ((4, 1.0), (4, 0.5), (5, 1.0)):
     try:
-        driver = RayDriver(JobConfig(devices=devices, gpus_per_device=share), ContextSpec(), 0.0, sys.argv[1])
+        cfg, kinds = JobConfig(devices=devices, gpus_per_device=share), []
+        driver = RayDriver(cfg, lambda kind: kinds.append(kind) or ContextSpec(device=kind), 0.0, sys.argv[1])
     except UserError as e:
         out[f"{devices}x{share}"] = str(e)
         continue
@@ -153,6 +154,7 @@ for devices, share in ((4, 1.0), (4, 0.5), (5, 1.0)):
         "bindings": [dataclasses.asdict(b) for b in driver.bindings],
         "bundle_gpu": [[total.get(n), free.get(n, 0.0)] for n in names],
         "node_ips": [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]],
+        "spec_for": kinds,
     }
     driver.close()
 print(json.dumps(out))
@@ -174,6 +176,8 @@ def test_device_actors_hold_their_own_bundle_and_gpu_share(cluster):
         assert all(x["cuda_visible_devices"] == ",".join(x["gpu_ids"]) for x in b)  # Ray shows each its own GPU
         assert all(x["node_ip"] == case["node_ips"][0] and x["kind"] == "cpu" and x["threads"] == 1 for x in b)
         assert case["bundle_gpu"] == [[share, 0.0]] * 4  # each bundle reserves its share, taken by its actor
+        # the devices' spec is built for the kind the cluster has (its dtypes, shared GPUs and trainer follow)
+        assert case["spec_for"] == ["cuda"]
     assert sorted(x["gpu_ids"][0] for x in whole["bindings"]) == ["0", "1", "2", "3"]  # one GPU each
     assert max(Counter(x["gpu_ids"][0] for x in halves["bindings"]).values()) <= 2  # at most two halves a GPU
     assert out["5x1.0"] == (

@@ -435,3 +435,13 @@ def test_listen_and_its_store_are_checked():
     store = listen(2)
     with pytest.raises(ValueError, match="only rank 0 brings the end it listens on"):
         TrainGroup.join(1, 2, device="cpu", store=store)
+
+
+def test_a_cuda_device_without_an_index_names_the_current_gpu(monkeypatch):
+    """torch.cuda.set_device and NCCL's device_id refuse a bare ``cuda``, which is what a device is told."""
+    from pivotrl.runtime.dist_train import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu")) == torch.device("cpu")

@@ -210,6 +210,23 @@ def test_gradients_sum_in_fp32_as_they_come(batches):
     assert torch.equal(trainer.grads[: want.numel()], want)
 
 
+def test_a_released_trainer_frees_its_weights_and_gradient_sum(batches):
+    """The gradient hooks live on the parameters, out of the collector's sight: a trainer they held would never
+    be freed, and on a GPU its weights and fp32 gradient sum would stay after every shift out of the role."""
+    import gc
+    import weakref
+
+    trainer = ZeroTrainer(compute_copy(weights(initial()), False), CFG, 1.0, 0)
+    trainer.accumulate(*local_share(batches[0], 2, 0))
+    gone, model, grads = weakref.ref(trainer), weakref.ref(trainer.model), weakref.ref(trainer.grads)
+    gc.disable()  # (freed as the last reference goes, not when a collection happens to run)
+    try:
+        del trainer
+        assert gone() is None and model() is None and grads() is None
+    finally:
+        gc.enable()
+
+
 def test_shards_of_another_trainer_are_refused(batches):
     """Resuming with another train.backend than the one that wrote the state: one clear error."""
     store = LocalStore()
