@@ -44,7 +44,7 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
     from pivotrl.control.modes import make_policy
 
     try:
-        make_policy(cfg.mode, cfg.devices, parse_split(cfg.split), min_train=cfg.train.min_devices)
+        make_policy(cfg.mode, cfg.devices, parse_split(cfg.split), min_train=max(1, cfg.train.min_devices))
     except ValueError as e:
         raise UserError(str(e)) from None
     if ray_address is None:

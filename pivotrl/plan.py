@@ -154,5 +154,5 @@ def _memory_lines(m: dict[str, Any]) -> list[str]:
         fits = ", ".join(f"{t} {n if n else 'none of ' + str(m['worlds'][-1])}" for t, n in fewest.items())
         lines.append(f"  fewest train devices that fit {m['device_gb']:g} GB: {fits}")
         if fewest[m["backend"]]:
-            lines.append(f"  -> train.min_devices={fewest[m['backend']]} for {m['backend']}")
+            lines.append(f"  -> train.min_devices=auto takes {fewest[m['backend']]} on such devices ({m['backend']})")
     return lines

@@ -34,7 +34,7 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
         per_device=r.max_batch,
         check=get_checker(cfg.task.checker),
         rebalance=r.rebalance,
-        min_train_devices=cfg.train.min_devices,
+        min_train_devices=max(1, cfg.train.min_devices),  # (auto: the job resolves it once it knows its devices)
         checkpoint_every=cfg.checkpoint.every,
     )
 

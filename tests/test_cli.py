@@ -120,27 +120,34 @@ def test_fewer_train_devices_than_the_step_needs_are_refused(layout, message, tm
     assert not (tmp_path / "run").exists()
 
 
-def test_plan_says_how_many_train_devices_the_policy_needs(tmp_path, capsys):
-    """Qwen2.5-7B's config.json alone (plan reads no weights): on 80 GB devices FSDP2 needs 3 at the step, ZeRO-1
-    6, a replica fits none; in bf16, 16384-token micro batches, activation checkpointing on."""
+def write_qwen7b_config(where: Path) -> Path:
+    """A checkpoint folder holding only Qwen2.5-7B's config.json (enough for what reads no weights)."""
     import json
 
-    from tests.train.test_memory import QWEN2_5_7B
+    from tests.train.test_memory import QWEN2_5_7B as c
 
-    policy = tmp_path / "qwen7b"
+    policy = where / "qwen7b"
     policy.mkdir()
-    c = QWEN2_5_7B
     policy.joinpath("config.json").write_text(json.dumps({
         "architectures": [c.architecture], "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
     }))  # fmt: skip
+    return policy
+
+
+def test_plan_says_how_many_train_devices_the_policy_needs(tmp_path, capsys):
+    """Qwen2.5-7B's config.json alone (plan reads no weights): on 80 GB devices FSDP2 needs 3 at the step, ZeRO-1
+    6, a replica fits none; in bf16, 16384-token micro batches, activation checkpointing on."""
+    import json
+
+    policy = write_qwen7b_config(tmp_path)
     args = [CONFIG, f"policy.path={policy}", "devices=8", "train.activation_checkpointing=true"]
     assert main(["plan", *args, "--device-memory-gb", "80"]) == 0
     out = capsys.readouterr().out
     assert "7.62B parameters, bf16 compute, 16384-token micro batches, activation checkpointing on" in out
     assert "fewest train devices that fit 80 GB: fsdp 3, zero 6, replicated none of 8" in out
-    assert "-> train.min_devices=3 for fsdp" in out
+    assert "-> train.min_devices=auto takes 3 on such devices (fsdp)" in out
     assert main(["plan", *args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)["train_memory"]
     assert report["worlds"] == [1, 2, 4, 8] and "fewest_devices" not in report

@@ -122,6 +122,7 @@ class Binding:
     cuda_visible_devices: str | None
     kind: Kind  # what it computes on
     threads: int
+    memory_bytes: int = 0  # its GPU's memory (0: it computes on the CPU)
 
 
 def bind(kind: Kind) -> Kind:

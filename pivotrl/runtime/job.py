@@ -30,7 +30,7 @@ from pivotrl.gps import Kind, LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
 from pivotrl.model.chat import ChatTemplate, copy_chat_template, load_chat_template
-from pivotrl.model.loader import DTYPES
+from pivotrl.model.loader import DTYPES, read_config
 from pivotrl.reward import GenRM
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import devices as dev
@@ -52,6 +52,7 @@ from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
 from pivotrl.telemetry import RunWriter
+from pivotrl.train import memory
 
 
 def chat_templates(cfg: JobConfig) -> tuple[ChatTemplate | None, ChatTemplate | None]:
@@ -245,6 +246,43 @@ def run_job(
         return summary
 
 
+def _device_memory(cfg: JobConfig, kind: str, driver: Any) -> float | None:
+    """Bytes of GPU memory each device has (its share of a GPU), or None on CPUs: the Ray devices' smallest, as
+    they report it (``driver``), or this process's GPU shared by the devices in it."""
+    if kind != dev.CUDA:
+        return None
+    if driver is None:
+        return torch.cuda.get_device_properties(0).total_memory / cfg.devices
+    if not driver.bindings or any(b.memory_bytes <= 0 for b in driver.bindings):
+        return None  # (GPUs their torch cannot use: they compute on the CPU)
+    return min(b.memory_bytes for b in driver.bindings) * min(1.0, cfg.gpus_per_device)
+
+
+def train_min_devices(cfg: JobConfig, kind: str, shared: bool, device_bytes: float | None) -> int:
+    """``train.min_devices`` made concrete: as given, or (0, auto) the fewest train devices whose memory holds the
+    trainer's state and a micro batch's activations (``pivotrl.train.memory``), 1 where memory is not known (CPUs).
+    None of the job's devices enough is an error naming what would help."""
+    if cfg.train.min_devices:
+        return cfg.train.min_devices
+    if device_bytes is None:
+        return 1
+    config = read_config(cfg.policy.path)
+    backend = cfg.train.resolved_backend(kind, shared)
+    c = 2 if cfg.train.resolved_precision(kind) == "bf16" else 4
+    tokens, ckpt = cfg.train.micro_batch_tokens or 16384, cfg.train.activation_checkpointing
+    fewest = memory.fewest_devices(config, backend, device_bytes, cfg.devices, tokens, c, ckpt)
+    if fewest is None:
+        need = memory.per_device(config, backend, cfg.devices, tokens, c, ckpt) / 1e9
+        raise UserError(
+            f"train.min_devices=auto: training {config.num_parameters() / 1e9:.2f}B parameters with "
+            f"train.backend={backend} needs {need:.0f} GB a device even on all {cfg.devices} devices, more than "
+            f"{memory.HEADROOM:.0%} of their {device_bytes / 1e9:.0f} GB (arithmetic; pivotrl plan shows it): use "
+            "more devices, train.backend=fsdp, train.activation_checkpointing=true or a smaller "
+            "train.micro_batch_tokens, or set train.min_devices to run anyway"
+        )
+    return fewest
+
+
 def _run_once(
     cfg: JobConfig,
     out: str | Path,
@@ -278,16 +316,6 @@ def _run_once(
         raise ValueError(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) exceeds the {len(train_set)} train problems"
         )
-    policy = policy or make_policy(
-        cfg.mode,
-        cfg.devices,
-        parse_split(cfg.split),
-        cfg.rollout.max_batch,
-        cfg.rollout.max_new_tokens,
-        cfg.judge.max_new_tokens,
-        cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        cfg.train.min_devices,
-    )
     origin = time.time()
     if in_process is None:
         in_process = cfg.devices == 1 and ray_address is None
@@ -312,6 +340,27 @@ def _run_once(
         cspec = context_spec(cfg, train_set + heldout, kind, policy_chat, judge_chat)
         threads = dev.thread_shares(["local"] * cfg.devices, {"local": dev.machine_cores()}, cfg.threads_per_device)
         driver = LocalDriver([Worker(d, store, cspec, spec, origin, threads=threads[d]) for d in range(cfg.devices)])
+    try:  # the devices are known: how many the optimizer step needs, and so the layout
+        kind = kind if in_process else driver.kind
+        shared = dev.shares_gpu(kind, cfg.gpus_per_device, cfg.devices)
+        min_train = train_min_devices(cfg, kind, shared, _device_memory(cfg, kind, driver if not in_process else None))
+        try:
+            policy = policy or make_policy(
+                cfg.mode,
+                cfg.devices,
+                parse_split(cfg.split),
+                cfg.rollout.max_batch,
+                cfg.rollout.max_new_tokens,
+                cfg.judge.max_new_tokens,
+                cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                min_train,
+            )
+        except ValueError as e:
+            auto = "" if cfg.train.min_devices else " (train.min_devices=auto found it)"
+            raise UserError(f"{e}{auto}") from None
+    except BaseException:
+        driver.close()
+        raise
     # only once the devices are up: a failed start leaves no half-written run (a resumed one keeps its rows)
     kept = None if start is None else (start.state["metrics_rows"], start.state["samples_rows"])
     writer = RunWriter(out, keep=kept)
@@ -328,10 +377,9 @@ def _run_once(
         genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        kind = kind if in_process else driver.kind
-        backend = cfg.train.resolved_backend(kind, dev.shares_gpu(kind, cfg.gpus_per_device, cfg.devices))
+        backend = cfg.train.resolved_backend(kind, shared)
         loop = replace(loop_spec(cfg), sharded_train=backend in ("fsdp", "zero"), lockstep_train=backend == "fsdp",
-                       chat=policy_chat)  # fmt: skip
+                       chat=policy_chat, min_train_devices=min_train)  # fmt: skip
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
         ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary
         bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)

@@ -180,8 +180,10 @@ def build(cfg: JobConfig) -> Simulation:
     judge_batch, judge_kv = spec.capacity(Role.GENRM), spec.kv_tokens(Role.GENRM)
     r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
     try:
+        # (train.min_devices=auto is 1 here: the modeled instances hold their trainer's state)
+        min_train = max(1, cfg.train.min_devices)
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
-                            j.max_new_tokens, r.prompts_per_step * r.group_size, cfg.train.min_devices)  # fmt: skip
+                            j.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip
         job = dataclasses.replace(cfg, devices=sim.devices, rollout=r)
     except ValueError as e:
         raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None

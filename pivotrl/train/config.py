@@ -39,8 +39,9 @@ class TrainConfig:
     recompute_logprobs: bool = False
     # the fewest train devices an optimizer step may run on: where one device cannot hold the trainer's state
     # (fsdp: 16 bytes a parameter over the step's devices; zero: 6 whole plus 12 over them; replicated: 16
-    # whole), the step waits for as many as hold it, and shiftable mode's planner brings them
-    min_devices: int = 1
+    # whole), the step waits for as many as hold it, and shiftable mode's planner brings them; 0 = auto: on
+    # GPUs the fewest whose memory holds it (pivotrl.train.memory's arithmetic), elsewhere 1
+    min_devices: int = 0
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:
@@ -66,7 +67,7 @@ class TrainConfig:
         check("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
         check("activation_checkpointing", isinstance(self.activation_checkpointing, bool), "true or false")
         check("recompute_logprobs", isinstance(self.recompute_logprobs, bool), "true or false")
-        check("min_devices", type(self.min_devices) is int and self.min_devices >= 1, "an integer >= 1")
+        check("min_devices", type(self.min_devices) is int and self.min_devices >= 0, "an integer >= 0 (0 = auto)")
 
     def resolved_backend(self, device_type: str, shared: bool = False) -> str:
         """``auto`` made concrete for a device type ("cuda" or "cpu"); ``shared``: several devices on one GPU,

@@ -175,6 +175,7 @@ def test_device_actors_hold_their_own_bundle_and_gpu_share(cluster):
         assert len({x["placement_group"] for x in b}) == 1
         assert all(x["cuda_visible_devices"] == ",".join(x["gpu_ids"]) for x in b)  # Ray shows each its own GPU
         assert all(x["node_ip"] == case["node_ips"][0] and x["kind"] == "cpu" and x["threads"] == 1 for x in b)
+        assert all(x["memory_bytes"] == 0 for x in b)  # (a GPU its torch cannot use: no memory to plan with)
         assert case["bundle_gpu"] == [[share, 0.0]] * 4  # each bundle reserves its share, taken by its actor
         # the devices' spec is built for the kind the cluster has (its dtypes, shared GPUs and trainer follow)
         assert case["spec_for"] == ["cuda"]

@@ -1,5 +1,6 @@
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from pivotrl.errors import UserError
 from pivotrl.model import Tokenizer
 from pivotrl.model.chat import load_chat_template
 from pivotrl.reward.genrm import judge_prompt
+from pivotrl.runtime import job
 from pivotrl.runtime.job import chat_templates, context_spec, run_job
 from pivotrl.task import checkers
 from pivotrl.task.data import read_jsonl, read_problems, write_parquet
@@ -159,6 +161,22 @@ def test_context_spec_carries_the_rollout_dtype_and_kv_budget():
     assert (on_cpu.device, on_cpu.rollout_dtype) == ("cpu", "float32")
     assert on_gpu.kv_cache_bytes == on_cpu.kv_cache_bytes == 2_500_000_000
     assert context_spec(load_config(None, [])).kv_cache_bytes == 0  # auto
+
+
+def test_auto_min_train_devices_follow_the_policy_and_the_gpu_memory(tmp_path):
+    """train.min_devices=auto: as many train devices as the trainer's state needs on GPUs of that memory (the
+    arithmetic pivotrl plan prints), 1 where memory is unknown (CPUs), the key as given otherwise; none of the
+    job's devices enough is one line naming what helps."""
+    from tests.test_cli import write_qwen7b_config
+
+    policy = write_qwen7b_config(tmp_path)
+    cfg = load_config(None, [f"policy.path={policy}", "devices=8", "train.activation_checkpointing=true"])
+    assert job.train_min_devices(cfg, "cuda", False, 80e9) == 3  # FSDP2, bf16, 16k-token micro batches
+    assert job.train_min_devices(cfg, "cpu", False, None) == 1
+    assert job.train_min_devices(replace(cfg, train=replace(cfg.train, min_devices=2)), "cuda", False, 80e9) == 2
+    with pytest.raises(UserError, match=r"train.min_devices=auto: training 7.62B parameters with train.backend=fsdp "
+                       r"needs \d+ GB a device even on all 8 devices, more than 90% of their 10 GB"):  # fmt: skip
+        job.train_min_devices(cfg, "cuda", False, 10e9)
 
 
 @pytest.fixture
