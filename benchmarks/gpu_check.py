@@ -688,6 +688,7 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
 
     from pivotrl.runtime.dist_train import TrainGroup
     from pivotrl.runtime.sharded import ShardedTrainer
+    from pivotrl.train import memory
     from pivotrl.train.config import TrainConfig
     from pivotrl.train.grpo import GRPOTrainer
 
@@ -738,6 +739,7 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
             "first_step_seconds": round(warm, 3),
             "tokens_per_s": round(tokens / seconds),
             "peak_memory_gb": gb(peak_memory(device)),
+            "predicted_memory_gb": round(memory.per_device(big, "fsdp", 1, 8192, 2, True) / 1e9, 2),
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
         }
     finally:
@@ -753,6 +755,7 @@ def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
     from pivotrl.model import Decoder
     from pivotrl.runtime.dist_train import TrainGroup
     from pivotrl.runtime.zero import ZeroTrainer
+    from pivotrl.train import memory
     from pivotrl.train.config import TrainConfig
     from pivotrl.train.grpo import GRPOTrainer
 
@@ -799,6 +802,7 @@ def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
         "optimizer_step_seconds": round(step, 3),
         "tokens_per_s": round(tokens / backward),
         "peak_memory_gb": gb(peak_memory(device)),
+        "predicted_memory_gb": round(memory.per_device(big, "zero", 1, 8192, 2, True) / 1e9, 2),
         "parameters": trainer.numel,
     }
 
@@ -850,13 +854,13 @@ def headline(name: str, section: dict[str, Any]) -> str:
     if name == "fsdp":
         return (
             f"fp32 vs plain max|d| {r['fp32_max_abs_vs_plain']:.1e}; bf16 step {r['bf16_step_seconds']} s, "
-            f"{r['tokens_per_s']} tok/s, peak {r['peak_memory_gb']} GB"
+            f"{r['tokens_per_s']} tok/s, peak {r['peak_memory_gb']} GB (arithmetic {r['predicted_memory_gb']})"
         )
     if name == "zero":
         return (
             f"fp32 vs plain max|d| {r['fp32_max_abs_vs_plain']:.1e}; bf16 backward {r['bf16_backward_seconds']} s "
             f"({r['tokens_per_s']} tok/s), optimizer step {r['optimizer_step_seconds']} s, "
-            f"peak {r['peak_memory_gb']} GB"
+            f"peak {r['peak_memory_gb']} GB (arithmetic {r['predicted_memory_gb']})"
         )
     if name == "vllm":
         return (

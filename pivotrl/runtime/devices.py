@@ -137,6 +137,13 @@ def bind(kind: Kind) -> Kind:
     return CPU
 
 
+def gpu_memory() -> int:
+    """Bytes of memory of the GPU this process is bound to (``bind``): what a device's trainer may plan with."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory
+
+
 def check_bindings(requested: str, wanted: Kind, bindings: Sequence[Binding]) -> None:
     """Under ``device=cuda`` every device must compute on CUDA; name the first that cannot."""
     if requested != CUDA or wanted != CUDA:

@@ -252,7 +252,7 @@ def _device_memory(cfg: JobConfig, kind: str, driver: Any) -> float | None:
     if kind != dev.CUDA:
         return None
     if driver is None:
-        return torch.cuda.get_device_properties(0).total_memory / cfg.devices
+        return dev.gpu_memory() / cfg.devices
     if not driver.bindings or any(b.memory_bytes <= 0 for b in driver.bindings):
         return None  # (GPUs their torch cannot use: they compute on the CPU)
     return min(b.memory_bytes for b in driver.bindings) * min(1.0, cfg.gpus_per_device)

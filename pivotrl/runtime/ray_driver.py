@@ -109,7 +109,7 @@ class DeviceActor:
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             kind=dev.CUDA if self.worker.spec.device == dev.CUDA else dev.CPU,
             threads=torch.get_num_threads(),
-            memory_bytes=torch.cuda.get_device_properties(0).total_memory if self.worker.spec.device == dev.CUDA else 0,
+            memory_bytes=dev.gpu_memory() if self.worker.spec.device == dev.CUDA else 0,
         )
 
     def shift(self, role: Any, version: int) -> Event:

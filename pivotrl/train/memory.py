@@ -6,6 +6,7 @@ For a policy of P parameters trained on W devices at the optimizer step, computi
     fsdp        16 P / W       fp32 weights, gradients and AdamW moments, a 1/W shard of each
                 + 2 layers gathered in the compute dtype (the one running and the one prefetched)
                 + the embedding and the head gathered (the first and last modules)
+                  (on one device in fp32 nothing is gathered; below fp32 the same pieces are cast)
     zero        c P + 4 P      the compute-dtype weights and the fp32 gradient sum, whole
                 + 12 P / W     the fp32 master weights and AdamW moments, a 1/W range of them
     replicated  16 P           all of it, whole (+ c P for the compute copy below fp32)
@@ -44,7 +45,7 @@ def state_bytes(config: ModelConfig, trainer: str, world: int, compute_bytes: in
         outer = v * h * (1 if config.tie_word_embeddings else 2)
         layer = (p - outer - h) / config.num_hidden_layers
         out = {"fp32 weights, gradients, AdamW moments (1/W)": 16 * p / world}
-        if world > 1:
+        if world > 1 or c < 4:  # (gathered whole, or on one device cast to the compute dtype)
             out["2 layers gathered"] = 2 * layer * c
             out["embedding and head gathered"] = outer * c
         return out

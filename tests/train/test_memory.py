@@ -30,7 +30,8 @@ def test_the_7b_policy_has_its_published_parameter_count():
 def test_each_trainer_holds_its_bytes_a_parameter(world):
     fsdp = memory.state_bytes(QWEN2_5_7B, "fsdp", world)
     assert fsdp["fp32 weights, gradients, AdamW moments (1/W)"] == pytest.approx(16 * P / world)
-    assert ("2 layers gathered" in fsdp) == (world > 1)  # one device gathers nothing
+    assert ("2 layers gathered" in memory.state_bytes(QWEN2_5_7B, "fsdp", world, 4)) == (world > 1)  # (fp32 on one
+    # device: nothing gathered, nothing cast)
     assert sum(memory.state_bytes(QWEN2_5_7B, "zero", world).values()) == pytest.approx((6 + 12 / world) * P)
     assert sum(memory.state_bytes(QWEN2_5_7B, "zero", world, 4).values()) == pytest.approx((8 + 12 / world) * P)
     assert sum(memory.state_bytes(QWEN2_5_7B, "replicated", world).values()) == pytest.approx(18 * P)
