@@ -28,7 +28,11 @@ Workload (sim128.yaml): 512 prompts x 16 responses a step, prompts of 512
 tokens, lognormal response lengths (median 1200, sigma 0.9, capped at 8192),
 judge prompts of prompt + response + 256 tokens, 512-token judgments, at
 most 256 sequences per engine. Costs: ``RooflineCosts`` (H100 datasheet peaks
-times the efficiencies documented in ``pivotrl/sim/costs.py``).
+times the efficiencies documented in ``pivotrl/sim/costs.py``). Training
+recomputes each layer's forward in its backward (4 forward passes a token
+instead of 3): ``train.activation_checkpointing=auto`` resolves on for every
+policy here, as on an 80 GB GPU the 16k-token micro batches' activations do
+not fit beside the trainer unchecked.
 
 Tensor parallelism: every instance is one engine a role, of
 ``sim.instance_gpus`` GPUs, policy and judge alike (``layouts.py`` measures

@@ -384,6 +384,8 @@ def _parse_value(tp: Any, text: str, item: str) -> Any:
     is not read as a YAML mapping, ``split=`` is not null and a newline stays a newline.
     """
     leaves = {None} if tp is None else _leaves(tp)
+    if bool in leaves and text.strip() in ("true", "false"):  # (a field taking a boolean or words: auto)
+        return text.strip() == "true"
     if (str in leaves or None in leaves) and text.strip()[:1] not in ("'", '"'):
         if not (type(None) in leaves and text.strip() in ("null", "~")):
             return text
@@ -467,8 +469,15 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         args = [a for a in get_args(tp) if a is not type(None)]
         if value is None and len(args) < len(get_args(tp)):
             return None
-        assert len(args) == 1, f"config type {tp} at {path}: only X | None unions are supported"
-        return _convert(args[0], value, path)
+        if len(args) == 1:
+            return _convert(args[0], value, path)
+        for a in args:  # (bool | Literal["auto"]: the first that takes the value as it is)
+            try:
+                return _convert(a, value, path)
+            except ConfigError:
+                continue
+        words = [w for a in args for w in (("true", "false") if a is bool else map(str, get_args(a)))]
+        raise ConfigError(f"{path}: must be {', '.join(words[:-1])} or {words[-1]}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:

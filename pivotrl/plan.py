@@ -57,14 +57,18 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
     except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
         return {"error": f"policy.path: cannot read {str(file)!r} ({e})"}
     c = 2 if cfg.train.resolved_precision("cuda") == "bf16" else 4
-    tokens, checkpointed = cfg.train.micro_batch_tokens or 16384, cfg.train.activation_checkpointing
+    tokens = cfg.train.micro_batch_tokens or memory.UNBOUNDED_TOKENS
+    backend = cfg.train.resolved_backend("cuda")
+    device_bytes = None if device_gb is None else device_gb * 1e9
+    checkpointed = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, c)
     worlds = sorted({2**i for i in range(cfg.devices.bit_length()) if 2**i <= cfg.devices} | {cfg.devices})
     out: dict[str, Any] = {
         "parameters": config.num_parameters(),
         "compute_bytes": c,
         "micro_batch_tokens": tokens,
         "activation_checkpointing": checkpointed,
-        "backend": cfg.train.resolved_backend("cuda"),
+        "checkpointing_auto": cfg.train.activation_checkpointing == "auto",
+        "backend": backend,
         "worlds": worlds,
         "per_device_gb": {
             t: [memory.per_device(config, t, w, tokens, c, checkpointed) / 1e9 for w in worlds] for t in memory.TRAINERS
@@ -142,7 +146,7 @@ def _memory_lines(m: dict[str, Any]) -> list[str]:
     lines = [
         f"train memory per device at the optimizer step, GB (arithmetic: {_count(m['parameters'])} parameters, "
         f"{dtype} compute, {m['micro_batch_tokens']}-token micro batches, activation checkpointing "
-        f"{'on' if m['activation_checkpointing'] else 'off'}):",
+        f"{'on' if m['activation_checkpointing'] else 'off'}{' (auto)' if m['checkpointing_auto'] else ''}):",
         "  train devices " + "".join(f"{w:>8}" for w in m["worlds"]),
     ]
     for t, row in m["per_device_gb"].items():

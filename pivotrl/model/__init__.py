@@ -1,9 +1,23 @@
-"""Decoder models of the Llama/Qwen families and their checkpoints."""
+"""Decoder models of the Llama/Qwen families and their checkpoints.
+
+The architecture (``ModelConfig``) reads without torch: the simulator and ``pivotrl plan`` size a
+trainer's memory from it. The model, its checkpoints and tokenizer load torch when first named.
+"""
+
+from importlib import import_module
+from typing import Any
 
 from pivotrl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from pivotrl.model.decoder import Decoder, KVCache
-from pivotrl.model.loader import CheckpointError, load_model, save_model
-from pivotrl.model.tokenizer import Tokenizer, char_tokenizer
+
+_WHERE = {
+    "Decoder": "decoder",
+    "KVCache": "decoder",
+    "CheckpointError": "loader",
+    "load_model": "loader",
+    "save_model": "loader",
+    "Tokenizer": "tokenizer",
+    "char_tokenizer": "tokenizer",
+}
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -17,3 +31,9 @@ __all__ = [
     "load_model",
     "save_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(import_module(f"pivotrl.model.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'pivotrl.model' has no attribute {name!r}")

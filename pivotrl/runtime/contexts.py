@@ -31,7 +31,7 @@ see :mod:`pivotrl.engine.kv_budget`), once the weights are on the device.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
 from pivotrl.model.chat import ChatTemplate
 from pivotrl.model.loader import DTYPES
+from pivotrl.runtime.devices import gpu_memory
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 
@@ -100,6 +101,7 @@ class ContextSpec:
     rollout_backend: str = "native"  # generation backend of the policy (rollout.backend): native | vllm
     judge_backend: str = "native"  # generation backend of the judge (judge.backend)
     audit_migrations: bool = False  # generate each resumed sequence unmigrated beside it and compare (rollout.*)
+    devices: int = 1  # the job's devices: the most an optimizer step can run on
 
     def backend(self, name: str) -> str:
         return self.rollout_backend if name == POLICY else self.judge_backend
@@ -282,11 +284,16 @@ class TrainContext:
         from pivotrl.train.grpo import GRPOTrainer
 
         device = torch.device(spec.device)
-        self.version, self.cfg, self.temperature = version, cfg, temperature
+        self.version, self.temperature = version, temperature
         self.backend = cfg.resolved_backend(device.type, spec.shared_gpu)
         self.compute = compute_dtype(cfg, device)
         snap = store.fetch(POLICY, version)
         self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version
+        # activation checkpointing where this device's memory needs it (train.activation_checkpointing=auto)
+        memory = gpu_memory() * spec.memory_share if device.type == "cuda" else None
+        checkpointing = cfg.resolved_checkpointing(ModelConfig.from_hf(self.meta["config"]), self.backend,
+                                                   spec.devices, memory, self.compute.itemsize)  # fmt: skip
+        self.cfg = replace(cfg, activation_checkpointing=checkpointing)
         self.nbytes = 0
         self.pending: list[tuple[list[Sample], list[float]]] = []
         self.sharded: Any = None  # ShardedTrainer, once the worker built it for a group; ZeroTrainer, built here

@@ -114,6 +114,7 @@ def context_spec(
         policy_chat=policy_chat is not None,
         kv_cache_bytes=int(cfg.rollout.kv_cache_gb * GB),
         memory_share=cfg.gpus_per_device,  # devices sharing a GPU size their caches from their share of it
+        devices=cfg.devices,
         shared_gpu=shared,
         rollout_backend=cfg.rollout.backend,
         judge_backend=cfg.judge.backend,
@@ -269,7 +270,8 @@ def train_min_devices(cfg: JobConfig, kind: str, shared: bool, device_bytes: flo
     config = read_config(cfg.policy.path)
     backend = cfg.train.resolved_backend(kind, shared)
     c = 2 if cfg.train.resolved_precision(kind) == "bf16" else 4
-    tokens, ckpt = cfg.train.micro_batch_tokens or 16384, cfg.train.activation_checkpointing
+    tokens = cfg.train.micro_batch_tokens or memory.UNBOUNDED_TOKENS
+    ckpt = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, c)
     fewest = memory.fewest_devices(config, backend, device_bytes, cfg.devices, tokens, c, ckpt)
     if fewest is None:
         need = memory.per_device(config, backend, cfg.devices, tokens, c, ckpt) / 1e9

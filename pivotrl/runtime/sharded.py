@@ -161,7 +161,8 @@ class ShardedTrainer:
         reference: Snapshot | None = None,
     ) -> None:
         self.group, self.config, self.cfg, self.version = group, config, cfg, version
-        self.model = _shard_model(config, group, compute_dtype, cfg.activation_checkpointing)
+        # (a device resolves train.activation_checkpointing=auto for its memory first; unresolved, it is off)
+        self.model = _shard_model(config, group, compute_dtype, cfg.activation_checkpointing is True)
         ref = None
         if cfg.kl_coef > 0:
             if reference is None:

@@ -271,6 +271,9 @@ class RooflineCosts:
     # a device taking the train role (train.backend=zero): its gradient sum allocated and zeroed (4 bytes a
     # parameter at HBM speed, ~10 ms for 7B), the backward hooks set, the control round trip
     train_build_s: float = 0.1
+    # forward passes a trained token costs: its forward and a backward of two; 4 where activation checkpointing
+    # runs each layer's forward again in the backward (train.activation_checkpointing, as the job resolves it)
+    train_forwards: float = 3.0
     group_start_s: float = 2.0  # a new train group meets: its process group made (NCCL init), at the step
     mem_fraction: float = 0.9
     _NOT_NUMBERS = ("gpu", "_lines")  # (a class constant: not a field)
@@ -407,12 +410,13 @@ class RooflineCosts:
         return kv_tokens(model, tp, self.gpu, self.mem_fraction)
 
     def train_tokens(self, model: ModelSpec, tokens: int, n_gpus: int, seq_len: int = 0) -> float:
-        """Forward + backward is 3 forward passes' FLOPs (6 per active weight per token), plus causal
-        attention over samples of ``seq_len`` tokens (0: left out), at the model family's MFU."""
+        """Forward + backward is 3 forward passes' FLOPs (6 per active weight per token; ``train_forwards``, 4 with
+        activation checkpointing), plus causal attention over samples of ``seq_len`` tokens (0: left out), at the
+        model family's MFU."""
         _check_tp(n_gpus, "n_gpus")
         _check("tokens", tokens)
         _check("seq_len", seq_len)
-        flops = 3 * tokens * model.forward_flops(seq_len / 2)
+        flops = self.train_forwards * tokens * model.forward_flops(seq_len / 2)
         mfu = self.mfu_moe if model.is_moe else self.mfu_dense
         return flops / (n_gpus * self.gpu.peak_flops * mfu)
 

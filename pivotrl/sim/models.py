@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pivotrl.model.config import ModelConfig
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
@@ -29,6 +31,7 @@ class ModelSpec:
     experts: int = 0  # routed experts per MoE layer; 0: dense
     active_experts: int = 0  # experts each token is routed to
     dtype_bytes: int = 2  # bf16
+    intermediate: int = 0  # MLP width (an expert's, in a MoE model): what a layer keeps for its backward (0: unknown)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes"):
@@ -55,6 +58,20 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
+
+    def train_config(self) -> ModelConfig | None:
+        """The shape ``pivotrl.train.memory`` reads, to size a trainer's memory (None: the MLP width is unknown)."""
+        if not self.intermediate:
+            return None
+        shape = {"vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+                 "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                 "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                 "tie_word_embeddings": self.tied_embeddings}  # fmt: skip
+        if not self.is_moe:
+            return ModelConfig("Qwen2ForCausalLM", **shape)
+        moe = {"num_experts": self.experts, "num_experts_per_tok": self.active_experts,
+               "moe_intermediate_size": self.intermediate}  # fmt: skip
+        return ModelConfig("Qwen3MoeForCausalLM", **shape, **moe)
 
     @property
     def weight_bytes(self) -> float:
@@ -109,30 +126,37 @@ class ModelSpec:
 
 
 def _qwen25(
-    name: str, params: float, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, tied: bool
-) -> ModelSpec:
+    name: str, params: float, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, tied: bool,
+    intermediate: int,
+) -> ModelSpec:  # fmt: skip
     # Qwen2.5 config.json has no head_dim: it is hidden_size / num_attention_heads (128 for every size here)
-    return ModelSpec(name, params, params, layers, hidden, heads, kv_heads, hidden // heads, vocab, tied)
+    return ModelSpec(name, params, params, layers, hidden, heads, kv_heads, hidden // heads, vocab, tied,
+                     intermediate=intermediate)  # fmt: skip
 
 
 MODELS: dict[str, ModelSpec] = {
+    # (intermediate: config.json's intermediate_size, a MoE model's moe_intermediate_size)
     # Qwen/Qwen2.5-1.5B: card 1.54B params; config 28 layers, hidden 1536, 12 heads, 2 kv heads,
     # vocab 151936, tie_word_embeddings true. A small GenRM.
-    "Qwen2.5-1.5B": _qwen25("Qwen2.5-1.5B", 1.54e9, 28, 1536, 12, 2, 151936, True),
+    "Qwen2.5-1.5B": _qwen25("Qwen2.5-1.5B", 1.54e9, 28, 1536, 12, 2, 151936, True, 8960),
     # Qwen/Qwen2.5-3B: card 3.09B; config 36 layers, hidden 2048, 16 heads, 2 kv heads, vocab 151936, tied
-    "Qwen2.5-3B": _qwen25("Qwen2.5-3B", 3.09e9, 36, 2048, 16, 2, 151936, True),
+    "Qwen2.5-3B": _qwen25("Qwen2.5-3B", 3.09e9, 36, 2048, 16, 2, 151936, True, 11008),
     # Qwen/Qwen2.5-7B: card 7.61B; config 28 layers, hidden 3584, 28 heads, 4 kv heads, vocab 152064, untied
-    "Qwen2.5-7B": _qwen25("Qwen2.5-7B", 7.61e9, 28, 3584, 28, 4, 152064, False),
+    "Qwen2.5-7B": _qwen25("Qwen2.5-7B", 7.61e9, 28, 3584, 28, 4, 152064, False, 18944),
     # Qwen/Qwen2.5-14B: card 14.7B; config 48 layers, hidden 5120, 40 heads, 8 kv heads, vocab 152064, untied
-    "Qwen2.5-14B": _qwen25("Qwen2.5-14B", 14.7e9, 48, 5120, 40, 8, 152064, False),
+    "Qwen2.5-14B": _qwen25("Qwen2.5-14B", 14.7e9, 48, 5120, 40, 8, 152064, False, 13824),
     # Qwen/Qwen2.5-32B: card 32.5B; config 64 layers, hidden 5120, 40 heads, 8 kv heads, vocab 152064, untied
-    "Qwen2.5-32B": _qwen25("Qwen2.5-32B", 32.5e9, 64, 5120, 40, 8, 152064, False),
+    "Qwen2.5-32B": _qwen25("Qwen2.5-32B", 32.5e9, 64, 5120, 40, 8, 152064, False, 27648),
     # Qwen/Qwen3-30B-A3B: card 30.5B total, 3.3B activated; config 48 layers, hidden 2048, 32 heads,
     # 4 kv heads, head_dim 128, vocab 151936, untied, num_experts 128, num_experts_per_tok 8
-    "Qwen3-30B-A3B": ModelSpec("Qwen3-30B-A3B", 30.5e9, 3.3e9, 48, 2048, 32, 4, 128, 151936, False, 128, 8),
+    "Qwen3-30B-A3B": ModelSpec(
+        "Qwen3-30B-A3B", 30.5e9, 3.3e9, 48, 2048, 32, 4, 128, 151936, False, 128, 8, intermediate=768
+    ),
     # Qwen/Qwen3-235B-A22B: card 235B total, 22B activated; config 94 layers, hidden 4096, 64 heads,
     # 4 kv heads, head_dim 128, vocab 151936, untied, num_experts 128, num_experts_per_tok 8
-    "Qwen3-235B-A22B": ModelSpec("Qwen3-235B-A22B", 235e9, 22e9, 94, 4096, 64, 4, 128, 151936, False, 128, 8),
+    "Qwen3-235B-A22B": ModelSpec(
+        "Qwen3-235B-A22B", 235e9, 22e9, 94, 4096, 64, 4, 128, 151936, False, 128, 8, intermediate=1536
+    ),
 }
 
 

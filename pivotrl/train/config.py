@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from pivotrl.model.config import ModelConfig
 
 Backend = Literal["auto", "fsdp", "zero", "replicated"]
 Precision = Literal["auto", "fp32", "bf16"]
@@ -33,7 +36,9 @@ class TrainConfig:
     backend: Backend = "auto"
     # fp32 master weights and optimizer state always; bf16 = compute in bfloat16; auto: bf16 on CUDA, fp32 on CPU
     precision: Precision = "auto"
-    activation_checkpointing: bool = False  # recompute each layer in backward instead of keeping its activations
+    # recompute each layer in backward instead of keeping its activations; auto: where a device's memory cannot
+    # hold a micro batch's activations beside the trainer's state (pivotrl.train.memory's arithmetic), else off
+    activation_checkpointing: bool | Literal["auto"] = "auto"
     # old log-probs of the PPO ratio from the trainer's own forward instead of the generation engine's (whose
     # kernels, vLLM's especially, differ numerically); free: the update's forward computes them anyway
     recompute_logprobs: bool = False
@@ -65,7 +70,11 @@ class TrainConfig:
         )
         check("backend", self.backend in BACKENDS, f"one of {', '.join(BACKENDS)}")
         check("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
-        check("activation_checkpointing", isinstance(self.activation_checkpointing, bool), "true or false")
+        check(
+            "activation_checkpointing",
+            isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "auto",
+            "true, false or auto",
+        )
         check("recompute_logprobs", isinstance(self.recompute_logprobs, bool), "true or false")
         check("min_devices", type(self.min_devices) is int and self.min_devices >= 0, "an integer >= 0 (0 = auto)")
 
@@ -77,6 +86,22 @@ class TrainConfig:
         if device_type == "cuda":
             return "zero" if shared else "fsdp"
         return "replicated"
+
+    def resolved_checkpointing(
+        self, config: ModelConfig, trainer: str, world: int, device_bytes: float | None, compute_bytes: int
+    ) -> bool:
+        """``activation_checkpointing`` made concrete for a device of ``device_bytes`` (None: not known, a CPU),
+        training ``config`` with ``trainer`` over ``world`` devices: ``auto`` is on where the state and a micro
+        batch's activations would not fit (``pivotrl.train.memory``)."""
+        if isinstance(self.activation_checkpointing, bool):
+            return self.activation_checkpointing
+        if device_bytes is None:
+            return False
+        from pivotrl.train import memory
+
+        tokens = self.micro_batch_tokens or memory.UNBOUNDED_TOKENS
+        need = memory.per_device(config, trainer, world, tokens, compute_bytes, checkpointed=False)
+        return need > memory.HEADROOM * device_bytes
 
     def resolved_precision(self, device_type: str) -> str:
         if self.precision != "auto":

@@ -31,6 +31,7 @@ from pivotrl.model.config import ModelConfig
 TRAINERS = ("fsdp", "zero", "replicated")
 LOGITS_CHUNK = 1024  # positions whose fp32 logits the chunked log-probs hold at once
 HEADROOM = 0.9  # share of a device's memory the trainer may plan to use
+UNBOUNDED_TOKENS = 16384  # the micro batch planned for where train.micro_batch_tokens sets no bound
 
 
 def state_bytes(config: ModelConfig, trainer: str, world: int, compute_bytes: int = 2) -> dict[str, float]:

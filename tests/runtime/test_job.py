@@ -172,6 +172,8 @@ def test_auto_min_train_devices_follow_the_policy_and_the_gpu_memory(tmp_path):
     policy = write_qwen7b_config(tmp_path)
     cfg = load_config(None, [f"policy.path={policy}", "devices=8", "train.activation_checkpointing=true"])
     assert job.train_min_devices(cfg, "cuda", False, 80e9) == 3  # FSDP2, bf16, 16k-token micro batches
+    auto = load_config(None, [f"policy.path={policy}", "devices=8"])  # (checkpointing auto: on, on 80 GB)
+    assert job.train_min_devices(auto, "cuda", False, 80e9) == 3
     assert job.train_min_devices(cfg, "cpu", False, None) == 1
     assert job.train_min_devices(replace(cfg, train=replace(cfg.train, min_devices=2)), "cuda", False, 80e9) == 2
     with pytest.raises(UserError, match=r"train.min_devices=auto: training 7.62B parameters with train.backend=fsdp "

@@ -124,6 +124,22 @@ def test_every_optimizer_step_runs_on_the_train_devices_it_needs(tmp_path):
     assert [m["train_world_size"] for m in rows(tmp_path / "run" / "metrics.jsonl")] == [4.0, 4.0]
 
 
+def test_the_simulated_trainer_checkpoints_activations_where_a_gpu_would():
+    """train.activation_checkpointing=auto as a device resolves it: Qwen2.5-7B's 16k-token micro batches need
+    about 100 GB of activations unchecked, more than an H100 holds beside the trainer, so each layer's forward runs
+    again in the backward (4 forward passes a token, not 3); a 1.5B policy's fit; false is false."""
+    forwards = {}
+    for name, extra in (("7b", []), ("1.5b", ["sim.policy_model=Qwen2.5-1.5B"]),
+                        ("off", ["train.activation_checkpointing=false"])):  # fmt: skip
+        costs = build(load_config(EXAMPLE, extra)).spec.costs
+        forwards[name] = costs.train_forwards
+    assert forwards == {"7b": 4.0, "1.5b": 3.0, "off": 3.0}
+    spec = build(load_config(EXAMPLE, [])).spec
+    plain = build(load_config(EXAMPLE, ["train.activation_checkpointing=false"])).spec
+    model = spec.policy
+    assert spec.costs.train_tokens(model, 8192, 4) == pytest.approx(4 / 3 * plain.costs.train_tokens(model, 8192, 4))
+
+
 def test_measured_costs_drive_a_simulation(tmp_path):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(PROFILE))

@@ -55,6 +55,25 @@ def test_the_fewest_devices_are_the_first_whose_share_fits():
     assert memory.fewest_devices(QWEN2_5_7B, "replicated", 80e9, 64, 8192) is None  # 18 bytes a parameter
 
 
+def test_auto_checkpointing_is_on_where_the_activations_would_not_fit():
+    """train.activation_checkpointing=auto: the 7B policy's 16k-token micro batch needs about 100 GB of activations
+    unchecked, so it checkpoints on 80 GB devices; a 0.5B one does not; nothing is known on a CPU."""
+    from pivotrl.train.config import TrainConfig
+
+    small = ModelConfig.from_hf({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+                                 "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                                 "num_key_value_heads": 2})  # fmt: skip
+    auto = TrainConfig()
+    assert auto.activation_checkpointing == "auto"
+    assert auto.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
+    assert not auto.resolved_checkpointing(small, "fsdp", 8, 80e9, 2)
+    assert not auto.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, None, 2)
+    assert not TrainConfig(activation_checkpointing=False).resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
+    assert TrainConfig(activation_checkpointing=True).resolved_checkpointing(small, "fsdp", 8, None, 4)
+    with pytest.raises(ValueError, match="train.activation_checkpointing must be true, false or auto, got 'on'"):
+        TrainConfig(activation_checkpointing="on")
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="trainer: got 'ddp', must be one of fsdp, zero, replicated"):
         memory.state_bytes(QWEN2_5_7B, "ddp", 1)
