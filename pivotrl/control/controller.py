@@ -805,8 +805,11 @@ class Controller:
         return cmds
 
     def _train_needed(self) -> int:
-        """Train devices the optimizer step waits for: ``min_train_devices``, or every device not lost if fewer."""
-        return min(self.spec.min_train_devices, sum(1 for d in self.devices if not d.lost))
+        """Train devices the optimizer step waits for: ``min_train_devices``, or as many as could still train if
+        fewer: every device not lost where the policy plans (it brings them), the static layout's train devices
+        not lost otherwise (nothing would bring another: waiting for one would stall the job)."""
+        could = range(len(self.devices)) if self.policy.wants_view else self.policy.train_devices()
+        return min(self.spec.min_train_devices, sum(1 for d in could if not self.devices[d].lost))
 
     def _shard(self, idx: list[int]) -> TrainShard:
         assert self.step is not None

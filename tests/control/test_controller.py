@@ -775,7 +775,9 @@ def test_a_lockstep_trainer_leaves_every_group_to_the_step():
 
 
 class SteeredTrain(Steered):
-    """``Steered``, training on the devices its targets put in the train role (as shiftable mode does)."""
+    """``Steered``, training on the devices its targets put in the train role, as a planning policy (shiftable)."""
+
+    wants_view = True
 
     def train_devices(self) -> tuple[int, ...]:
         return tuple(d for d, r in sorted(self.targets(None).items()) if r is T)
@@ -801,3 +803,15 @@ def test_the_optimizer_step_waits_for_the_train_devices_it_needs():
     step = [c for e in cluster.next_events() for c in ctl.handle(e) if isinstance(c, Step)]
     assert [s.devices for s in step] == [(2, 3)]
     assert ctl.workload().train_devices_needed == 0  # (the step runs)
+
+
+def test_a_static_layout_that_lost_a_train_device_steps_on_those_left():
+    """Nothing brings a static layout's lost train device back before it rejoins: the step waits for no more
+    than the train devices not lost (a planning policy waits for min_train_devices of every device not lost)."""
+    ctl = controller(Disaggregated(4, {R: 1, G: 1, T: 2}), min_train_devices=2)
+    assert ctl._train_needed() == 2
+    ctl.devices[3].lost = True
+    assert ctl._train_needed() == 1
+    planned = controller(SteeredTrain(), min_train_devices=3)
+    planned.devices[3].lost = True
+    assert planned._train_needed() == 3
