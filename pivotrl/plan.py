@@ -139,6 +139,13 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _auto(m: dict[str, Any]) -> str:
+    """How train.activation_checkpointing=auto came to its value here (it is each device's to decide)."""
+    if not m["checkpointing_auto"]:
+        return ""
+    return " (auto, for these devices)" if "device_gb" in m else " (auto: each device decides; --device-memory-gb)"
+
+
 def _memory_lines(m: dict[str, Any]) -> list[str]:
     if "error" in m:
         return [f"train memory: not estimated, {m['error']}"]
@@ -146,7 +153,7 @@ def _memory_lines(m: dict[str, Any]) -> list[str]:
     lines = [
         f"train memory per device at the optimizer step, GB (arithmetic: {_count(m['parameters'])} parameters, "
         f"{dtype} compute, {m['micro_batch_tokens']}-token micro batches, activation checkpointing "
-        f"{'on' if m['activation_checkpointing'] else 'off'}{' (auto)' if m['checkpointing_auto'] else ''}):",
+        f"{'on' if m['activation_checkpointing'] else 'off'}{_auto(m)}):",
         "  train devices " + "".join(f"{w:>8}" for w in m["worlds"]),
     ]
     for t, row in m["per_device_gb"].items():
