@@ -333,7 +333,8 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
                       "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions(),
                       "engine_gpus": {"rollout": spec.engine_tp[0] or spec.tp, "genrm": spec.engine_tp[1] or spec.tp},
                       "elastic_engines": spec.elastic, "costs": job.sim.costs,
-                      "shift_scale": job.sim.shift_scale, "migration_scale": job.sim.migration_scale}  # fmt: skip
+                      "shift_scale": job.sim.shift_scale, "migration_scale": job.sim.migration_scale,
+                      "train_forwards": _train_forwards(spec.costs)}  # fmt: skip
     summary["sim_seconds"] = driver.clock()
     summary["sim"]["ideal"] = _bounds(job, spec, summary)
     title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
@@ -408,6 +409,16 @@ def _costs_text(costs: str) -> str:
     return f", costs measured in {Path(costs).name}"
 
 
+def _train_forwards(costs: CostModel) -> float | None:
+    """Forward passes a trained token is priced at (4: activation checkpointing), None for measured costs."""
+    return getattr(getattr(costs, "base", costs), "train_forwards", None)
+
+
+def _training_text(sim: dict[str, Any]) -> str:
+    forwards = sim.get("train_forwards")
+    return ", training with activation checkpointing (4 forward passes a token)" if forwards == 4 else ""
+
+
 def _what_if_text(sim: dict[str, Any]) -> str:
     """``, shifts free (a what-if)``: the costs scaled from the model's, if any."""
     parts = []
@@ -428,7 +439,7 @@ def format_sim(summary: dict[str, Any]) -> str:
         f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
         f"({summary['devices']} instances of {sim['instance_gpus']} GPU{_engines(sim)}), {sim['policy_model']} policy, "
         f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions)"
-        f"{_costs_text(sim.get('costs', 'roofline'))}{_what_if_text(sim)}; "
+        f"{_costs_text(sim.get('costs', 'roofline'))}{_training_text(sim)}{_what_if_text(sim)}; "
         f"{summary['wall_seconds']:.1f} s of wall time\n"
         f"ideal {ideal['samples_per_s']:.1f} samples/s; no schedule's step is shorter than "
         f"{ideal['floor_seconds']:.1f} s ({ideal['floor_samples_per_s']:.1f} samples/s): the steady steps "

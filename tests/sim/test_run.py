@@ -140,6 +140,12 @@ def test_the_simulated_trainer_checkpoints_activations_where_a_gpu_would():
     assert spec.costs.train_tokens(model, 8192, 4) == pytest.approx(4 / 3 * plain.costs.train_tokens(model, 8192, 4))
 
 
+def test_the_summary_says_training_is_priced_with_checkpointing(runs):
+    summary = json.loads((runs["colocated"] / "summary.json").read_text())
+    assert summary["sim"]["train_forwards"] == 4.0
+    assert "training with activation checkpointing (4 forward passes a token)" in format_sim(summary)
+
+
 def test_measured_costs_drive_a_simulation(tmp_path):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(PROFILE))
