@@ -384,8 +384,13 @@ def _parse_value(tp: Any, text: str, item: str) -> Any:
     is not read as a YAML mapping, ``split=`` is not null and a newline stays a newline.
     """
     leaves = {None} if tp is None else _leaves(tp)
-    if bool in leaves and text.strip() in ("true", "false"):  # (a field taking a boolean or words: auto)
-        return text.strip() == "true"
+    if bool in leaves and str in leaves:  # (a field taking a boolean or words, auto: YAML's booleans are booleans)
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError:
+            loaded = None
+        if isinstance(loaded, bool):
+            return loaded
     if (str in leaves or None in leaves) and text.strip()[:1] not in ("'", '"'):
         if not (type(None) in leaves and text.strip() in ("null", "~")):
             return text

@@ -23,6 +23,7 @@ from pivotrl.control.messages import ROLES, Role
 from pivotrl.control.planner import Profiles, Workload, estimate, fmt_alloc, initial_split
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.model.config import ModelConfig, UnsupportedModelError
+from pivotrl.runtime.devices import CUDA, shares_gpu
 from pivotrl.train import memory
 
 
@@ -58,8 +59,9 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
         return {"error": f"policy.path: cannot read {str(file)!r} ({e})"}
     c = 2 if cfg.train.resolved_precision("cuda") == "bf16" else 4
     tokens = cfg.train.micro_batch_tokens or memory.UNBOUNDED_TOKENS
-    backend = cfg.train.resolved_backend("cuda")
-    device_bytes = None if device_gb is None else device_gb * 1e9
+    shared = shares_gpu(CUDA, cfg.gpus_per_device, cfg.devices)  # (then ZeRO-1, each device on its share)
+    backend = cfg.train.resolved_backend(CUDA, shared)
+    device_bytes = None if device_gb is None else device_gb * 1e9 * min(1.0, cfg.gpus_per_device)
     checkpointed = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, c)
     worlds = sorted({2**i for i in range(cfg.devices.bit_length()) if 2**i <= cfg.devices} | {cfg.devices})
     out: dict[str, Any] = {
@@ -77,7 +79,7 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
     if device_gb is not None:
         out["device_gb"] = device_gb
         out["fewest_devices"] = {
-            t: memory.fewest_devices(config, t, device_gb * 1e9, cfg.devices, tokens, c, checkpointed)
+            t: memory.fewest_devices(config, t, device_bytes, cfg.devices, tokens, c, checkpointed)
             for t in memory.TRAINERS
         }
     return out

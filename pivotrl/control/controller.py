@@ -415,8 +415,10 @@ class Controller:
 
     def _layout(self) -> tuple[tuple[Role | None, ...], frozenset[int]]:
         """The role of every device as the planner sees it, and the devices it may not move."""
+        # (a lost device too: planned into a role, it would count there, and a step that needs as many train
+        # devices would wait for one that does not come)
         pinned = frozenset(
-            d.id for d in self.devices if d.shifting or d.training or d.accumulating or d.grads or d.aborting
+            d.id for d in self.devices if d.shifting or d.training or d.accumulating or d.grads or d.aborting or d.lost
         )
         # a device on its way to a role counts as holding it: planned back to the role it is
         # leaving, it would shift straight back on arrival

@@ -252,8 +252,8 @@ def _device_memory(cfg: JobConfig, kind: str, driver: Any) -> float | None:
     they report it (``driver``), or this process's GPU shared by the devices in it."""
     if kind != dev.CUDA:
         return None
-    if driver is None:
-        return dev.gpu_memory() / cfg.devices
+    if driver is None:  # (the share each device plans with, as the devices do: ContextSpec.memory_share)
+        return dev.gpu_memory() * min(1.0, cfg.gpus_per_device)
     if not driver.bindings or any(b.memory_bytes <= 0 for b in driver.bindings):
         return None  # (GPUs their torch cannot use: they compute on the CPU)
     return min(b.memory_bytes for b in driver.bindings) * min(1.0, cfg.gpus_per_device)

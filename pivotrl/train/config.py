@@ -88,11 +88,14 @@ class TrainConfig:
         return "replicated"
 
     def resolved_checkpointing(
-        self, config: ModelConfig, trainer: str, world: int, device_bytes: float | None, compute_bytes: int
+        self, config: ModelConfig, trainer: str, devices: int, device_bytes: float | None, compute_bytes: int
     ) -> bool:
-        """``activation_checkpointing`` made concrete for a device of ``device_bytes`` (None: not known, a CPU),
-        training ``config`` with ``trainer`` over ``world`` devices: ``auto`` is on where the state and a micro
-        batch's activations would not fit (``pivotrl.train.memory``)."""
+        """``activation_checkpointing`` made concrete for devices of ``device_bytes`` (None: not known, a CPU),
+        training ``config`` with ``trainer`` on a job of ``devices``: ``auto`` is on where the state and a micro
+        batch's activations would not fit unchecked (``pivotrl.train.memory``) on the fewest devices a step may
+        run on: ``min_devices`` where it is given; with it auto too, on only where no count of the job's devices
+        fits unchecked (the step then runs on the fewest that fit, ``min_devices=auto``). The driver and every
+        device decide alike from the same inputs."""
         if isinstance(self.activation_checkpointing, bool):
             return self.activation_checkpointing
         if device_bytes is None:
@@ -100,8 +103,10 @@ class TrainConfig:
         from pivotrl.train import memory
 
         tokens = self.micro_batch_tokens or memory.UNBOUNDED_TOKENS
-        need = memory.per_device(config, trainer, world, tokens, compute_bytes, checkpointed=False)
-        return need > memory.HEADROOM * device_bytes
+        if self.min_devices:
+            need = memory.per_device(config, trainer, self.min_devices, tokens, compute_bytes, checkpointed=False)
+            return need > memory.HEADROOM * device_bytes
+        return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, compute_bytes) is None
 
     def resolved_precision(self, device_type: str) -> str:
         if self.precision != "auto":

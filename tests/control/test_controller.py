@@ -815,3 +815,24 @@ def test_a_static_layout_that_lost_a_train_device_steps_on_those_left():
     planned = controller(SteeredTrain(), min_train_devices=3)
     planned.devices[3].lost = True
     assert planned._train_needed() == 3
+
+
+@pytest.mark.parametrize("needed", [1, 2, 3])
+def test_a_lost_device_is_not_planned_into_a_role(needed):
+    """A device lost for good holds no role the planner could count: planned into the train role, it made a
+    step that needs as many train devices wait for one that never comes (the plan saw enough of them)."""
+    ctl = controller(Shiftable(4, max_batch=4, rollout_tokens=8, judge_tokens=8), min_train_devices=needed)
+    cluster = FakeCluster(ctl)
+    for c in ctl.start():
+        cluster.submit(c)
+    cluster.ready = [e for e in cluster.ready if getattr(e, "device", None) != 0]  # (it died before answering)
+    commands = ctl.handle(DeviceLost(0, "its process died"))
+    for _ in range(10_000):
+        for c in commands:
+            assert getattr(c, "device", None) != 0, f"a command to the lost device: {c}"
+            cluster.submit(c)
+        if ctl.done:
+            break
+        commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
+    assert ctl.done and ctl.version == STEPS
+    assert all(0 not in cmd.devices and len(cmd.devices) >= needed for cmd, _, _ in cluster.trains)

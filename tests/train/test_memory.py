@@ -70,6 +70,12 @@ def test_auto_checkpointing_is_on_where_the_activations_would_not_fit():
     assert not auto.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, None, 2)
     assert not TrainConfig(activation_checkpointing=False).resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
     assert TrainConfig(activation_checkpointing=True).resolved_checkpointing(small, "fsdp", 8, None, 4)
+    # decided for the fewest devices a step may run on: 2048-token micro batches fit unchecked on 3 of 8 (the
+    # auto minimum then), but on 2, where the step may run when train.min_devices says so, only checked
+    short = TrainConfig(micro_batch_tokens=2048)
+    assert memory.fewest_devices(QWEN2_5_7B, "fsdp", 80e9, 8, 2048) == 3
+    assert not short.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
+    assert TrainConfig(micro_batch_tokens=2048, min_devices=2).resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
     with pytest.raises(ValueError, match="train.activation_checkpointing must be true, false or auto, got 'on'"):
         TrainConfig(activation_checkpointing="on")
 
