@@ -57,12 +57,11 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
         config = ModelConfig.from_hf(json.loads(file.read_text()))
     except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
         return {"error": f"policy.path: cannot read {str(file)!r} ({e})"}
-    c = 2 if cfg.train.resolved_precision("cuda") == "bf16" else 4
-    tokens = cfg.train.micro_batch_tokens or memory.UNBOUNDED_TOKENS
+    c, tokens = cfg.train.compute_bytes(CUDA), cfg.train.planned_tokens
     shared = shares_gpu(CUDA, cfg.gpus_per_device, cfg.devices)  # (then ZeRO-1, each device on its share)
     backend = cfg.train.resolved_backend(CUDA, shared)
     device_bytes = None if device_gb is None else device_gb * 1e9 * min(1.0, cfg.gpus_per_device)
-    checkpointed = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, c)
+    checkpointed = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, CUDA)
     worlds = sorted({2**i for i in range(cfg.devices.bit_length()) if 2**i <= cfg.devices} | {cfg.devices})
     out: dict[str, Any] = {
         "parameters": config.num_parameters(),

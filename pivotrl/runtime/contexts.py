@@ -291,9 +291,9 @@ class TrainContext:
         self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version
         # activation checkpointing where this device's memory needs it (train.activation_checkpointing=auto)
         memory = gpu_memory() * spec.memory_share if device.type == "cuda" else None
-        checkpointing = cfg.resolved_checkpointing(ModelConfig.from_hf(self.meta["config"]), self.backend,
-                                                   spec.devices, memory, self.compute.itemsize)  # fmt: skip
-        self.cfg = replace(cfg, activation_checkpointing=checkpointing)
+        self.config = ModelConfig.from_hf(self.meta["config"])  # the policy's architecture
+        checkpointing = cfg.resolved_checkpointing(self.config, self.backend, spec.devices, memory, device.type)
+        self.cfg = cfg = replace(cfg, activation_checkpointing=checkpointing)
         self.nbytes = 0
         self.pending: list[tuple[list[Sample], list[float]]] = []
         self.sharded: Any = None  # ShardedTrainer, once the worker built it for a group; ZeroTrainer, built here

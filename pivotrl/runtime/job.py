@@ -269,9 +269,8 @@ def train_min_devices(cfg: JobConfig, kind: str, shared: bool, device_bytes: flo
         return 1
     config = read_config(cfg.policy.path)
     backend = cfg.train.resolved_backend(kind, shared)
-    c = 2 if cfg.train.resolved_precision(kind) == "bf16" else 4
-    tokens = cfg.train.micro_batch_tokens or memory.UNBOUNDED_TOKENS
-    ckpt = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, c)
+    c, tokens = cfg.train.compute_bytes(kind), cfg.train.planned_tokens
+    ckpt = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, kind)
     fewest = memory.fewest_devices(config, backend, device_bytes, cfg.devices, tokens, c, ckpt)
     if fewest is None:
         need = memory.per_device(config, backend, cfg.devices, tokens, c, ckpt) / 1e9

@@ -38,7 +38,6 @@ from pivotrl.control.messages import (
 from pivotrl.engine import SamplingParams, SeqState
 from pivotrl.gps import Kind, ParameterStore, VersionError
 from pivotrl.log import logger
-from pivotrl.model import ModelConfig
 from pivotrl.model.loader import DTYPES
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime.contexts import (
@@ -485,8 +484,8 @@ class Worker:
                 ctx.sharded.load_weights(store.fetch(POLICY, cmd.version))
         elif ctx.sharded is None or ctx.sharded.group is not group:
             reference = store.fetch(REFERENCE, 0) if ctx.cfg.kl_coef > 0 else None
-            config = ModelConfig.from_hf(ctx.meta["config"])
-            ctx.sharded = ShardedTrainer(group, config, ctx.cfg, ctx.temperature, cmd.version, ctx.compute, reference)
+            ctx.sharded = ShardedTrainer(group, ctx.config, ctx.cfg, ctx.temperature, cmd.version, ctx.compute,
+                                         reference)  # fmt: skip
             if state_world:
                 ctx.sharded.import_shards(store, POLICY, cmd.version, state_world)
             else:

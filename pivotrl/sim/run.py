@@ -109,9 +109,8 @@ def build(cfg: JobConfig) -> Simulation:
         genrm_model = dataclasses.replace(genrm_model, name=costs.genrm.model)
     shape = policy_model.train_config()
     if isinstance(costs, RooflineCosts) and shape is not None:  # train.activation_checkpointing as a GPU resolves it
-        c = 2 if cfg.train.resolved_precision("cuda") == "bf16" else 4
         if cfg.train.resolved_checkpointing(shape, cfg.train.resolved_backend("cuda"), sim.gpus,
-                                            GPUS[sim.gpu].hbm_bytes, c):  # fmt: skip
+                                            GPUS[sim.gpu].hbm_bytes, "cuda"):  # fmt: skip
             costs = dataclasses.replace(costs, train_forwards=4.0)  # each layer's forward again in the backward
     if sim.shift_scale != 1 or sim.migration_scale != 1:
         costs = ScaledCosts(costs, float(sim.shift_scale), float(sim.migration_scale))

@@ -12,6 +12,7 @@ Backend = Literal["auto", "fsdp", "zero", "replicated"]
 Precision = Literal["auto", "fp32", "bf16"]
 BACKENDS = ("auto", "fsdp", "zero", "replicated")
 PRECISIONS = ("auto", "fp32", "bf16")
+UNBOUNDED_TOKENS = 16384  # the micro batch memory is planned for where micro_batch_tokens sets no bound
 
 
 @dataclass(slots=True)
@@ -87,8 +88,17 @@ class TrainConfig:
             return "zero" if shared else "fsdp"
         return "replicated"
 
+    @property
+    def planned_tokens(self) -> int:
+        """The tokens of the micro batch a device's memory is planned for."""
+        return self.micro_batch_tokens or UNBOUNDED_TOKENS
+
+    def compute_bytes(self, device_type: str) -> int:
+        """Bytes a value of the compute dtype takes on a device type."""
+        return 2 if self.resolved_precision(device_type) == "bf16" else 4
+
     def resolved_checkpointing(
-        self, config: ModelConfig, trainer: str, devices: int, device_bytes: float | None, compute_bytes: int
+        self, config: ModelConfig, trainer: str, devices: int, device_bytes: float | None, device_type: str
     ) -> bool:
         """``activation_checkpointing`` made concrete for devices of ``device_bytes`` (None: not known, a CPU),
         training ``config`` with ``trainer`` on a job of ``devices``: ``auto`` is on where the state and a micro
@@ -102,11 +112,11 @@ class TrainConfig:
             return False
         from pivotrl.train import memory
 
-        tokens = self.micro_batch_tokens or memory.UNBOUNDED_TOKENS
+        tokens, c = self.planned_tokens, self.compute_bytes(device_type)
         if self.min_devices:
-            need = memory.per_device(config, trainer, self.min_devices, tokens, compute_bytes, checkpointed=False)
+            need = memory.per_device(config, trainer, self.min_devices, tokens, c, checkpointed=False)
             return need > memory.HEADROOM * device_bytes
-        return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, compute_bytes) is None
+        return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, c) is None
 
     def resolved_precision(self, device_type: str) -> str:
         if self.precision != "auto":

@@ -21,7 +21,7 @@ and 4.5 I in its MLP, in the compute dtype):
 
 Measured on CPU for a 98M-parameter model (fp32, checkpointed, 512-token micro batches),
 ``benchmarks/train_memory.py`` prints these figures beside the peaks it measures. A GPU adds the CUDA
-context and the caching allocator's slack: ``fits`` keeps a tenth of the device free for them.
+context and the caching allocator's slack: ``fewest_devices`` keeps a tenth of the device free for them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from pivotrl.model.config import ModelConfig
 TRAINERS = ("fsdp", "zero", "replicated")
 LOGITS_CHUNK = 1024  # positions whose fp32 logits the chunked log-probs hold at once
 HEADROOM = 0.9  # share of a device's memory the trainer may plan to use
-UNBOUNDED_TOKENS = 16384  # the micro batch planned for where train.micro_batch_tokens sets no bound
 
 
 def state_bytes(config: ModelConfig, trainer: str, world: int, compute_bytes: int = 2) -> dict[str, float]:

@@ -65,17 +65,18 @@ def test_auto_checkpointing_is_on_where_the_activations_would_not_fit():
                                  "num_key_value_heads": 2})  # fmt: skip
     auto = TrainConfig()
     assert auto.activation_checkpointing == "auto"
-    assert auto.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
-    assert not auto.resolved_checkpointing(small, "fsdp", 8, 80e9, 2)
-    assert not auto.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, None, 2)
-    assert not TrainConfig(activation_checkpointing=False).resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
-    assert TrainConfig(activation_checkpointing=True).resolved_checkpointing(small, "fsdp", 8, None, 4)
+    assert auto.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, "cuda")
+    assert not auto.resolved_checkpointing(small, "fsdp", 8, 80e9, "cuda")
+    assert not auto.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, None, "cuda")
+    assert not TrainConfig(activation_checkpointing=False).resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, "cuda")
+    assert TrainConfig(activation_checkpointing=True).resolved_checkpointing(small, "fsdp", 8, None, "cpu")
     # decided for the fewest devices a step may run on: 2048-token micro batches fit unchecked on 3 of 8 (the
     # auto minimum then), but on 2, where the step may run when train.min_devices says so, only checked
     short = TrainConfig(micro_batch_tokens=2048)
     assert memory.fewest_devices(QWEN2_5_7B, "fsdp", 80e9, 8, 2048) == 3
-    assert not short.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
-    assert TrainConfig(micro_batch_tokens=2048, min_devices=2).resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, 2)
+    assert not short.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, "cuda")
+    two = TrainConfig(micro_batch_tokens=2048, min_devices=2)
+    assert two.resolved_checkpointing(QWEN2_5_7B, "fsdp", 8, 80e9, "cuda")
     with pytest.raises(ValueError, match="train.activation_checkpointing must be true, false or auto, got 'on'"):
         TrainConfig(activation_checkpointing="on")
 
