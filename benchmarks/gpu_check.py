@@ -363,6 +363,9 @@ def vllm_backend(
         swapped = [s.output_ids for s in engine.generate(states(requests))]
         result["greedy_agreement_v1"] = agreement(swapped, native(1))
         result["changed_by_swap"] = sig(1 - agreement(swapped, [s.output_ids for s in got]))
+        # the reference for after the wake: the same 16 requests alone, before the sleep (vLLM's kernels depend on
+        # the batch, so the 16 inside the full batch above are no reference for the 16 alone)
+        alone = [s.output_ids for s in engine.generate(states(requests[:16]))]
         free = lambda: torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 0  # noqa: E731
         before = free()
         result["sleep_seconds"] = sig(timed(device, engine.sleep))
@@ -371,7 +374,7 @@ def vllm_backend(
             timed(device, lambda: (engine.wake(), engine.load_weights(store.fetch("policy", 1))))
         )
         woken = [s.output_ids for s in engine.generate(states(requests[:16]))]
-        result["after_wake_equal"] = woken == swapped[:16]
+        result["after_wake_equal"] = woken == alone
         group = TrainGroup.join(0, 1, "127.0.0.1", 0, device=device, process_group=True)
         try:  # a second engine built while the trainer's world is in place, the world intact after
             other = VllmEngine(
@@ -967,6 +970,16 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": lambda: vllm_backend(device),
     }
     sections: dict[str, dict[str, Any]] = {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(done: bool) -> float:
+        """The report so far: written after every section too, so that a native crash (NCCL, an allocator's
+        teardown) in a later one loses none of those before it."""
+        total = time.perf_counter() - start
+        report = {"machine": machine(), "total_seconds": round(total, 1), "complete": done, "sections": sections}
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return total
+
     with tempfile.TemporaryDirectory() as tmp:
         for name in wanted:
             left = BUDGET_S - (time.perf_counter() - start)
@@ -984,11 +997,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu-check: {name} ...", flush=True)
             sections[name] = run_section(name, fn)
             torch.cuda.empty_cache()
-    total = time.perf_counter() - start
+            write(done=False)
     print_table(sections)
-    report = {"machine": machine(), "total_seconds": round(total, 1), "sections": sections}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    total = write(done=True)
     print(f"wrote {args.out} ({total:.0f} s)")
     return 1 if any(s["status"] == "failed" for s in sections.values()) else 0
 

@@ -22,8 +22,13 @@ protocol as the native engine (:mod:`pivotrl.engine.protocol`):
   offset by the tokens already drawn.
 * **Shifts.** On a GPU, leaving the role puts the engine to sleep (weights and
   KV cache freed, the engine kept) and coming back wakes it and loads the
-  version from the GPS. On a CPU vLLM has no sleep mode: the engine and its
-  cache stay in host memory across shifts.
+  version from the GPS. A device keeps an engine per model asleep, and vLLM's
+  sleep allocator is one per process: waking one engine maps back only the
+  memory its own build allocated. On a CPU vLLM has no sleep mode: the engine
+  and its cache stay in host memory across shifts.
+* **Model runner.** The processor is of vLLM's V1 model runner's kind, with
+  async scheduling off; vLLM 0.32 would pick its V2 runner on every CUDA build,
+  which refuses it, so the backend sets ``VLLM_USE_V2_MODEL_RUNNER=0``.
 
 Tokens equal the native engine's wherever the two compute the same logits up
 to the argmax (greedy) or the Gumbel-max winner (sampling); vLLM's kernels are
@@ -154,6 +159,14 @@ def _import_vllm() -> Any:
             "the vLLM backend runs its engine in-process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
         )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # the counter-based draw is a logits processor of the V1 model runner's kind; vLLM 0.32 picks its V2 runner
+    # wherever Triton is (every CUDA build), and V2 refuses V1's processors when the engine is built
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() not in ("0", "false", ""):
+        raise BackendUnavailableError(
+            "the vLLM backend samples in a logits processor of vLLM's V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER "
+            "or set it to 0"
+        )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if not available():
         raise BackendUnavailableError(f"backend 'vllm' needs vLLM, which is not installed here: {INSTALL}")
     import vllm
@@ -169,6 +182,52 @@ def _tie_embeddings(worker: Any) -> None:
     head = model.lm_head
     head.weight = model.model.embed_tokens.weight
     head.quant_method.process_weights_after_loading(head)
+
+
+# vLLM's sleep mode allocates every engine's weights and KV cache through one allocator per process
+# (``CuMemAllocator``), and its ``wake_up`` maps back every sleeping allocation there, whichever engine made it: a
+# device keeping its policy and judge engines asleep would get both back, each sized for most of the GPU, on
+# waking either. So each engine records the allocations its build made (channel -> pointers), and a wake leaves
+# the other engines' asleep.
+_OWNED: dict[int, set[int]] = {}
+
+
+def _sleep_allocator() -> Any:
+    """The process's sleep-mode allocator, or None where none was made (a CPU, sleep mode off)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:  # (vLLM without its CUDA allocator extension)
+        return None
+    return CuMemAllocator.instance
+
+
+def _wake_own(allocator: Any, others: set[int], wake: Callable[[], None]) -> None:
+    """Run ``wake`` (an engine's ``wake_up``, which maps back every sleeping allocation of ``allocator``) with the
+    sleeping allocations in ``others`` (other engines') left asleep: they are shown to it as awake, which it
+    skips, and put back as they were whatever happens."""
+    hidden = [data for ptr, data in allocator.pointer_to_data.items() if ptr in others and data.is_asleep]
+    for data in hidden:
+        data.is_asleep = False
+    try:
+        wake()
+    finally:
+        for data in hidden:
+            data.is_asleep = True
+
+
+@contextmanager
+def _pools_kept(allocator: Any) -> Iterator[None]:
+    """An engine's shutdown releases the allocator's memory pools, which other engines of the process still
+    use: while they live, it must not."""
+    if allocator is None:
+        yield
+        return
+    release = allocator.release_pools
+    allocator.release_pools = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        allocator.release_pools = release
 
 
 # torch.distributed keeps one world per process, and both vLLM (a world of one, made when an engine is built)
@@ -291,10 +350,15 @@ class VllmEngine:
             logits_processors=[_processor_class()],
             enforce_eager=not cuda,
             enable_sleep_mode=cuda,
+            # the processor reads each request's output so far when it is added: a step's tokens must be in it
+            # (with async scheduling, on by default on a GPU, they come a step late, as placeholders)
+            async_scheduling=False,
             disable_log_stats=True,  # pivotrl reports what the engine did (progress events, the trace)
             seed=0,
         )
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        allocator = _sleep_allocator()
+        before = set(allocator.pointer_to_data) if allocator is not None else set()
         try:
             with _vllm_distributed():
                 self.llm = LLMEngine.from_engine_args(args)
@@ -304,6 +368,8 @@ class VllmEngine:
         # vLLM shuts an engine down when it is collected, tearing down the process's distributed state with it
         # (whichever world is in place then, and the groups other engines here share): close() does it instead
         self.llm.engine_core._finalizer.detach()
+        if (allocator := _sleep_allocator()) is not None:  # (made by the first build with sleep mode)
+            _OWNED[self.channel] = set(allocator.pointer_to_data) - before
         if weights is not None:
             self.load_weights(weights)
         self.max_len, self.max_batch = limit, self.requested_batch
@@ -450,8 +516,14 @@ class VllmEngine:
             self.asleep = True
 
     def wake(self) -> None:
+        """Map this engine's weights and KV cache back (the weights' values are the GPS's to load)."""
         if self.asleep:
-            self.llm.wake_up()
+            allocator = _sleep_allocator()
+            if allocator is None:
+                self.llm.wake_up()
+            else:
+                others = set().union(*(p for c, p in _OWNED.items() if c != self.channel))
+                _wake_own(allocator, others, self.llm.wake_up)
             self.asleep = False
 
     def close(self) -> None:
@@ -460,10 +532,13 @@ class VllmEngine:
             import vllm.v1.engine.core as core
 
             cleanup, core.cleanup_dist_env_and_memory = core.cleanup_dist_env_and_memory, lambda *a, **k: None
+            others = any(c != self.channel for c in _OWNED)
             try:
-                self.llm.engine_core.engine_core.shutdown()
+                with _pools_kept(_sleep_allocator() if others else None):
+                    self.llm.engine_core.engine_core.shutdown()
             finally:
                 core.cleanup_dist_env_and_memory = cleanup
             self.llm = None
         _LOGPROBS.pop(self.channel, None)
+        _OWNED.pop(self.channel, None)
         shutil.rmtree(self._dir, ignore_errors=True)
