@@ -39,11 +39,12 @@ and its position in the draw.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
 import json
 import os
-import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -174,6 +175,22 @@ def _import_vllm() -> Any:
     return vllm
 
 
+def _model_dir(hf_config: dict[str, Any]) -> str:
+    """The directory vLLM builds an engine from: only a config.json (the weights come from the GPS), one
+    directory for each config, kept. vLLM keys its compile cache by the model's path, so engines of one shape
+    (another device of the node, the next run) reuse what the first compiled instead of compiling again."""
+    text = json.dumps(hf_config, sort_keys=True)
+    path = os.path.join(tempfile.gettempdir(), "pivotrl-vllm", hashlib.sha256(text.encode()).hexdigest()[:16])
+    target = os.path.join(path, "config.json")
+    if not os.path.exists(target):
+        os.makedirs(path, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, suffix=".json")  # (written whole, then renamed: a reader never
+        with os.fdopen(fd, "w") as f:  # sees part of it, whichever process of the node writes it)
+            f.write(text)
+        os.replace(tmp, target)
+    return path
+
+
 def _tie_embeddings(worker: Any) -> None:
     """Share the input embedding with the output head again: an in-place reload gives the embedding a new
     tensor and leaves the head on the old one (vLLM 0.32 ties them by sharing the parameter at build). The
@@ -199,6 +216,16 @@ def _sleep_allocator() -> Any:
     except ImportError:  # (vLLM without its CUDA allocator extension)
         return None
     return CuMemAllocator.instance
+
+
+def asleep_bytes() -> int:
+    """Bytes of this process's vLLM engines that are asleep: unmapped from the GPU, though torch's allocator
+    still counts them as allocated (their tensors live on). 0 where vLLM or its sleep allocator is not here."""
+    cumem = sys.modules.get("vllm.device_allocator.cumem")  # (not imported: no engine was built here)
+    allocator = cumem.CuMemAllocator.instance if cumem is not None else None
+    if allocator is None:
+        return 0
+    return sum(data.handle[1] for data in allocator.pointer_to_data.values() if data.is_asleep)
 
 
 def _wake_own(allocator: Any, others: set[int], wake: Callable[[], None]) -> None:
@@ -312,7 +339,6 @@ class VllmEngine:
         self.stats = EngineStats()
         self.asleep = False
         self._serial = itertools.count()
-        self._dir = tempfile.mkdtemp(prefix="pivotrl-vllm-")
         self.llm: Any = None
         self._build(max_len, weights)
 
@@ -322,8 +348,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        with open(os.path.join(self._dir, "config.json"), "w") as f:
-            json.dump(self.config.to_hf(str(self.dtype).removeprefix("torch.")), f)
+        self._dir = _model_dir(self.config.to_hf(str(self.dtype).removeprefix("torch.")))
         cuda = self.device.type == "cuda"
         # vLLM's KV cache is a pool of blocks: the length limit reserves nothing, so it is the model's own
         # (a judge prompt longer than planned still fits); the pool is what ``kv_cache_bytes`` sizes
@@ -541,4 +566,3 @@ class VllmEngine:
             self.llm = None
         _LOGPROBS.pop(self.channel, None)
         _OWNED.pop(self.channel, None)
-        shutil.rmtree(self._dir, ignore_errors=True)

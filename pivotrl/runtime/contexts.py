@@ -151,7 +151,10 @@ def kv_budget(spec: ContextSpec, device: torch.device, weights_bytes: int) -> KV
     _, total = torch.cuda.mem_get_info(device)
     free = device_free_bytes(device)
     assert free is not None
-    held = torch.cuda.memory_allocated(device)
+    # (an engine of the other model asleep here, vLLM's, is unmapped but still counted allocated: not held)
+    from pivotrl.engine.vllm_engine import asleep_bytes
+
+    held = max(0, torch.cuda.memory_allocated(device) - asleep_bytes())
     return KVBudget(auto_budget(free, total, held, spec.memory_share), False, weights_bytes)
 
 

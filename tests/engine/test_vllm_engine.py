@@ -99,3 +99,16 @@ def test_an_engine_wakes_with_every_other_engines_allocations_hidden(monkeypatch
     engine.wake()
     assert not engine.asleep
     assert [d.is_asleep for d in allocator.pointer_to_data.values()] == [False, False, True, True, True]
+
+
+def test_engines_of_one_shape_are_built_from_one_directory_kept_for_the_compile_cache():
+    import json
+
+    from pivotrl.engine.vllm_engine import _model_dir
+
+    config = vllm_shaped("Qwen2ForCausalLM", 0).config
+    a, b = _model_dir(config.to_hf("bfloat16")), _model_dir(config.to_hf("bfloat16"))
+    assert a == b
+    assert _model_dir(config.to_hf("float32")) != a
+    with open(os.path.join(a, "config.json")) as f:
+        assert json.load(f) == config.to_hf("bfloat16")
