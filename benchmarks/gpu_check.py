@@ -310,7 +310,7 @@ def vllm_backend(
     device: str, shape: Shape = QWEN2_05B, work: Workload = Workload(), dtype: str = "bfloat16"
 ) -> dict[str, Any]:
     """vLLM beside the native engine on the same weights and requests (greedy), then a version swapped in place,
-    a sleep/wake cycle and a build inside a train group."""
+    a sleep/wake cycle, a wake beside another engine asleep and a build inside a train group."""
     import torch
 
     from pivotrl.engine import Engine, SamplingParams, SeqState
@@ -375,6 +375,17 @@ def vllm_backend(
         )
         woken = [s.output_ids for s in engine.generate(states(requests[:16]))]
         result["after_wake_equal"] = woken == alone
+        # a device keeps its other model's engine asleep (vLLM's sleep allocator is one per process): waking this
+        # one must map back its own memory only, not the other's too
+        engine.sleep()
+        other = VllmEngine(shape.model_config(), td, torch.device(device), 4, max_len, weights=store.fetch("policy", 0))
+        other.sleep()
+        before = free()
+        engine.wake()
+        result["wake_beside_asleep_gb"] = gb(before - free())
+        engine.load_weights(store.fetch("policy", 1))
+        other.close()
+        result["wake_own_only"] = result["wake_beside_asleep_gb"] <= 1.2 * result["freed_gb"] + 0.5
         group = TrainGroup.join(0, 1, "127.0.0.1", 0, device=device, process_group=True)
         try:  # a second engine built while the trainer's world is in place, the world intact after
             other = VllmEngine(
@@ -386,7 +397,7 @@ def vllm_backend(
             group.leave()
     finally:
         engine.close()
-    result["pass"] = bool(result["after_wake_equal"] and result["build_in_train_group"])
+    result["pass"] = bool(result["after_wake_equal"] and result["wake_own_only"] and result["build_in_train_group"])
     return result
 
 
@@ -869,7 +880,8 @@ def headline(name: str, section: dict[str, Any]) -> str:
         return (
             f"{r['tokens_per_s']:.0f} tok/s vs native {r['native_tokens_per_s']:.0f}; greedy agreement "
             f"{r['greedy_agreement_v0']:.2f} (v1 {r['greedy_agreement_v1']:.2f}); swap {r['swap_seconds']} s, "
-            f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s"
+            f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s; woken beside "
+            f"an engine asleep it maps {r['wake_beside_asleep_gb']} GB"
         )
     if name == "job":
         where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
@@ -934,7 +946,7 @@ def cannot_run(name: str) -> str | None:
 
 
 ESTIMATE_S = {
-    "parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 90,
+    "parity": 20, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
     "job": 120,
 }  # fmt: skip
 
