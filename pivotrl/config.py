@@ -27,13 +27,16 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 from pivotrl.sim.config import SimConfig
 from pivotrl.task.checkers import CHECKERS
 from pivotrl.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from pivotrl.model.config import ModelConfig
 
 ROLES = ("rollout", "genrm", "train")
 Mode = Literal["colocated", "disaggregated", "shiftable"]
@@ -310,6 +313,34 @@ class JobConfig:
         if self.fault.step > self.steps:
             raise ValueError(f"fault.step: {self.fault.step} is after the last step ({self.steps})")
         parse_split(self.split)
+
+    def train_backend(self, model: ModelConfig, kind: str, shared: bool, device_bytes: float | None) -> str:
+        """``train.backend`` made concrete for a job of ``model`` on devices of ``kind`` ("cuda" or "cpu") with
+        ``device_bytes`` of memory each (None: not known); ``shared``: devices share a GPU.
+
+        ``auto`` is ZeRO-1 on GPUs in shiftable mode where its state fits (6 bytes a parameter whole and 12 over
+        the step's devices, with a micro batch's activations: ``pivotrl.train.memory``) on the job's devices, or
+        on ``train.min_devices`` where given, and where the rollout's weights are as wide as its compute dtype
+        (it computes from them): it backpropagates each group as soon as it is judged, while the rollout's tail
+        runs, where FSDP2 waits for the step. Otherwise ``TrainConfig.resolved_backend``'s: FSDP2 on GPUs
+        (ZeRO-1 where devices share one), the replicated trainer on CPUs. The job decides it once, for every
+        device; ``pivotrl plan`` and the simulator by the same rule."""
+        t = self.train
+        base = t.resolved_backend(kind, shared)
+        if t.backend != "auto" or base != "fsdp" or self.mode != "shiftable" or device_bytes is None:
+            return base
+        rollout_bytes = 2 if self.policy.resolved_rollout_dtype(kind) == "bfloat16" else 4
+        if t.compute_bytes(kind) > rollout_bytes:
+            return base
+        from pivotrl.train import memory
+
+        c, tokens = t.compute_bytes(kind), t.planned_tokens
+        checkpointed = t.resolved_checkpointing(model, "zero", self.devices, device_bytes, kind)
+        if t.min_devices:
+            need = memory.per_device(model, "zero", t.min_devices, tokens, c, checkpointed)
+            return "zero" if need <= memory.HEADROOM * device_bytes else base
+        fits = memory.fewest_devices(model, "zero", device_bytes, self.devices, tokens, c, checkpointed)
+        return "zero" if fits is not None else base
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; dumped as YAML it loads back to an equal config."""

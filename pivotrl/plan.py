@@ -59,8 +59,8 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
         return {"error": f"policy.path: cannot read {str(file)!r} ({e})"}
     c, tokens = cfg.train.compute_bytes(CUDA), cfg.train.planned_tokens
     shared = shares_gpu(CUDA, cfg.gpus_per_device, cfg.devices)  # (then ZeRO-1, each device on its share)
-    backend = cfg.train.resolved_backend(CUDA, shared)
     device_bytes = None if device_gb is None else device_gb * 1e9 * min(1.0, cfg.gpus_per_device)
+    backend = cfg.train_backend(config, CUDA, shared, device_bytes)
     checkpointed = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, CUDA)
     worlds = sorted({2**i for i in range(cfg.devices.bit_length()) if 2**i <= cfg.devices} | {cfg.devices})
     out: dict[str, Any] = {
@@ -160,7 +160,7 @@ def _memory_lines(m: dict[str, Any]) -> list[str]:
     for t, row in m["per_device_gb"].items():
         mark = " *" if t == m["backend"] else ""
         lines.append(f"  {t + mark:<13} " + "".join(f"{x:>8.1f}" if x >= 10 else f"{x:>8.2f}" for x in row))
-    lines.append("  (* train.backend=auto's on a GPU with a device each)")
+    lines.append("  (* train.backend=auto's for this job on such GPUs)")
     if "fewest_devices" in m:
         fewest = m["fewest_devices"]
         fits = ", ".join(f"{t} {n if n else 'none of ' + str(m['worlds'][-1])}" for t, n in fewest.items())

@@ -138,6 +138,7 @@ def test_a_sharded_trainer_resumes_from_its_shards(backend, tiny_checkpoints, tm
     run_job(small_job(tiny_checkpoints, *extra), whole, progress=False)
     state = ckpt.latest(whole).state
     assert state["train_state_world"] == 2
+    assert state["train_backend"] == backend  # (what a resumed run trains with, whatever auto would take then)
     assert sorted(e["name"] for e in state["entries"]) == ["policy", "policy.shard0of2", "policy.shard1of2"]
     run = tmp_path / "run"
     shutil.copytree(whole, run)

@@ -138,7 +138,8 @@ def write_qwen7b_config(where: Path) -> Path:
 
 def test_plan_says_how_many_train_devices_the_policy_needs(tmp_path, capsys):
     """Qwen2.5-7B's config.json alone (plan reads no weights): on 80 GB devices FSDP2 needs 3 at the step, ZeRO-1
-    6, a replica fits none; in bf16, 16384-token micro batches, activation checkpointing on."""
+    6, a replica fits none; in bf16, 16384-token micro batches, activation checkpointing on. Marked: the trainer
+    train.backend=auto takes for the job."""
     import json
 
     policy = write_qwen7b_config(tmp_path)
@@ -147,7 +148,10 @@ def test_plan_says_how_many_train_devices_the_policy_needs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "7.62B parameters, bf16 compute, 16384-token micro batches, activation checkpointing on" in out
     assert "fewest train devices that fit 80 GB: fsdp 3, zero 6, replicated none of 8" in out
-    assert "-> train.min_devices=auto takes 3 on such devices (fsdp)" in out
+    # (shiftable mode, the example's: train.backend=auto takes ZeRO-1 where it fits, FSDP2 in the static modes)
+    assert "-> train.min_devices=auto takes 6 on such devices (zero)" in out
+    assert main(["plan", *args, "mode=disaggregated", "--device-memory-gb", "80"]) == 0
+    assert "-> train.min_devices=auto takes 3 on such devices (fsdp)" in capsys.readouterr().out
     assert main(["plan", CONFIG, f"policy.path={policy}", "devices=8", "--device-memory-gb", "80"]) == 0
     assert "activation checkpointing on (auto, for these devices)" in capsys.readouterr().out
     assert main(["plan", CONFIG, f"policy.path={policy}", "devices=8"]) == 0

@@ -194,6 +194,7 @@ def save_checkpoint(
     copies: list[ckpt.Entry],
     metrics_rows: int,
     samples_rows: int,
+    train_backend: str = "",
 ) -> None:
     """Write the checkpoint of the step just finished (``ctl.checkpoint_due``) from the GPS: the weights, and the
     optimizer state (the sharded trainer's ``copies``, or the replicated trainer's, which rank 0 publishes every
@@ -205,6 +206,8 @@ def save_checkpoint(
         entries.append(ckpt.Entry(POLICY, POLICY, version, Kind.OPTIMIZER))
     meta = {"step": state["step"], "config": cfg.to_dict(), "controller": state, "train_state_world": len(copies)}
     meta |= {"metrics_rows": metrics_rows, "samples_rows": samples_rows}
+    if train_backend:  # (what train.backend=auto chose: a resumed run reads the state this trainer wrote)
+        meta["train_backend"] = train_backend
     ckpt.write(out, store, entries, meta, cfg.checkpoint.keep)
 
 
@@ -257,6 +260,14 @@ def _device_memory(cfg: JobConfig, kind: str, driver: Any) -> float | None:
     if not driver.bindings or any(b.memory_bytes <= 0 for b in driver.bindings):
         return None  # (GPUs their torch cannot use: they compute on the CPU)
     return min(b.memory_bytes for b in driver.bindings) * min(1.0, cfg.gpus_per_device)
+
+
+def train_backend(cfg: JobConfig, kind: str, shared: bool, device_bytes: float | None) -> str:
+    """``train.backend`` made concrete for the run (``JobConfig.train_backend``, with the policy's architecture
+    read from its checkpoint where the rule needs it), decided once by the driver and handed to every device."""
+    if cfg.train.backend != "auto" or device_bytes is None:
+        return cfg.train.resolved_backend(kind, shared)
+    return cfg.train_backend(read_config(cfg.policy.path), kind, shared, device_bytes)
 
 
 def train_min_devices(cfg: JobConfig, kind: str, shared: bool, device_bytes: float | None) -> int:
@@ -344,7 +355,15 @@ def _run_once(
     try:  # the devices are known: how many the optimizer step needs, and so the layout
         kind = kind if in_process else driver.kind
         shared = dev.shares_gpu(kind, cfg.gpus_per_device, cfg.devices)
-        min_train = train_min_devices(cfg, kind, shared, _device_memory(cfg, kind, driver if not in_process else None))
+        device_bytes = _device_memory(cfg, kind, driver if not in_process else None)
+        # the trainer, decided here once for every device (a resumed run keeps the one that wrote its state)
+        if start is not None:  # (a checkpoint from before the choice was kept: auto's rule of then)
+            backend = start.state.get("train_backend") or cfg.train.resolved_backend(kind, shared)
+        else:
+            backend = train_backend(cfg, kind, shared, device_bytes)
+        run_cfg = replace(cfg, train=replace(cfg.train, backend=backend))
+        driver.configure_train(run_cfg.train)
+        min_train = train_min_devices(run_cfg, kind, shared, device_bytes)
         try:
             policy = policy or make_policy(
                 cfg.mode,
@@ -378,7 +397,6 @@ def _run_once(
         genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        backend = cfg.train.resolved_backend(kind, shared)
         loop = replace(loop_spec(cfg), sharded_train=backend in ("fsdp", "zero"), lockstep_train=backend == "fsdp",
                        chat=policy_chat, min_train_devices=min_train)  # fmt: skip
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
@@ -415,7 +433,7 @@ def _run_once(
                 copies = shard_copies(store, *copied) if stepped else []
                 try:
                     if ctl.checkpoint_due is not None:
-                        save_checkpoint(cfg, out, store, ctl, copies, written, samples_rows)
+                        save_checkpoint(cfg, out, store, ctl, copies, written, samples_rows, backend)
                 finally:  # written, or not due after all (an older evaluation still ran): the copies go
                     ckpt.free(store, copies)
                 ctl.checkpoint_due, copied = None, None if stepped else copied

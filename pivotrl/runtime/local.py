@@ -12,6 +12,7 @@ from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import Worker
 from pivotrl.telemetry import Slice
+from pivotrl.train.config import TrainConfig
 
 SLICE_SECONDS = 0.05  # generation time between two looks at the control plane
 
@@ -26,6 +27,11 @@ class LocalDriver:
         self.slice_seconds = SLICE_SECONDS if slice_seconds is None else slice_seconds
         self.events: list[Event] = []
         self.groups = TrainGroups()
+
+    def configure_train(self, cfg: TrainConfig) -> None:
+        """Every device's train config, as the job made it concrete once the devices were known."""
+        for w in self.workers:
+            w.configure_train(cfg)
 
     def submit(self, cmd: Command) -> None:
         if isinstance(cmd, Shift):

@@ -49,6 +49,7 @@ from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
+from pivotrl.train.config import TrainConfig
 
 SLICE_SECONDS = 0.05
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
@@ -111,6 +112,9 @@ class DeviceActor:
             threads=torch.get_num_threads(),
             memory_bytes=dev.gpu_memory() if self.worker.spec.device == dev.CUDA else 0,
         )
+
+    def configure_train(self, cfg: Any) -> None:
+        self.worker.configure_train(cfg)
 
     def shift(self, role: Any, version: int) -> Event:
         return self.worker.shift(role, version)
@@ -333,14 +337,14 @@ class RayDriver:
             threads = _threads(self.pg, cfg, local=address is None)
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
             spec = spec_for(self.kind)
-            train = TrainSpec(cfg.train, cfg.rollout.temperature)
+            self.train = TrainSpec(cfg.train, cfg.rollout.temperature)  # (configure_train makes it concrete)
             gpus = cfg.gpus_per_device if self.kind == dev.CUDA else 0
 
             def start(d: int) -> Any:
                 where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
                 remote = ray.remote(concurrency_groups={PROBE: 1})(DeviceActor)
                 actor = remote.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=where_d)
-                return actor.remote(d, self.store, spec, train, self.origin, threads[d], d)
+                return actor.remote(d, self.store, spec, self.train, self.origin, threads[d], d)
 
             self.origin, self._start = origin, start
             self.actors = [start(d) for d in range(cfg.devices)]
@@ -382,6 +386,14 @@ class RayDriver:
                 "device %d: %s on %s, bundle %s, GPU %s, %d threads",
                 b.device, b.kind, b.node_ip, b.bundle, ",".join(b.gpu_ids) or "-", b.threads,
             )  # fmt: skip
+
+    def configure_train(self, cfg: TrainConfig) -> None:
+        """Every device's train config, as the job made it concrete once the devices were known (and a device
+        restarted later starts with it)."""
+        import ray
+
+        self.train = replace(self.train, cfg=cfg)
+        ray.get([a.configure_train.remote(cfg) for a in self.actors], timeout=self.timeout)
 
     def start_clock(self, origin: float) -> None:
         """Wait until every device actor is up, then share the run clock's origin."""

@@ -115,6 +115,12 @@ class Worker:
         return time.time() - self.origin
 
     # -- shifts ---------------------------------------------------------------------
+    def configure_train(self, cfg: TrainConfig) -> None:
+        """The run's train config, as the driver made it concrete (``train.backend``), before any train context."""
+        if isinstance(self.ctx, TrainContext):
+            raise RuntimeError(f"device {self.device}: its trainer is built already; configure it before the run")
+        self.train_spec = replace(self.train_spec, cfg=cfg)
+
     def shift(self, role: Role, version: int) -> ShiftDone:
         """Release the current context, load ``role`` at ``version`` from the GPS."""
         if self.pending:

@@ -108,9 +108,14 @@ def build(cfg: JobConfig) -> Simulation:
         policy_model = dataclasses.replace(policy_model, name=costs.rollout.model)
         genrm_model = dataclasses.replace(genrm_model, name=costs.genrm.model)
     shape = policy_model.train_config()
+    # the trainer the runtime would run on the modeled GPUs, a device each (train.backend=auto: ZeRO-1 in shiftable
+    # mode where it fits, else FSDP2); a measured CPU profile's runtime trains replicated
+    backend = cfg.train.resolved_backend("cpu" if measured else "cuda")
+    if not measured and shape is not None:
+        backend = dataclasses.replace(cfg, devices=sim.gpus).train_backend(shape, "cuda", False,
+                                                                           GPUS[sim.gpu].hbm_bytes)  # fmt: skip
     if isinstance(costs, RooflineCosts) and shape is not None:  # train.activation_checkpointing as a GPU resolves it
-        if cfg.train.resolved_checkpointing(shape, cfg.train.resolved_backend("cuda"), sim.gpus,
-                                            GPUS[sim.gpu].hbm_bytes, "cuda"):  # fmt: skip
+        if cfg.train.resolved_checkpointing(shape, backend, sim.gpus, GPUS[sim.gpu].hbm_bytes, "cuda"):
             costs = dataclasses.replace(costs, train_forwards=4.0)  # each layer's forward again in the backward
     if sim.shift_scale != 1 or sim.migration_scale != 1:
         costs = ScaledCosts(costs, float(sim.shift_scale), float(sim.migration_scale))
@@ -161,9 +166,7 @@ def build(cfg: JobConfig) -> Simulation:
             _engine_gpus(sim, costs, genrm_model, sim.genrm_engine_gpus, judge_context),
         ),  # fmt: skip
         elastic=sim.elastic_engines,
-        # the trainer the runtime would run on the modeled devices (``auto``: FSDP2 on GPUs; a measured CPU
-        # profile's runtime trains replicated)
-        lockstep_train=cfg.train.resolved_backend("cpu" if measured else "cuda") == "fsdp",
+        lockstep_train=backend == "fsdp",
     )
     checks = ((Role.ROLLOUT, sim.policy_model, spec.rollout_context, "rollout_engine_gpus"),
               (Role.GENRM, sim.genrm_model, spec.judge_context, "genrm_engine_gpus"))  # fmt: skip

@@ -32,8 +32,8 @@ class TrainConfig:
     # fsdp: parameters, gradients and AdamW state sharded over the train devices (FSDP2), groups backpropagated in
     # lockstep at the step; zero: compute-dtype weights and an fp32 gradient sum on every train device, groups
     # backpropagated as they are judged, fp32 master weights and AdamW state sharded at the step (ZeRO-1);
-    # replicated: every train device holds all of it in fp32; auto: fsdp on CUDA (zero where devices share a
-    # GPU), replicated on CPU
+    # replicated: every train device holds all of it in fp32; auto (JobConfig.train_backend): on CUDA zero in
+    # shiftable mode where its state fits, else fsdp (zero where devices share a GPU), replicated on CPU
     backend: Backend = "auto"
     # fp32 master weights and optimizer state always; bf16 = compute in bfloat16; auto: bf16 on CUDA, fp32 on CPU
     precision: Precision = "auto"
@@ -80,8 +80,10 @@ class TrainConfig:
         check("min_devices", type(self.min_devices) is int and self.min_devices >= 0, "an integer >= 0 (0 = auto)")
 
     def resolved_backend(self, device_type: str, shared: bool = False) -> str:
-        """``auto`` made concrete for a device type ("cuda" or "cpu"); ``shared``: several devices on one GPU,
-        where a train group's collectives go through host memory, which FSDP2 cannot (ZeRO-1 then)."""
+        """``auto`` made concrete for a device type ("cuda" or "cpu") without the job's model and memory (a job's
+        own choice is ``JobConfig.train_backend``, which may take ZeRO-1 where this says FSDP2); ``shared``: several
+        devices on one GPU, where a train group's collectives go through host memory, which FSDP2 cannot (ZeRO-1
+        then)."""
         if self.backend != "auto":
             return self.backend
         if device_type == "cuda":

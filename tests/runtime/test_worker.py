@@ -479,3 +479,14 @@ def test_a_trainer_that_missed_an_update_must_shift_to_the_new_version_first():
         train(b, 1, 1, shard, tokens)
     b.shift(Role.TRAIN, 1)
     assert train(b, 1, 1, shard, tokens).version == 2
+
+
+def test_the_driver_configures_the_trainer_before_the_run_and_not_after(store):
+    """configure_train gives a device the train config the job made concrete (here ZeRO-1 for auto): the next
+    train context is built with it; once one is built, configuring is refused."""
+    w = make_worker(store)
+    w.configure_train(TrainConfig(backend="zero"))
+    w.shift(Role.TRAIN, 1)
+    assert w.ctx.backend == "zero" and w.ctx.sharded is not None
+    with pytest.raises(RuntimeError, match="configure it before the run"):
+        w.configure_train(TrainConfig())
