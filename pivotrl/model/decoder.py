@@ -14,6 +14,8 @@ state dict loads without renaming.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -66,6 +68,23 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, expand: bool | None = None, **kwargs: Any) -> Tensor:
+    """Scaled dot-product attention of ``q`` [B, H, T, D] over ``k``, ``v`` [B, Hkv, K, D], each key head serving
+    H / Hkv query heads in a row. On CUDA, SDPA runs such grouped heads in its flash kernel only (bf16 or fp16,
+    no mask); with a mask (the engine's cache) or in fp32 it would take the math kernel, which writes out every
+    score, B x H x T x K (3.7 GB for one 8k-token prefill of 28 heads in bf16). There ``k`` and ``v`` are
+    repeated per query head instead, so the memory-efficient kernel runs. ``expand``: force either way."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if expand is None:
+        expand = q.is_cuda and (kwargs.get("attn_mask") is not None or q.dtype == torch.float32)
+    if expand:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -138,7 +157,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            out = attend(q, k, v, is_causal=True)
         else:
             assert where is not None
             ck, cv = cache.k[self.layer], cache.v[self.layer]  # [S, Hkv, L, D]
@@ -152,9 +171,7 @@ class Attention(nn.Module):
             # index_select, not ck[slots, :, :n]: same values, ~7x faster on CPU (advanced indexing is elementwise)
             keys = ck[:, :, : where.key_len].index_select(0, where.slots).to(q.dtype)
             vals = cv[:, :, : where.key_len].index_select(0, where.slots).to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q, keys, vals, attn_mask=where.mask, enable_gqa=self.n_kv != self.n_heads
-            )
+            out = attend(q, keys, vals, attn_mask=where.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

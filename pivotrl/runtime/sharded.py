@@ -102,7 +102,13 @@ def balance(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     return out
 
 
-def _shard_model(config: ModelConfig, group: TrainGroup, compute: torch.dtype, checkpointing: bool) -> Decoder:
+def _shard_model(
+    config: ModelConfig, group: TrainGroup, compute: torch.dtype, checkpointing: bool, frozen: bool = False
+) -> Decoder:
+    """The model sharded over ``group``, each layer and then the root. ``frozen`` (the KL reference: forward
+    only) reshards the root after its forward too: FSDP2 leaves a root's parameters gathered after the
+    forward for the backward to use, and a model that never runs backward would keep its embedding and head
+    whole on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -116,7 +122,7 @@ def _shard_model(config: ModelConfig, group: TrainGroup, compute: torch.dtype, c
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True if frozen else None)
     model.to_empty(device=group.device)
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -167,7 +173,7 @@ class ShardedTrainer:
         if cfg.kl_coef > 0:
             if reference is None:
                 raise ValueError(f"train.kl_coef is {cfg.kl_coef} (> 0), which needs the reference policy")
-            ref = _shard_model(config, group, compute_dtype, False)
+            ref = _shard_model(config, group, compute_dtype, False, frozen=True)
             load_rows(ref, reference, group.rank, group.world_size)
             ref.requires_grad_(False)
         self.trainer = GRPOTrainer(self.model, cfg, temperature, ref_model=ref)

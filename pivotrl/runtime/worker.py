@@ -371,6 +371,9 @@ class Worker:
             else:
                 self.ctx.sharded = None  # its shards belong to the old group's mesh
         self.close()
+        # (an FSDP2 model and its state hold each other: without the collector the old group's shards would stay
+        # on the GPU beside the new group's, 16 / W_old + 16 / W_new bytes a parameter at the next step)
+        release_device_memory(self.spec.device)
 
     def close(self) -> None:
         """Leave the train group, if any (end of the run)."""

@@ -241,6 +241,26 @@ def test_kl_against_a_sharded_reference(runs, batches):
     assert got["stats"][1]["kl"] > 0  # the second step moved away from the reference
 
 
+def test_the_reference_keeps_no_whole_weights_after_its_forward():
+    """The KL reference only runs forward: its root (embedding, head, final norm) is resharded after it, as each
+    layer is, instead of staying gathered for a backward that never comes."""
+    from torch.distributed.tensor import DTensor
+
+    group = TrainGroup.join(0, 1, device="cpu", process_group=True)
+    try:
+        snap = weights(initial())
+        trainer = ShardedTrainer(group, tiny_config(), KL, 1.0, 0, reference=snap)
+        trainer.load_weights(snap)
+        batch = make_batch(2, 0)
+        trainer.add(*local_share(batch, 1, 0))
+        trainer.step(batch_tokens(batch))
+        ref = trainer.trainer.ref_model
+        for p in (ref.model.embed_tokens.weight, ref.lm_head.weight, ref.model.norm.weight):
+            assert isinstance(p, DTensor)
+    finally:
+        group.leave()
+
+
 def test_bf16_compute_updates_fp32_master_weights_close_to_fp32(runs, batches):
     state, _ = one_device(batches[:2])
     got = load(runs, "bf16")

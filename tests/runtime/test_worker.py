@@ -490,3 +490,16 @@ def test_the_driver_configures_the_trainer_before_the_run_and_not_after(store):
     assert w.ctx.backend == "zero" and w.ctx.sharded is not None
     with pytest.raises(RuntimeError, match="configure it before the run"):
         w.configure_train(TrainConfig())
+
+
+def test_a_retired_train_group_hands_its_memory_back(store, monkeypatch):
+    """Leaving a train group for the next one frees what the old one held on the device (on a GPU: the
+    collector for FSDP2's cycles, then the allocator's cache), before the next group's trainer is built."""
+    import pivotrl.runtime.worker as worker_module
+
+    freed: list[str] = []
+    monkeypatch.setattr(worker_module, "release_device_memory", freed.append)
+    w = make_worker(store)
+    w.shift(Role.TRAIN, 1)
+    w.retire_group()
+    assert freed == ["cpu"]
