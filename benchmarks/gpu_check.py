@@ -700,6 +700,7 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
     fp32, then one bf16 step of ``shape`` with activation checkpointing: seconds, tokens/s, peak memory."""
     import torch
 
+    from pivotrl.runtime.contexts import release_device_memory
     from pivotrl.runtime.dist_train import TrainGroup
     from pivotrl.runtime.sharded import ShardedTrainer
     from pivotrl.train import memory
@@ -732,6 +733,17 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
         )
         del sharded, plain, plain_model
         torch.cuda.empty_cache()
+        # the KL reference runs forward only: its root (embedding, head, final norm) must be sharded again after it
+        from torch.distributed.tensor import DTensor
+
+        kl = ShardedTrainer(group, small, TrainConfig(micro_batch=4, kl_coef=0.1), 1.0, 0,
+                            reference=store.fetch("policy", 0))  # fmt: skip
+        kl.load_weights(store.fetch("policy", 0))
+        kl.add(samples, adv)
+        kl.step()
+        ref = kl.trainer.ref_model
+        ref_root_sharded = all(isinstance(p, DTensor) for p in (ref.model.embed_tokens.weight, ref.lm_head.weight))
+        del kl, ref
 
         big = shape.model_config()
         cfg = TrainConfig(micro_batch=4, micro_batch_tokens=8192, activation_checkpointing=True)
@@ -742,19 +754,28 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
                 p.to_local().normal_(0.0, 0.02)
         samples, adv = random_batch(big.vocab_size, sequences, length)
         trainer.add(samples, adv)
-        warm = timed(device, lambda: trainer.step())
+        warm = timed(device, trainer.step)
         trainer.add(samples, adv)
-        seconds = timed(device, lambda: trainer.step())
+        seconds = timed(device, trainer.step)
         tokens = sequences * length
+        parameters = sum(p.numel() for p in trainer.model.parameters())
+        # a train group retired as the worker retires one: what the trainer held is handed back at once
+        allocated = lambda: torch.cuda.memory_allocated() if device.startswith("cuda") else 0  # noqa: E731
+        held = allocated()
+        del trainer
+        release_device_memory(device)
         return {
             "fp32_max_abs_vs_plain": diff,
-            "pass": diff < 1e-5,
+            "ref_root_sharded": ref_root_sharded,
+            "pass": diff < 1e-5 and ref_root_sharded,
+            "held_before_retire_gb": gb(held),
+            "left_after_retire_gb": gb(allocated()),
             "bf16_step_seconds": round(seconds, 3),
             "first_step_seconds": round(warm, 3),
             "tokens_per_s": round(tokens / seconds),
             "peak_memory_gb": gb(peak_memory(device)),
             "predicted_memory_gb": round(memory.per_device(big, "fsdp", 1, 8192, 2, True) / 1e9, 2),
-            "parameters": sum(p.numel() for p in trainer.model.parameters()),
+            "parameters": parameters,
         }
     finally:
         group.leave()
@@ -868,7 +889,9 @@ def headline(name: str, section: dict[str, Any]) -> str:
     if name == "fsdp":
         return (
             f"fp32 vs plain max|d| {r['fp32_max_abs_vs_plain']:.1e}; bf16 step {r['bf16_step_seconds']} s, "
-            f"{r['tokens_per_s']} tok/s, peak {r['peak_memory_gb']} GB (arithmetic {r['predicted_memory_gb']})"
+            f"{r['tokens_per_s']} tok/s, peak {r['peak_memory_gb']} GB (arithmetic {r['predicted_memory_gb']}); "
+            f"retired {r['held_before_retire_gb']} -> {r['left_after_retire_gb']} GB; KL reference root sharded "
+            f"{r['ref_root_sharded']}"
         )
     if name == "zero":
         return (

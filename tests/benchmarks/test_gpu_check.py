@@ -97,7 +97,7 @@ def test_shifts_section_on_cpu() -> None:
 
 def test_fsdp_section_on_cpu() -> None:
     r = gpu_check.fsdp_check("cpu", gpu_check.TINY, sequences=4, length=32)
-    assert r["pass"] and r["fp32_max_abs_vs_plain"] < 1e-5 and r["tokens_per_s"] > 0
+    assert r["pass"] and r["fp32_max_abs_vs_plain"] < 1e-5 and r["tokens_per_s"] > 0 and r["ref_root_sharded"]
     assert "bf16 step" in gpu_check.headline("fsdp", {"result": r})
 
 
