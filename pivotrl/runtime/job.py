@@ -455,6 +455,8 @@ def _run_once(
         summary["resumed_from_step"] = start.step
     summary["policy_checkpoint"] = str(Path(out) / "policy")
     summary["gps_bytes"] = gps_memory
+    summary["train_backend"] = backend  # (train.backend=auto's choice for these devices)
+    summary["train_min_devices"] = min_train
     writer.write_json("summary.json", summary)
     writer.write_events(slices, title=f"{cfg.mode}, {cfg.devices} device(s), {cfg.steps} steps")
     planner = getattr(policy, "planner", None)

@@ -149,7 +149,8 @@ def test_shiftable_run_writes_its_decision_log(tiny_checkpoints, tmp_path):
 def test_kl_to_the_initial_policy_is_trained_and_reported(tiny_checkpoints, tmp_path):
     """train.kl_coef > 0: the reference (the initial policy) is published to the GPS beside it, and every
     shift into the train role builds the frozen reference from there."""
-    run_job(small_job(tiny_checkpoints, "steps=2", "train.kl_coef=0.05"), tmp_path, progress=False)
+    summary = run_job(small_job(tiny_checkpoints, "steps=2", "train.kl_coef=0.05"), tmp_path, progress=False)
+    assert (summary["train_backend"], summary["train_min_devices"]) == ("replicated", 1)  # (auto on a CPU)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("train_kl" in m and m["train_kl"] >= 0 for m in lines)
 
