@@ -332,15 +332,10 @@ class JobConfig:
         rollout_bytes = 2 if self.policy.resolved_rollout_dtype(kind) == "bfloat16" else 4
         if t.compute_bytes(kind) > rollout_bytes:
             return base
-        from pivotrl.train import memory
-
-        c, tokens = t.compute_bytes(kind), t.planned_tokens
-        checkpointed = t.resolved_checkpointing(model, "zero", self.devices, device_bytes, kind)
-        if t.min_devices:
-            need = memory.per_device(model, "zero", t.min_devices, tokens, c, checkpointed)
-            return "zero" if need <= memory.HEADROOM * device_bytes else base
-        fits = memory.fewest_devices(model, "zero", device_bytes, self.devices, tokens, c, checkpointed)
-        return "zero" if fits is not None else base
+        # (ZeRO-1's share only shrinks with more devices: it fits on min_devices where it fits on as few)
+        most = max(self.devices, t.min_devices)
+        fewest = t.fewest_devices(model, "zero", most, device_bytes, kind)
+        return "zero" if fewest is not None and fewest <= (t.min_devices or most) else base
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; dumped as YAML it loads back to an equal config."""

@@ -210,19 +210,16 @@ _OWNED: dict[int, set[int]] = {}
 
 
 def _sleep_allocator() -> Any:
-    """The process's sleep-mode allocator, or None where none was made (a CPU, sleep mode off)."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except ImportError:  # (vLLM without its CUDA allocator extension)
-        return None
-    return CuMemAllocator.instance
+    """The process's sleep-mode allocator, or None where none was made (a CPU, sleep mode off; its module not
+    imported: no engine with sleep mode was built here, and importing vLLM just to find that out is slow)."""
+    cumem = sys.modules.get("vllm.device_allocator.cumem")
+    return cumem.CuMemAllocator.instance if cumem is not None else None
 
 
 def asleep_bytes() -> int:
     """Bytes of this process's vLLM engines that are asleep: unmapped from the GPU, though torch's allocator
     still counts them as allocated (their tensors live on). 0 where vLLM or its sleep allocator is not here."""
-    cumem = sys.modules.get("vllm.device_allocator.cumem")  # (not imported: no engine was built here)
-    allocator = cumem.CuMemAllocator.instance if cumem is not None else None
+    allocator = _sleep_allocator()
     if allocator is None:
         return 0
     return sum(data.handle[1] for data in allocator.pointer_to_data.values() if data.is_asleep)

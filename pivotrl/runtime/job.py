@@ -280,10 +280,10 @@ def train_min_devices(cfg: JobConfig, kind: str, shared: bool, device_bytes: flo
         return 1
     config = read_config(cfg.policy.path)
     backend = cfg.train.resolved_backend(kind, shared)
-    c, tokens = cfg.train.compute_bytes(kind), cfg.train.planned_tokens
-    ckpt = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, kind)
-    fewest = memory.fewest_devices(config, backend, device_bytes, cfg.devices, tokens, c, ckpt)
+    fewest = cfg.train.fewest_devices(config, backend, cfg.devices, device_bytes, kind)
     if fewest is None:
+        c, tokens = cfg.train.compute_bytes(kind), cfg.train.planned_tokens
+        ckpt = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, kind)
         need = memory.per_device(config, backend, cfg.devices, tokens, c, ckpt) / 1e9
         raise UserError(
             f"train.min_devices=auto: training {config.num_parameters() / 1e9:.2f}B parameters with "

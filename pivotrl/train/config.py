@@ -120,6 +120,18 @@ class TrainConfig:
             return need > memory.HEADROOM * device_bytes
         return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, c) is None
 
+    def fewest_devices(
+        self, config: ModelConfig, trainer: str, devices: int, device_bytes: float, device_type: str
+    ) -> int | None:
+        """The fewest train devices (at most ``devices``) of ``device_bytes`` each that hold ``trainer``'s state
+        and a micro batch's activations, checkpointed as this config resolves it for them
+        (``pivotrl.train.memory``); None if even ``devices`` do not."""
+        from pivotrl.train import memory
+
+        checkpointed = self.resolved_checkpointing(config, trainer, devices, device_bytes, device_type)
+        c, tokens = self.compute_bytes(device_type), self.planned_tokens
+        return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, c, checkpointed)
+
     def resolved_precision(self, device_type: str) -> str:
         if self.precision != "auto":
             return self.precision
