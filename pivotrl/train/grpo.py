@@ -11,6 +11,7 @@ micro-batch size, gives the same update as one pass over the full batch.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,8 +79,10 @@ def grpo_loss_sum(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     recompute: bool = False,
-) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss (+ k3 KL), summed over the masked tokens.
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped policy-gradient loss (+ k3 KL), summed over the masked tokens, and its stats as 0-d
+    tensors on the loss's device: reading them is a host sync, which ``host_stats`` does once, after
+    the backward is queued.
 
     Not normalised: the caller divides by the response tokens of the whole
     batch once known, which is what lets groups accumulate separately. The
@@ -94,7 +97,7 @@ def grpo_loss_sum(
     """
     mask = mask.bool()
     m = mask.to(logprobs.dtype)
-    mismatch = float((torch.where(mask, logprobs.detach() - old_logprobs, 0.0).abs() * m).sum())
+    mismatch = (torch.where(mask, logprobs.detach() - old_logprobs, 0.0).abs() * m).sum()
     if recompute:
         old_logprobs = logprobs.detach()
     # zero the log-ratio off the mask so padding can never overflow exp (inf * 0 = nan, also in backward)
@@ -104,26 +107,38 @@ def grpo_loss_sum(
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
     per_token = pg
-    stats: dict[str, float] = {}
+    stats: dict[str, Tensor] = {}
     if kl_coef > 0 and ref_logprobs is not None:
         d = torch.where(mask, ref_logprobs - logprobs, 0.0)
         k3 = d.exp() - d - 1
         per_token = pg + kl_coef * k3
-        stats["kl_sum"] = float((k3.detach() * m).sum())
+        stats["kl_sum"] = (k3.detach() * m).sum()
     loss = (per_token * m).sum()
     clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
-    ratios = ratio.detach()[mask]
+    ratios = ratio.detach()
     stats |= {
-        "loss_sum": float(loss.detach()),
-        "pg_loss_sum": float((pg.detach() * m).sum()),
-        "clipped_tokens": float((clipped & mask).sum()),
-        "tokens": float(m.sum()),
+        "loss_sum": loss.detach(),
+        "pg_loss_sum": (pg.detach() * m).sum(),
+        "clipped_tokens": (clipped & mask).sum(),
+        "tokens": m.sum(),
         "mismatch_sum": mismatch,
+        # (a boolean index would size its result on the host: a sync; ``host_stats`` drops them for no tokens)
+        "ratio_max": torch.where(mask, ratios, -math.inf).max(),
+        "ratio_min": torch.where(mask, ratios, math.inf).min(),
     }
-    if ratios.numel():
-        stats["ratio_max"] = float(ratios.max())
-        stats["ratio_min"] = float(ratios.min())
     return loss, stats
+
+
+def host_stats(stats: dict[str, Tensor]) -> dict[str, float]:
+    """``grpo_loss_sum``'s stats as numbers, read in one copy; the ratio's extremes only where a token was
+    masked in."""
+    keys = list(stats)
+    values = torch.stack([stats[k].detach().float() for k in keys]).tolist() if keys else []
+    out = dict(zip(keys, values, strict=True))
+    if not out.get("tokens"):
+        out.pop("ratio_max", None)
+        out.pop("ratio_min", None)
+    return out
 
 
 def _merge(into: dict[str, float], stats: dict[str, float]) -> None:
@@ -271,7 +286,7 @@ class GRPOTrainer:
                 logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, cfg.recompute_logprobs
             )
         (loss * weight if weight != 1.0 else loss).backward()
-        return stats if weight else {}
+        return host_stats(stats) if weight else {}  # (read once the backward is queued: one sync, after it)
 
     def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
         """Backward the unnormalised loss of these samples; gradients add up until ``step``."""

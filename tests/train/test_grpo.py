@@ -8,7 +8,13 @@ import torch
 from pivotrl.model import Decoder
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import GRPOTrainer, group_advantages, grpo_loss_sum, token_logprobs
+from pivotrl.train.grpo import (
+    GRPOTrainer,
+    group_advantages,
+    host_stats,
+    token_logprobs,
+)
+from pivotrl.train.grpo import grpo_loss_sum as loss_terms
 from tests.conftest import tiny_config
 
 G = 4  # group size
@@ -72,6 +78,12 @@ def test_group_advantages_rejects_bad_shapes(n, group_size):
 # --- grpo_loss_sum ---------------------------------------------------------------
 
 
+def grpo_loss_sum(*args, **kwargs):
+    """The loss and its stats read as numbers."""
+    loss, stats = loss_terms(*args, **kwargs)
+    return loss, host_stats(stats)
+
+
 def test_loss_on_policy_is_minus_advantage_times_tokens():
     logp = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
     adv = torch.tensor([2.0, -1.0])
@@ -130,6 +142,25 @@ def test_loss_ignores_padding_even_with_extreme_values():
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-1.0)
     assert torch.isfinite(logp.grad).all()
+
+
+def test_loss_stats_stay_tensors_until_read_once():
+    """The trainer reads a micro batch's stats after queueing its backward (a read is a host sync on a GPU):
+    the terms are 0-d tensors, read in one go; the ratio's extremes pass over the padding (a padded ratio of
+    exp(0) = 1 must not be the minimum)."""
+    logp = torch.log(torch.tensor([[0.5, 0.4], [0.6, 0.3]]))
+    old = torch.log(torch.tensor([[0.25, 0.4], [0.4, 0.9]]))
+    mask = torch.tensor([[True, False], [True, False]])
+    _, terms = loss_terms(logp, old, torch.tensor([1.0, -1.0]), mask, 0.2, 0.2)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in terms.values())
+    read = host_stats(terms)
+    assert read["ratio_max"] == pytest.approx(2.0) and read["ratio_min"] == pytest.approx(1.5)
+    assert read["tokens"] == 2 and read["clipped_tokens"] == 1  # the first row's 2.0 is clipped at 1.2
+
+
+def test_loss_stats_without_tokens_have_no_ratio_extremes():
+    _, stats = grpo_loss_sum(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([1.0]), torch.zeros(1, 2), 0.2, 0.2)
+    assert stats["tokens"] == 0 and "ratio_max" not in stats and "ratio_min" not in stats
 
 
 # --- token_logprobs ---------------------------------------------------------------
