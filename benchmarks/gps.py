@@ -9,6 +9,10 @@ that cost should be one memcpy of the model's bytes: the ratio against a plain
 the GPS comes. Publish latency is what the trainer pays per step to make v+1
 available: LocalStore packs once; RayStore packs, Ray stages the argument, and
 the directory actor re-puts it to own it (see pivotrl/gps.py), i.e. three copies.
+A trainer publishes its fp32 weights as the rollout's bf16: ``cast`` times that
+publish (LocalStore) two ways, side by side: each tensor cast into a host copy
+of the whole model first, then packed (how the trainers published before), and
+each cast as ``pack`` copies it into the buffer (``gps.cast``: no copy first).
 
 Models are random fp32 Llama-shaped decoders (8 layers, vocab 2048) sized to
 the requested parameter counts. Every measurement is repeated, the sides
@@ -51,7 +55,7 @@ import ray
 import torch
 from common import machine, parse_size, write_report
 
-from pivotrl.gps import LocalStore, ParameterStore, RayStore, module_tensors
+from pivotrl.gps import LocalStore, ParameterStore, RayStore, cast, module_tensors
 from pivotrl.model import Decoder, ModelConfig
 
 RESULTS = Path(__file__).parent / "results" / "gps.json"
@@ -100,7 +104,8 @@ def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     name = f"bench-{size}"
 
-    samples: dict[str, list[float]] = {"memcpy_s": []}
+    samples: dict[str, list[float]] = {"memcpy_s": [], "cast_host_copy_s": [], "cast_deferred_s": []}
+    local = LocalStore()
     for backend in stores:
         samples |= {f"{backend}_publish_s": [], f"{backend}_fetch_s": [], f"{backend}_load_s": []}
     for rep in range(reps + 1):  # rep 0 warms up (first-touch of buffers, lazy imports) and is dropped
@@ -108,6 +113,15 @@ def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
         t = timed(lambda: dst.copy_(src))
         if keep:
             samples["memcpy_s"].append(t)
+        for way, bf16 in (
+            ("host_copy", lambda: {n: t.to(torch.bfloat16).cpu() for n, t in tensors.items()}),
+            ("deferred", lambda: {n: cast(t, torch.bfloat16) for n, t in tensors.items()}),
+        ):
+            start = time.perf_counter()
+            local.publish(f"{name}-cast-{way}", rep, bf16())
+            if keep:
+                samples[f"cast_{way}_s"].append(time.perf_counter() - start)
+            local.free(f"{name}-cast-{way}", rep)
         for backend, store in stores.items():
             info = store.publish(name, rep, tensors)
             store.retain(name, keep_last=1)  # at most this version and one staged copy alive
@@ -146,13 +160,14 @@ def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
 
 
 def print_table(results: list[dict], backends: list[str]) -> None:
-    head = ["params", "MB", "memcpy GB/s"]
+    head = ["params", "MB", "memcpy GB/s", "bf16 publish ms: host copy first", "as copied"]
     for b in backends:
         head += [f"{b} publish ms", f"{b} fetch ms", f"{b} load GB/s", f"{b} ratio"]
     rows = []
     for r in results:
         m = r["median"]
         row = [f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / 1e6:.0f}", f"{r['memcpy_gb_s']:.2f}"]
+        row += [f"{m['cast_host_copy_s'] * 1e3:.1f}", f"{m['cast_deferred_s'] * 1e3:.1f}"]
         for b in backends:
             row += [
                 f"{m[f'{b}_publish_s'] * 1e3:.1f}",

@@ -63,7 +63,7 @@ import mmap
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -148,11 +148,39 @@ def _aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
-def layout(tensors: Mapping[str, Tensor]) -> tuple[tuple[TensorEntry, ...], int]:
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A tensor to publish that is made only when ``pack`` copies it, and dropped right after: a parameter
+    gathered from its shards, or cast on its device. Its dtype and shape are declared, so the buffer is laid
+    out first; a publish of such tensors then holds one at a time, and copies it once, into the buffer
+    (from a GPU too), instead of first into a host copy of the whole model. ``make`` may return another
+    dtype than ``dtype``: the copy casts. Each one's ``make`` is called exactly once, in order."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], Tensor]
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor | Deferred:
+    """``t`` to publish as ``dtype``, with no whole copy made beforehand: as it is where it has the dtype, else
+    cast as ``pack`` copies it, on its GPU (a blocking copy to the host would cast on the CPU, after moving
+    the wider dtype's bytes) or, on a CPU, in that copy itself."""
+    if t.dtype == dtype:
+        return t
+    return Deferred(dtype, tuple(t.shape), lambda: t if t.device.type == "cpu" else t.to(dtype))
+
+
+def layout(tensors: Mapping[str, Tensor | Deferred]) -> tuple[tuple[TensorEntry, ...], int]:
     """Byte layout of ``tensors`` in insertion order: entries and total buffer size."""
     entries, offset = [], 0
     for name, t in tensors.items():
-        if not isinstance(t, Tensor):
+        if not isinstance(t, Tensor | Deferred):
             raise TypeError(f"GPS tensors must be torch.Tensor; {name!r} is {type(t).__name__}")
         offset = -(-offset // ALIGN) * ALIGN
         nbytes = t.numel() * t.element_size()
@@ -174,8 +202,9 @@ def _flat_tensor(buffer: np.ndarray) -> Tensor:
         return torch.from_numpy(buffer)
 
 
-def pack(tensors: Mapping[str, Tensor]) -> tuple[np.ndarray, tuple[TensorEntry, ...]]:
-    """Copy ``tensors`` (any device, any strides) into one new flat buffer: one copy per tensor."""
+def pack(tensors: Mapping[str, Tensor | Deferred]) -> tuple[np.ndarray, tuple[TensorEntry, ...]]:
+    """Copy ``tensors`` (any device, any strides; ``Deferred`` ones made as their turn comes) into one new
+    flat buffer: one copy per tensor."""
     entries, nbytes = layout(tensors)
     buffer = _aligned_empty(nbytes, PAGE)  # page-aligned: its pages are its own, so it can be page-locked whole
     flat = torch.from_numpy(buffer)
@@ -183,7 +212,12 @@ def pack(tensors: Mapping[str, Tensor]) -> tuple[np.ndarray, tuple[TensorEntry, 
     with torch.no_grad():
         for entry, t in zip(entries, tensors.values(), strict=True):
             buffer[end : entry.offset] = 0  # padding too, so equal tensors give equal bytes
+            if isinstance(t, Deferred):
+                t = t.make()
+                if tuple(t.shape) != entry.shape:
+                    raise ValueError(f"{entry.name!r}: made a tensor of shape {tuple(t.shape)}, declared {entry.shape}")
             _typed_view(flat, entry).copy_(t.detach())
+            del t
             end = entry.offset + entry.nbytes
     buffer.flags.writeable = False  # published bytes are immutable
     return buffer, entries
@@ -443,7 +477,7 @@ class ParameterStore(Protocol):
         self,
         model_name: str,
         version: int,
-        tensors: Mapping[str, Tensor],
+        tensors: Mapping[str, Tensor | Deferred],
         kind: Kind | str = Kind.WEIGHTS,
         meta: Mapping[str, Any] | None = None,
     ) -> PublishInfo: ...
@@ -560,7 +594,7 @@ class LocalStore(_Latest):
         self,
         model_name: str,
         version: int,
-        tensors: Mapping[str, Tensor],
+        tensors: Mapping[str, Tensor | Deferred],
         kind: Kind | str = Kind.WEIGHTS,
         meta: Mapping[str, Any] | None = None,
     ) -> PublishInfo:
@@ -694,7 +728,7 @@ class RayStore(_Latest):
         self,
         model_name: str,
         version: int,
-        tensors: Mapping[str, Tensor],
+        tensors: Mapping[str, Tensor | Deferred],
         kind: Kind | str = Kind.WEIGHTS,
         meta: Mapping[str, Any] | None = None,
     ) -> PublishInfo:

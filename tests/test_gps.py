@@ -22,6 +22,7 @@ from pivotrl.gps import (
     ALIGN,
     PAGE,
     TOTAL,
+    Deferred,
     Kind,
     LoadError,
     LocalStore,
@@ -29,6 +30,7 @@ from pivotrl.gps import (
     RayStore,
     TensorEntry,
     VersionError,
+    cast,
     module_tensors,
     pack,
     publish_model,
@@ -100,6 +102,43 @@ def test_pack_unpack_round_trip_is_exact() -> None:
     assert all(e.offset % ALIGN == 0 for e in entries)
     assert buffer.ctypes.data % ALIGN == 0 and not buffer.flags.writeable
     assert_same(unpack(buffer, entries), tensors)
+
+
+def test_deferred_tensors_are_made_one_at_a_time_as_their_turn_comes() -> None:
+    """A publisher that gathers (or casts) each tensor only when it is copied: the buffer is laid out from the
+    declared dtypes and shapes, each tensor is made once, in order, after the one before was copied, and
+    copied as the declared dtype; the bytes equal those of the tensors packed whole."""
+    g = torch.Generator().manual_seed(2)
+    source = {
+        "a": torch.randn(4, 3, generator=g),
+        "b": torch.randn(5, generator=g),
+        "c": torch.randn(2, 2, generator=g),
+    }
+    made: list[str] = []
+
+    def make(name: str) -> torch.Tensor:
+        made.append(name)
+        return source[name]  # fp32, copied as bf16
+
+    deferred = {n: Deferred(torch.bfloat16, tuple(t.shape), lambda n=n: make(n)) for n, t in source.items()}
+    buffer, entries = pack(deferred)
+    assert made == ["a", "b", "c"]
+    whole, whole_entries = pack({n: t.to(torch.bfloat16) for n, t in source.items()})
+    assert entries == whole_entries and bytes(buffer) == bytes(whole)
+
+
+def test_a_deferred_tensor_of_another_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match="'w': made a tensor of shape \\(3,\\), declared \\(4,\\)"):
+        pack({"w": Deferred(torch.float32, (4,), lambda: torch.zeros(3))})
+
+
+def test_cast_copies_nothing_where_the_dtype_is_already_right() -> None:
+    t = torch.randn(3)
+    assert cast(t, torch.float32) is t
+    lazy = cast(t, torch.bfloat16)
+    assert isinstance(lazy, Deferred) and lazy.dtype == torch.bfloat16 and lazy.shape == (3,)
+    buffer, entries = pack({"t": lazy})
+    assert torch.equal(unpack(buffer, entries)["t"], t.to(torch.bfloat16))
 
 
 def test_unsupported_dtype_is_named() -> None:

@@ -43,15 +43,16 @@ is ever gathered on one rank.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError
+from pivotrl.gps import Deferred, Kind, ParameterStore, Snapshot, VersionError
 from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig
 from pivotrl.runtime.dist_train import TrainGroup
@@ -262,19 +263,36 @@ class ShardedTrainer:
 
     def publish_weights(self, store: ParameterStore, model_name: str, dtype: torch.dtype, meta: dict[str, Any]) -> int:
         """Publish the current weights in ``dtype`` as ``self.version``: every rank gathers one parameter at
-        a time (a collective), rank 0 keeps a host copy and writes the version. Returns the bytes published."""
-        host: dict[str, Tensor] = {}
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                self.group.mark()  # (gathering a parameter is a collective)
+        a time (a collective, each rank casting its shard first), and rank 0 copies each into the GPS's buffer
+        as it comes, holding one gathered parameter at a time and no host copy of the model beside the
+        buffer. Returns the bytes published (0 on the other ranks)."""
+        params = list(self.model.named_parameters())
+        done, broken = 0, False
+
+        def gather(p: nn.Parameter) -> Tensor:
+            nonlocal done, broken
+            self.group.mark()  # (gathering a parameter is a collective)
+            try:
                 full = p.detach().to(dtype)
                 full = full.full_tensor() if hasattr(full, "full_tensor") else full
-                if self.rank == 0:
-                    host[name] = full.to("cpu", non_blocking=False)
-                del full
-        if self.rank != 0:
-            return 0
-        return store.publish(model_name, self.version, host, Kind.WEIGHTS, meta).nbytes
+            except BaseException:
+                broken = True
+                raise
+            done += 1
+            return full
+
+        with torch.no_grad():
+            if self.rank != 0:
+                for _, p in params:
+                    gather(p)
+                return 0
+            tensors = {name: Deferred(dtype, tuple(p.shape), functools.partial(gather, p)) for name, p in params}
+            try:
+                return store.publish(model_name, self.version, tensors, Kind.WEIGHTS, meta).nbytes
+            finally:  # the store gave up before the last gather (a version already there): the others still wait
+                if not broken:
+                    for _, p in params[done:]:
+                        gather(p)
 
     # -- the step --------------------------------------------------------------------------------------------------
     def add(self, samples: list[Sample], advantages: Sequence[float]) -> int:

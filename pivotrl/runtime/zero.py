@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError
+from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError, cast
 from pivotrl.log import logger
 from pivotrl.runtime.dist_train import TrainGroup, gather_step_stats
 from pivotrl.runtime.sharded import free_shards, row_range, shard_name
@@ -354,10 +354,11 @@ class ZeroTrainer:
         if src is None:
             raise RuntimeError("publish_weights() goes right after step(): a backward since has cleared the weights")
         start = time.perf_counter()
-        with torch.no_grad():
-            host = {n: src[lo:hi].view_as(p).to(dtype).cpu()
-                    for n, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True)}  # fmt: skip
-        nbytes = store.publish(model_name, self.version, host, Kind.WEIGHTS, meta).nbytes
+        # the compute weights were cast from these master weights at the step: where they have the dtype to
+        # publish, they are the very bytes; either way each tensor is copied once, into the GPS's buffer
+        tensors = {n: p.detach() if p.dtype == dtype else cast(src[lo:hi].view_as(p), dtype)
+                   for n, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True)}  # fmt: skip
+        nbytes = store.publish(model_name, self.version, tensors, Kind.WEIGHTS, meta).nbytes
         logger.debug("zero: published %s v%d (%d bytes) in %.3f s", model_name, self.version, nbytes,
                      time.perf_counter() - start)  # fmt: skip
         return nbytes

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
+from pivotrl.gps import Kind, LocalStore, Snapshot, VersionError, module_tensors
 from pivotrl.model import Decoder, ModelConfig
 from pivotrl.runtime.dist_train import TrainGroup, listen
 from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_name
@@ -257,6 +257,32 @@ def test_the_reference_keeps_no_whole_weights_after_its_forward():
         ref = trainer.trainer.ref_model
         for p in (ref.model.embed_tokens.weight, ref.lm_head.weight, ref.model.norm.weight):
             assert isinstance(p, DTensor)
+    finally:
+        group.leave()
+
+
+def test_publish_gathers_every_parameter_even_when_the_store_refuses(monkeypatch):
+    """Rank 0 copies each gathered parameter into the GPS's buffer as it comes, so a store that refuses the
+    version (it exists) does so before the gathers: rank 0 still takes part in every one, as the other ranks
+    do, and then raises. Published, the weights are the trainer's, cast."""
+    group = TrainGroup.join(0, 1, device="cpu", process_group=True)
+    try:
+        snap = weights(initial())
+        trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+        trainer.load_weights(snap)
+        marks = []
+        monkeypatch.setattr(TrainGroup, "mark", lambda self: marks.append(1))
+        store = LocalStore()
+        assert trainer.publish_weights(store, MODEL, torch.bfloat16, {}) > 0
+        params = len(list(trainer.model.parameters()))
+        assert len(marks) == params
+        got = store.fetch(MODEL, trainer.version).tensors
+        for name, t in snap.tensors.items():
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16))
+        marks.clear()
+        with pytest.raises(VersionError):
+            trainer.publish_weights(store, MODEL, torch.bfloat16, {})  # the version is there already
+        assert len(marks) == params
     finally:
         group.leave()
 
