@@ -116,6 +116,7 @@ keeps what it finished).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -133,7 +134,9 @@ from common import machine, write_report
 from common import simulate as run_simulate
 
 from pivotrl.config import load_config
+from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.ideal import INSTANCE_SIZES, IdealStep, ideal_for_job, ideals_by_size
+from pivotrl.sim.models import MODELS
 from pivotrl.sim.workload import LengthDist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +199,20 @@ GROUPS = {
 def job_overrides(group: Group, gpus: int, tp: int) -> list[str]:
     # eval.size: the held-out evaluations run at the start and after the last step, outside the window measured
     return [f"sim.policy_model={group.policy}", f"sim.genrm_model={group.genrm}", f"sim.gpus={gpus}",
-            f"sim.instance_gpus={tp}", "eval.size=16", *group.extra]  # fmt: skip
+            f"sim.instance_gpus={tp}", f"train.backend={trainer(group.policy, gpus)}", "eval.size=16",
+            *group.extra]  # fmt: skip
+
+
+@functools.cache
+def trainer(policy: str, gpus: int) -> str:
+    """Every mode's trainer for ``policy``: ZeRO-1 where its state fits on the modeled GPUs (6 bytes a parameter
+    whole on each; it backpropagates each group as soon as it is judged), else FSDP2 (a 14B policy or larger on
+    80 GB GPUs). The strongest that fits, for the baselines as for shiftable; ``train.backend=auto`` would give
+    the static modes FSDP2."""
+    cfg = load_config(EXAMPLE, [f"sim.policy_model={policy}", f"sim.gpus={gpus}"])
+    shape = MODELS[policy].train_config()
+    fits = shape is not None and cfg.train.fewest_devices(shape, "zero", gpus, GPUS[cfg.sim.gpu].hbm_bytes, "cuda")
+    return "zero" if fits else "fsdp"
 
 
 def ideal(overrides: list[str]) -> IdealStep:

@@ -28,6 +28,7 @@ from pivotrl.control.profiles import Profiles, RoleProfile, TrainProfile
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.log import logger
+from pivotrl.model.config import ModelConfig
 from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Problem
 from pivotrl.sim import synthetic
@@ -41,6 +42,7 @@ from pivotrl.sim.workload import LengthDist, decode_context, length_moments, rep
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.rules import exact_match
 from pivotrl.telemetry import RunWriter
+from pivotrl.train import memory
 
 KEEP_VERSIONS = 2  # policy versions the GPS holds, as the runtime keeps them
 
@@ -96,6 +98,29 @@ def _replay(cfg: JobConfig) -> dict[tuple[int, int], int] | None:
         return replay_table(cfg.sim.lengths_file)
     except ValueError as e:
         raise UserError(f"sim.lengths_replay: {e}") from None
+
+
+def _trainer_fits(cfg: JobConfig, shape: ModelConfig, backend: str, sim: SimConfig) -> int | None:
+    """The fewest of the modeled GPUs that hold ``backend``'s train state of ``shape`` and a micro batch's
+    activations (``pivotrl.train.memory``, as a run on those GPUs sizes it). None of them enough is the error
+    a run would meet (``train.min_devices=auto``): here a warning, naming it as the runtime does, since a
+    simulated job may be a what-if; the step is then priced as if the state fitted."""
+    gpu_bytes = GPUS[sim.gpu].hbm_bytes
+    fewest = cfg.train.fewest_devices(shape, backend, sim.gpus, gpu_bytes, "cuda")
+    if fewest is None:
+        t = cfg.train
+        c, tokens = t.compute_bytes("cuda"), t.planned_tokens
+        ckpt = t.resolved_checkpointing(shape, backend, sim.gpus, gpu_bytes, "cuda")
+        need = memory.per_device(shape, backend, sim.gpus, tokens, c, ckpt) / 1e9
+        logger.warning(
+            "train.backend=%s: training %s (%.1fB parameters) needs %.0f GB a GPU even on all %d, more than %.0f%% "
+            "of an %s's %.0f GB (pivotrl.train.memory), so a run would not start; the simulation prices it anyway "
+            "(what shrinks it: train.backend=fsdp or auto, train.activation_checkpointing=true, a smaller "
+            "train.micro_batch_tokens)",
+            backend, sim.policy_model, shape.num_parameters() / 1e9, need, sim.gpus, 100 * memory.HEADROOM, sim.gpu,
+            gpu_bytes / 1e9,
+        )  # fmt: skip
+    return fewest
 
 
 def build(cfg: JobConfig) -> Simulation:
@@ -187,9 +212,11 @@ def build(cfg: JobConfig) -> Simulation:
     # inside it, out of reach of devices that join the role later
     judge_batch, judge_kv = spec.capacity(Role.GENRM), spec.kv_tokens(Role.GENRM)
     r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
+    # the fewest GPUs the trainer's state fits on (a train device is one GPU in the runtime; here an instance of
+    # sim.instance_gpus): the optimizer step waits for as many instances, as the runtime's train.min_devices=auto
+    fewest_gpus = _trainer_fits(cfg, shape, backend, sim) if not measured and shape is not None else 1
     try:
-        # (train.min_devices=auto is 1 here: the modeled instances hold their trainer's state)
-        min_train = max(1, cfg.train.min_devices)
+        min_train = cfg.train.min_devices or -(-(fewest_gpus or 1) // sim.instance_gpus)
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                             j.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip
         job = dataclasses.replace(cfg, devices=sim.devices, rollout=r)
@@ -204,7 +231,7 @@ def build(cfg: JobConfig) -> Simulation:
     # the synthetic responses are written for the exact checker, whatever task.checker says (no text is real here)
     loop = dataclasses.replace(
         loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0, checkpoint_every=0, check=exact_match,
-        lockstep_train=spec.lockstep_train,
+        lockstep_train=spec.lockstep_train, min_train_devices=min_train,
     )  # fmt: skip
     return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
 

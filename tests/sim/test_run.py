@@ -124,6 +124,31 @@ def test_every_optimizer_step_runs_on_the_train_devices_it_needs(tmp_path):
     assert [m["train_world_size"] for m in rows(tmp_path / "run" / "metrics.jsonl")] == [4.0, 4.0]
 
 
+def test_the_optimizer_step_waits_for_as_many_instances_as_the_trainer_fits_on(caplog):
+    """train.min_devices=auto as a run resolves it on the modeled GPUs: Qwen2.5-7B's ZeRO-1 state and a micro
+    batch fit on 5 H100s, so the step needs 5 instances of one GPU and 2 of four; given, it is as given. A
+    trainer whose state fits on none (ZeRO-1 keeps 6 bytes a parameter whole: 88 GB for Qwen2.5-14B) is
+    priced anyway, as a what-if, with a warning that names what a run would meet."""
+    from pivotrl.log import logger
+
+    def needed(*extra: str) -> int:
+        return build(load_config(EXAMPLE, ["train.backend=zero", *extra])).loop.min_train_devices
+
+    assert needed() == 5 and needed("sim.instance_gpus=4") == 2 and needed("train.min_devices=3") == 3
+    if not logger.propagate:
+        logger.addHandler(caplog.handler)
+    try:
+        assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B") == 1
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and warned[0].startswith("train.backend=zero: training Qwen2.5-14B (14.8B parameters)")
+        assert "so a run would not start" in warned[0]
+        caplog.clear()
+        assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B", "train.backend=fsdp") > 1
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 def test_the_simulated_trainer_checkpoints_activations_where_a_gpu_would():
     """train.activation_checkpointing=auto as a device resolves it: Qwen2.5-7B's 16k-token micro batches need
     about 100 GB of activations unchecked, more than an H100 holds beside the trainer, so each layer's forward runs
@@ -316,12 +341,15 @@ def test_spread_judgments_cut_at_the_cap_are_warned_about(caplog):
         logger.addHandler(caplog.handler)
     try:
         build(load_config(EXAMPLE, [*SMALL, "sim.judge_output_sigma=0.9"]))
-        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert len(warned) == 1 and "22% of judgments reach judge.max_new_tokens (256, 2.0x" in warned[0]
+
+        def warned() -> list[str]:  # (the trainer's state does not fit 4 GPUs either: another warning)
+            return [m for r in caplog.records if r.levelname == "WARNING" and "judgments" in (m := r.getMessage())]
+
+        assert len(warned()) == 1 and "22% of judgments reach judge.max_new_tokens (256, 2.0x" in warned()[0]
         caplog.clear()
         build(load_config(EXAMPLE, [*SMALL, "sim.judge_output_sigma=0.9", "judge.max_new_tokens=1024"]))
         build(load_config(EXAMPLE, SMALL))  # judgments of one length below the cap: nothing to say
-        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        assert not warned()
     finally:
         logger.removeHandler(caplog.handler)
 
