@@ -19,6 +19,7 @@ shiftable runs at in ``benchmarks/results/paper.json`` (4 where it has none).
 
     python benchmarks/gap.py                        # six groups, one seed: ~3.5 min on 2 cores (three: ~10)
     python benchmarks/gap.py --groups dense-7b --seeds 0 1 2
+    python benchmarks/gap.py --variants modeled --set train.backend=fsdp --out /tmp/gap_fsdp.json  # FSDP2
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at once")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="further overrides of every run")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="the rows to run")
     ap.add_argument("--out", type=Path, default=RESULTS / "gap.json")
     args = ap.parse_args(argv)
     if args.steps < 2:
@@ -72,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = []  # (group, variant, seed, overrides)
     for name in args.groups:
         base = [*job_overrides(GROUPS[name], args.gpus, tp[name]), "mode=shiftable", f"steps={args.steps}", *args.set]
-        for variant, extra in VARIANTS.items():
+        for variant in args.variants:
             for seed in args.seeds:
-                plan.append((name, variant, seed, [*base, f"seed={seed}", *extra]))
+                plan.append((name, variant, seed, [*base, f"seed={seed}", *VARIANTS[variant]]))
     done = [0]
 
     def run(item: tuple[str, str, int, list[str]]) -> dict[str, Any]:
@@ -87,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # (each run is its own process)
         rows = list(pool.map(run, plan))
-    groups = {name: {"name": name, "instance_gpus": tp[name], "variants": {v: {"runs": {}} for v in VARIANTS}}
+    groups = {name: {"name": name, "instance_gpus": tp[name], "variants": {v: {"runs": {}} for v in args.variants}}
               for name in args.groups}  # fmt: skip
     for (name, variant, seed, _), row in zip(plan, rows, strict=True):
         groups[name]["variants"][variant]["runs"][str(seed)] = row
     failed = [(n, v, s, r["error"]) for (n, v, s, _), r in zip(plan, rows, strict=True) if "error" in r]
-    header = f"{'group':16s} {'floor':>7s}" + "".join(f" {v:>17s}" for v in VARIANTS)
+    header = f"{'group':16s} {'floor':>7s}" + "".join(f" {v:>17s}" for v in args.variants)
     print(header)
     for name, g in groups.items():
         floor = ideal([*job_overrides(GROUPS[name], args.gpus, g["instance_gpus"]), *args.set]).floor_seconds
