@@ -25,3 +25,15 @@ def test_the_what_ifs_of_one_group_are_measured_side_by_side(tmp_path, capsys):
     shift_s = {variant: v["runs"]["0"]["shift_seconds_per_step"] for variant, v in runs.items()}
     assert shift_s["modeled"] > 0 and shift_s["free shifts"] == shift_s["both free"] == 0
     assert "dense-7b" in capsys.readouterr().out
+
+
+def test_some_rows_only_and_a_trainer_for_every_run(tmp_path):
+    """``--variants`` runs those rows alone; ``--set`` reaches every run (here FSDP2 in place of ZeRO-1)."""
+    out = tmp_path / "gap.json"
+    argv = ["--groups", "dense-7b", "--gpus", "16", "--tp", "4", "--steps", "2", "--variants", "modeled",
+            "--set", "rollout.prompts_per_step=32", "train.backend=fsdp", "--out", str(out)]  # fmt: skip
+    assert gap.main(argv) == 0
+    report = json.loads(out.read_text())
+    (group,) = report["groups"]
+    assert list(group["variants"]) == ["modeled"] and report["set"][-1] == "train.backend=fsdp"
+    assert group["variants"]["modeled"]["runs"]["0"]["step_seconds"] > 0
