@@ -439,3 +439,18 @@ def test_the_training_line_adds_up_to_the_measured_calls(tmp_path):
             for e in acc]  # fmt: skip
     assert sum(line) == pytest.approx(sum(e["end"] - e["start"] for e in acc))
     assert train.spread("accumulate") > 0.1
+
+
+def test_a_simulated_run_is_refused(tmp_path, capsys):
+    """A run of ``pivotrl simulate`` has the simulator's costs, and slices without the engine's counters: it was
+    refused with "a rollout slice ... has no running/finished"; it is named for what it is, even cut short."""
+    job = ["steps=1", "eval.size=4", "rollout.prompts_per_step=4", "rollout.group_size=2", "sim.gpus=2"]
+    run_simulation(load_config(Path(__file__).parents[2] / "examples/default.yaml", job), tmp_path / "sim")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'sim'}: a simulated run .*profile measures a run of `pivotr"):
+        fit_run(tmp_path / "sim")
+    assert main(["profile", str(tmp_path / "sim"), "--out", str(tmp_path / "costs.json")]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # (the lines before: the simulation's log)
+    assert last.startswith(f"pivotrl: error: {tmp_path / 'sim'}: a simulated run (`pivotrl simulate` wrote it)")
+    (tmp_path / "sim" / "summary.json").unlink()  # (cut short: its samples have token counts, not tokens)
+    with pytest.raises(ValueError, match="a simulated run"):
+        fit_run(tmp_path / "sim")
