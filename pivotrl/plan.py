@@ -47,7 +47,7 @@ def _rows(file: Path) -> list[tuple[int, dict[str, Any]]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"--profile: {file} line {n}: not JSON ({e.msg} at column {e.colno})") from None
+            raise UserError(f"--profile: {file} line {n}: not JSON ({e.msg}: column {e.colno})") from None
         if not isinstance(row, dict):
             raise UserError(f"--profile: {file} line {n}: expected a JSON object, got {type(row).__name__}")
         rows.append((n, row))

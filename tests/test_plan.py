@@ -4,6 +4,7 @@ and splits that never complete said so (in JSON too, which has no infinity)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,16 @@ EVENTS = '{"role": "rollout", "start": 0.0, "end": 1.0}\n{"role": "genrm", "star
     [
         ("", EVENTS, "metrics.jsonl has no steps"),
         ("\n", EVENTS, "metrics.jsonl has no steps"),
-        (METRICS, EVENTS + '{"role": "rollout", "start": 1\n', "events.jsonl line 3: not JSON"),
+        (
+            METRICS,
+            EVENTS + '{"role": "rollout", "start": 1\n',
+            "events.jsonl line 3: not JSON (Expecting ',' delimiter: column 31)",
+        ),
+        (
+            METRICS + '{"step": "1\n',
+            EVENTS,
+            "metrics.jsonl line 2: not JSON (Unterminated string starting at: column 10)",
+        ),
         (METRICS + "[1]\n", EVENTS, "metrics.jsonl line 2: expected a JSON object, got list"),
         ('{"response_tokens": 400}\n', EVENTS, "metrics.jsonl line 1: no number at 'response_length'"),
         (METRICS, '{"start": 0.0, "end": 1.0}\n', "events.jsonl line 1: no 'role'"),
@@ -108,7 +118,7 @@ EVENTS = '{"role": "rollout", "start": 0.0, "end": 1.0}\n{"role": "genrm", "star
 )
 def test_a_profile_that_cannot_be_read_is_named_with_its_line(tmp_path, capsys, metrics, events, message):
     run = write_run(tmp_path / "run", metrics, events)
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=re.escape(message)):
         report_of(run_dir=run)
     assert main(["plan", CONFIG, "--profile", str(run)]) == 2
     err = capsys.readouterr().err

@@ -34,7 +34,7 @@ def _read_json(file: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise CheckpointError(f"{file}: not UTF-8 text (a JSON file is expected)") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        raise CheckpointError(f"{file}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     return raw

@@ -31,7 +31,7 @@ def test_a_truncated_weight_file_is_named(policy):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ('{"architectures": [', "not valid JSON (Expecting value at line 1, column 20)"),
+        ('{"architectures": [', "not valid JSON (Expecting value: line 1 column 20)"),
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"architectures": ["Qwen2ForCausalLM"]}', "no 'num_attention_heads', which the model needs"),
     ],
