@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.errors import UserError
+from pivotrl.sim.measured import simulated
 
 
 @dataclass(slots=True)
@@ -100,6 +101,12 @@ def compare_runs(a: str | Path, b: str | Path) -> Comparison:
     """Sample-by-sample and evaluation-by-evaluation comparison of two run directories."""
     a, b = Path(a), Path(b)
     sa, sb = _samples(a), _samples(b)
+    if simulated(a) != simulated(b):  # (a simulated sample has a token count, a real one tokens: never equal)
+        sim, real = (a, b) if simulated(a) else (b, a)
+        raise UserError(
+            f"{sim} is a simulated run (`pivotrl simulate`) and {real} a run of `pivotrl train`: "
+            "compare takes two runs of the same kind"
+        )
     c = Comparison(only_in_one=len(sa.keys() ^ sb.keys()))
     for key in sorted(sa.keys() & sb.keys()):
         x, y = sa[key], sb[key]

@@ -43,8 +43,8 @@ Mode = Literal["colocated", "disaggregated", "shiftable"]
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cuda", "cpu"]
 RolloutDtype = Literal["auto", "float32", "bfloat16"]
-Backend = Literal["native", "vllm"]
-Audit = Literal["auto", "on", "off"]  # generation backend: pivotrl's engine or vLLM (see docs/backends.md)
+Backend = Literal["native", "vllm"]  # generation backend: pivotrl's engine or vLLM (see docs/backends.md)
+Audit = Literal["auto", "on", "off"]  # the migration audit: auto (with vLLM), on or off
 WandbMode = Literal["offline", "online"]
 
 
@@ -179,7 +179,7 @@ class JudgeConfig:
                 raise ValueError(f"rewards.{label}: expected a finite number, got {reward!r}")
         _check(self, "fallback_reward", math.isfinite, "a finite number")
         _at_least(self, 1, "max_new_tokens")
-        _check(self, "temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)")
+        _check(self, "temperature", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = greedy)")
 
 
 @dataclass(slots=True)
@@ -202,7 +202,7 @@ class RolloutConfig:
         _at_least(self, 1, "prompts_per_step", "max_new_tokens", "max_batch")
         _at_least(self, 2, "group_size")  # a group of one has no baseline to compare against
         _at_least(self, 0, "top_k")
-        _check(self, "temperature", lambda v: v > 0, "a number > 0")
+        _check(self, "temperature", lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
         _check(self, "top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
         _check(self, "kv_cache_gb", lambda v: math.isfinite(v) and v >= 0, "a number of GB >= 0 (0 = auto)")
 
@@ -305,7 +305,7 @@ class JobConfig:
         _at_least(self, 1, "devices", "steps")
         _at_least(self, 0, "threads_per_device")
         _check(self, "gpus_per_device", lambda v: 0 < v <= 1, "a number in (0, 1] (the share of one GPU per device)")
-        _check(self, "device_timeout", lambda v: v > 0, "a number of seconds > 0")
+        _check(self, "device_timeout", lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")
         if self.fault.device >= self.devices and not self.fault.first:
             raise ValueError(
                 f"fault.device: {self.fault.device} is not one of the {self.devices} devices (0..{self.devices - 1})"
@@ -362,6 +362,31 @@ def config_from_dict(raw: dict[str, Any]) -> JobConfig:
     return _build(JobConfig, raw, "")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"key {key!r} given twice")
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping (two ``train:`` sections, ``lr``
+    twice in one) is an error: PyYAML keeps the last, silently dropping what the user wrote first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (``<<: *base``: keys written beside it override it)
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, line, seen[key])
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -369,8 +394,15 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} not found") from None
     except OSError as e:
         raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:  # (UTF-16 as some editors save it, or a binary file given by mistake)
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); "
+            "save it as UTF-8"
+        ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path} line {e.line}: key {e.key!r} given twice (first at line {e.first})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         reason = getattr(e, "problem", None) or str(e).splitlines()[0]
@@ -511,8 +543,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: must be {', '.join(words[:-1])} or {words[-1]}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):  # YAML reads on/off as true/false
+            return "on" if value else "off"
         if value not in allowed:
-            raise ConfigError(f"{path}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+            hint = _BOOL_HINT if isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: must be one of {', '.join(map(str, allowed))}, got {value!r}{hint}")
         return value
     if origin is dict:
         key_type, value_type = get_args(tp)

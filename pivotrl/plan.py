@@ -1,9 +1,13 @@
 """``pivotrl plan``: the planner's view of a job before running it.
 
 It builds the workload of one whole step from the config (and, given a
-finished run, the lengths and throughputs that run measured), estimates the
-step for every split of the devices, and prints the recommended start split
-with its expected timeline. Pure logic, no devices touched.
+finished run, the lengths and throughputs that run measured) and estimates
+the step as the job's mode would run it: shiftable, for every start split of
+the devices, the recommended one first; disaggregated, for the split given
+(or the default one) and the other static splits, no device changing role;
+colocated, every device in every phase. A phase that never ends (no device
+for it) makes the split infeasible, not infinitely slow. Pure logic, no
+devices touched.
 
 It also prints what a train device would hold of the policy (``policy.path``'s
 config.json), by trainer and number of train devices at the optimizer step, in
@@ -15,33 +19,69 @@ the compute dtype a GPU runs (``pivotrl.train.memory``'s arithmetic), and with
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from pivotrl.config import JobConfig
+from pivotrl.config import JobConfig, parse_split
 from pivotrl.control.messages import ROLES, Role
-from pivotrl.control.planner import Profiles, Workload, estimate, fmt_alloc, initial_split
+from pivotrl.control.modes import Disaggregated, make_policy
+from pivotrl.control.planner import Estimate, Profiles, ShiftCosts, Workload, estimate, fmt_alloc, initial_split
 from pivotrl.control.shiftable import Shiftable
+from pivotrl.errors import UserError
 from pivotrl.model.config import ModelConfig, UnsupportedModelError
 from pivotrl.runtime.devices import CUDA, shares_gpu
 from pivotrl.train import memory
 
+_METRICS = ("response_tokens", "response_length", "judge_tokens", "time_s/train")  # (nested keys by "/")
+
+
+def _rows(file: Path) -> list[tuple[int, dict[str, Any]]]:
+    """A run's JSONL file as (line number, row) pairs; a line that is not a JSON object is named."""
+    if not file.is_file():
+        raise UserError(f"--profile: {file} not found (a run directory of `pivotrl train` has one)")
+    rows = []
+    for n, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--profile: {file} line {n}: not JSON ({e.msg}: column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"--profile: {file} line {n}: expected a JSON object, got {type(row).__name__}")
+        rows.append((n, row))
+    return rows
+
+
+def _number(file: Path, n: int, row: dict[str, Any], *keys: str) -> float:
+    value: Any = row
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UserError(f"--profile: {file} line {n}: no number at {'.'.join(keys)!r}")
+    return float(value)
+
 
 def measured(run_dir: Path) -> dict[str, float]:
     """Means and per-role throughputs of a finished run (metrics.jsonl + events.jsonl)."""
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    file = run_dir / "metrics.jsonl"
+    metrics = [{key: _number(file, n, m, *key.split("/")) for key in _METRICS} for n, m in _rows(file)]
     if not metrics:
-        raise ValueError(f"{run_dir}: metrics.jsonl has no steps")
+        raise UserError(f"--profile: {file} has no steps (did the run finish one?)")
     n = sum(m["response_tokens"] / m["response_length"] for m in metrics if m["response_length"])
     out = {
         "response_tokens": sum(m["response_tokens"] for m in metrics) / max(n, 1),
         "judge_tokens": sum(m["judge_tokens"] for m in metrics) / max(n, 1),
-        "step_seconds": sum(m["time_s"]["train"] for m in metrics) / len(metrics),
+        "step_seconds": sum(m["time_s/train"] for m in metrics) / len(metrics),
     }
     busy: dict[str, float] = {}
-    for line in (run_dir / "events.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        busy[e["role"]] = busy.get(e["role"], 0.0) + e["end"] - e["start"]
+    events = run_dir / "events.jsonl"
+    for line, e in _rows(events):
+        role = e.get("role")
+        if not isinstance(role, str):
+            raise UserError(f"--profile: {events} line {line}: no 'role'")
+        busy[role] = busy.get(role, 0.0) + _number(events, line, e, "end") - _number(events, line, e, "start")
     tokens = {"rollout": sum(m["response_tokens"] for m in metrics), "genrm": sum(m["judge_tokens"] for m in metrics)}
     for role, t in tokens.items():
         if busy.get(role):
@@ -70,6 +110,7 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
         "activation_checkpointing": checkpointed,
         "checkpointing_auto": cfg.train.activation_checkpointing == "auto",
         "backend": backend,
+        "backend_auto": cfg.train.backend == "auto",
         "worlds": worlds,
         "per_device_gb": {
             t: [memory.per_device(config, t, w, tokens, c, checkpointed) / 1e9 for w in worlds] for t in memory.TRAINERS
@@ -86,10 +127,20 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
 
 def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, device_gb: float | None = None
                 ) -> dict[str, Any]:  # fmt: skip
-    policy = Shiftable(cfg.devices, cfg.rollout.max_batch, cfg.rollout.max_new_tokens, cfg.judge.max_new_tokens)
-    profiles: Profiles = policy.profiles
-    seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    resp, judge, step_s = cfg.rollout.max_new_tokens / 2, cfg.judge.max_new_tokens / 2, 0.1
+    """The job's step as the mode runs it: shiftable, the best start split (devices move from there);
+    disaggregated, the split given or the default one, which no device leaves, and the best such splits;
+    colocated, every device in every phase. A layout the mode refuses is refused here as ``train`` does."""
+    r = cfg.rollout
+    min_train = max(1, cfg.train.min_devices)
+    try:
+        layout = make_policy(cfg.mode, cfg.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
+                             cfg.judge.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    # (the planner's priors, whatever the mode: the shiftable policy holds them)
+    profiles: Profiles = Shiftable(cfg.devices, r.max_batch, r.max_new_tokens, cfg.judge.max_new_tokens).profiles
+    seqs = r.prompts_per_step * r.group_size
+    resp, judge, step_s = r.max_new_tokens / 2, cfg.judge.max_new_tokens / 2, 0.1
     source = "priors"
     if run_dir is not None:
         m = measured(run_dir)
@@ -97,41 +148,101 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
         for _ in range(64):
             profiles.lengths.observe(max(1, round(resp)))
         if "rollout_rate" in m:
-            profiles.rollout.observe(round(m["rollout_rate"]), 1.0, cfg.rollout.max_batch)
+            profiles.rollout.observe(round(m["rollout_rate"]), 1.0, r.max_batch)
         if "genrm_rate" in m:
-            profiles.judge.observe(round(m["genrm_rate"]), 1.0, cfg.rollout.max_batch)
+            profiles.judge.observe(round(m["genrm_rate"]), 1.0, r.max_batch)
     work = Workload(
         rollout_remaining=[0] * seqs,
         judge_future=seqs,
         judge_tokens_mean=judge,
-        train_groups_left=cfg.rollout.prompts_per_step,
-        train_tokens_per_group=resp * cfg.rollout.group_size,
+        train_groups_left=r.prompts_per_step,
+        train_tokens_per_group=resp * r.group_size,
         step_seconds=step_s,
+        train_devices_needed=min_train,
     )
-    best = initial_split(work, profiles, cfg.devices, cfg.rollout.max_batch)
-    rows = []
-    for r in range(cfg.devices + 1):
-        for g in range(cfg.devices + 1 - r):
-            alloc = {Role.ROLLOUT: r, Role.GENRM: g, Role.TRAIN: cfg.devices - r - g}
-            rows.append(estimate(work, profiles, alloc, cfg.rollout.max_batch))
-    rows.sort(key=lambda e: e.total)
+    report: dict[str, Any] = {"devices": cfg.devices, "mode": cfg.mode, "source": source}
+    if isinstance(layout, Disaggregated):
+        profiles.costs = ShiftCosts(prior=math.inf)  # (no device leaves its role: a shift would never end)
+        allocs = [
+            {Role.ROLLOUT: n_r, Role.GENRM: n_g, Role.TRAIN: cfg.devices - n_r - n_g}
+            for n_r in range(1, cfg.devices)
+            for n_g in range(1, cfg.devices - n_r - min_train + 1)
+        ]
+        rows = sorted((estimate(work, profiles, a, r.max_batch) for a in allocs), key=lambda e: e.total)
+        split = estimate(work, profiles, layout.split, r.max_batch)
+        report |= {
+            "split": {role.value: n for role, n in layout.split.items()},
+            "split_given": bool(cfg.split.strip()),
+            "timeline": _row(split),
+            "recommended": {role.value: rows[0].count(role) for role in ROLES},
+            "estimates": [_row(e) for e in rows[:top]],
+        }
+    elif cfg.mode == "colocated":  # every device in every phase: all of them roll out, then judge, then train
+        report["timeline"] = _row(estimate(work, profiles, {Role.ROLLOUT: cfg.devices}, r.max_batch))
+    else:
+        best = initial_split(work, profiles, cfg.devices, r.max_batch)
+        rows = []
+        for n_r in range(cfg.devices + 1):
+            for n_g in range(cfg.devices + 1 - n_r):
+                alloc = {Role.ROLLOUT: n_r, Role.GENRM: n_g, Role.TRAIN: cfg.devices - n_r - n_g}
+                rows.append(estimate(work, profiles, alloc, r.max_batch))
+        rows.sort(key=lambda e: e.total)
+        report["recommended"] = {role.value: best[role] for role in ROLES}
+        report["estimates"] = [_row(e) for e in rows[:top]]
+    report["train_memory"] = train_memory(cfg, device_gb)
+    return report
+
+
+def _seconds(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # (JSON has no infinity: a phase that never ends is null)
+
+
+def _row(e: Estimate) -> dict[str, Any]:
+    phases = {"rollout": e.rollout_end, "judge": e.judge_end, "backward": e.backward_end, "step": e.total}
     return {
-        "devices": cfg.devices,
-        "source": source,
-        "recommended": {r.value: best[r] for r in ROLES},
-        "estimates": [{"split": fmt_alloc(e.alloc), "timeline": e.describe(), "seconds": e.total} for e in rows[:top]],
-        "train_memory": train_memory(cfg, device_gb),
+        "split": fmt_alloc(e.alloc),
+        "timeline": _timeline(e),
+        "seconds": _seconds(e.total),
+        "phases": {k: _seconds(v) for k, v in phases.items()},
     }
 
 
+def _timeline(e: Estimate) -> str:
+    """``r2 g1 t1: rollout 1.68s judge 2.73s ...``, or why the step never completes with that split."""
+    if math.isfinite(e.total):
+        return e.describe()
+    if not math.isfinite(e.rollout_end):
+        why = "no device generates"
+    elif not math.isfinite(e.judge_end):
+        why = "no device judges"
+    elif not math.isfinite(e.backward_end):
+        why = "no device trains"
+    else:
+        why = "too few train devices for the optimizer step (train.min_devices)"
+    return f"{fmt_alloc(e.alloc)}: infeasible, the step never completes ({why})"
+
+
 def format_report(report: dict[str, Any]) -> str:
-    rec = report["recommended"]
-    lines = [
-        f"devices: {report['devices']}   profile: {report['source']}",
-        "recommended start split: " + ", ".join(f"{k}:{v}" for k, v in rec.items()),
-        "expected step (best splits, phases end at):",
-    ]
-    lines += [f"  {e['timeline']}" for e in report["estimates"]]
+    lines = [f"devices: {report['devices']}   mode: {report['mode']}   profile: {report['source']}"]
+    if report["mode"] == "disaggregated":
+        split = ",".join(f"{k}:{v}" for k, v in report["split"].items())
+        given = "as given" if report["split_given"] else "the default; split= sets another"
+        lines += [
+            f"split: {split} ({given}); no device changes role",
+            f"expected step (phases end at):  {report['timeline']['timeline']}",
+            "best splits (split=rollout:R,genrm:G,train:T):",
+        ]
+        lines += [f"  {e['timeline']}" for e in report["estimates"]]
+    elif report["mode"] == "colocated":
+        timeline = report["timeline"]["timeline"].partition(": ")[2]
+        lines.append(f"every device generates, then judges, then trains (phases end at): {timeline}")
+    else:
+        rec = report["recommended"]
+        lines += [
+            "recommended start split: " + ", ".join(f"{k}:{v}" for k, v in rec.items()),
+            "expected step (best start splits, devices moving between roles from there; phases end at):",
+        ]
+        lines += [f"  {e['timeline']}" for e in report["estimates"]]
     lines += _memory_lines(report["train_memory"])
     return "\n".join(lines)
 
@@ -160,7 +271,10 @@ def _memory_lines(m: dict[str, Any]) -> list[str]:
     for t, row in m["per_device_gb"].items():
         mark = " *" if t == m["backend"] else ""
         lines.append(f"  {t + mark:<13} " + "".join(f"{x:>8.1f}" if x >= 10 else f"{x:>8.2f}" for x in row))
-    lines.append("  (* train.backend=auto's for this job on such GPUs)")
+    if m["backend_auto"]:
+        lines.append("  (* what train.backend=auto takes for this job on such GPUs)")
+    else:
+        lines.append(f"  (* train.backend={m['backend']}, as configured)")
     if "fewest_devices" in m:
         fewest = m["fewest_devices"]
         fits = ", ".join(f"{t} {n if n else 'none of ' + str(m['worlds'][-1])}" for t, n in fewest.items())

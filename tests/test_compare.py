@@ -47,3 +47,23 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", str(a), str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert "samples.jsonl: not found" in err and "Traceback" not in err
+
+
+def test_a_simulated_run_is_not_compared_with_a_real_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A simulated sample has a token count where a real one has tokens: "0/12 with identical tokens" said
+    nothing; the two kinds are refused, two simulated runs still compare."""
+    real = write_run(tmp_path / "real", BASE, {0: 0.5})
+    sims = []
+    for name in ("sim", "sim2"):
+        sim = write_run(tmp_path / name, BASE, {0: 0.5})
+        rows = [json.loads(x) for x in (sim / "samples.jsonl").read_text().splitlines()]
+        rows = [{**{k: v for k, v in r.items() if k != "response_ids"}, "response_tokens": 3} for r in rows]
+        (sim / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (sim / "summary.json").write_text(json.dumps({"accuracy_start": 0.5, "sim": {}, "sim_seconds": 1.0}))
+        sims.append(sim)
+    for a, b in ((sims[0], real), (real, sims[0])):
+        assert main(["compare", str(a), str(b)]) == 2
+        err = capsys.readouterr().err
+        assert f"{sims[0]} is a simulated run (`pivotrl simulate`) and {real} a run of `pivotrl train`" in err
+        assert "Traceback" not in err
+    assert compare_runs(*sims).token_match == 1.0

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pivotrl.config import ConfigError, JobConfig, JudgeConfig, LogConfig, load_config, parse_split
+from pivotrl.config import ConfigError, JobConfig, JudgeConfig, LogConfig, _hints, load_config, parse_split
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -122,8 +124,8 @@ def test_bad_enum():
     [
         ("rollout.group_size=1", "rollout.group_size: expected an integer >= 2, got 1"),
         ("rollout.top_p=0", "rollout.top_p: expected a number in (0, 1], got 0.0"),
-        ("rollout.temperature=0", "rollout.temperature: expected a number > 0, got 0.0"),
-        ("judge.temperature=-1", "judge.temperature: expected a number >= 0"),
+        ("rollout.temperature=0", "rollout.temperature: expected a finite number > 0, got 0.0"),
+        ("judge.temperature=-1", "judge.temperature: expected a finite number >= 0"),
         ("judge.rewards={}", "judge.rewards: expected a non-empty mapping"),
         ("eval.every=-1", "eval.every: expected an integer >= 0, got -1"),
         ("devices=0", "devices: expected an integer >= 1, got 0"),
@@ -134,6 +136,84 @@ def test_bad_enum():
 )
 def test_bad_range_names_full_dotted_path(override, expected):
     assert error_of(None, override).startswith(expected)
+
+
+def float_keys(cls: type = JobConfig, prefix: str = "") -> Iterator[str]:
+    for name, tp in _hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            yield from float_keys(tp, f"{prefix}{name}.")
+        elif tp is float:
+            yield prefix + name
+
+
+@pytest.mark.parametrize("key", list(float_keys()))
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_every_float_key_refuses_what_is_not_a_finite_number(key, value):
+    """No number field means anything by infinity: ``train.lr=.inf`` ran to the end and saved a NaN policy."""
+    assert error_of(None, f"{key}={value}").startswith(key)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.lr=.inf", "train.lr must be a finite number > 0, got inf"),
+        ("train.lr=inf", "train.lr must be a finite number > 0, got inf"),
+        ("train.lr=Infinity", "train.lr must be a finite number > 0, got inf"),
+        ("train.lr=1e999", "train.lr must be a finite number > 0, got inf"),
+        ("train.weight_decay=.inf", "train.weight_decay must be a finite number >= 0, got inf"),
+        ("train.eps=.inf", "train.eps must be a finite number > 0, got inf"),
+        ("train.kl_coef=.inf", "train.kl_coef must be a finite number >= 0, got inf"),
+        ("train.clip_high=.inf", "train.clip_high must be a finite number >= 0, got inf"),
+        ("train.clip_low=.inf", "train.clip_low must be a finite number in [0, 1), got inf"),
+        ("train.grad_clip=.inf", "train.grad_clip must be a finite number >= 0 (0 disables clipping), got inf"),
+        ("judge.temperature=.inf", "judge.temperature: expected a finite number >= 0 (0 = greedy), got inf"),
+        ("rollout.temperature=.inf", "rollout.temperature: expected a finite number > 0, got inf"),
+        ("device_timeout=.inf", "device_timeout: expected a finite number of seconds > 0, got inf"),
+        ("sim.lengths.alpha=.inf", "sim.lengths.alpha: expected a finite number, got inf"),  # (not lognormal's)
+    ],
+)
+def test_infinity_is_named_as_not_finite(override, expected):
+    assert error_of(None, override) == expected
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a user's first ``train:`` section (and its lr) was dropped."""
+    path = write(tmp_path, "seed: 0\ntrain:\n  lr: 1.0e-4\nsteps: 3\ntrain:\n  grad_clip: 0.5\n")
+    assert error_of(path) == f"{path} line 5: key 'train' given twice (first at line 2)"
+    path = write(tmp_path, "train:\n  lr: 1.0e-4\n  lr: 2.0e-4\n", "b.yaml")
+    assert error_of(path) == f"{path} line 3: key 'lr' given twice (first at line 2)"
+    path = write(tmp_path, "judge:\n  rewards: {'yes': 1.0, 'yes': 0.5}\n", "c.yaml")
+    assert error_of(path) == f"{path} line 2: key 'yes' given twice (first at line 2)"
+
+
+def test_a_key_beside_a_merge_key_still_overrides_it(tmp_path):
+    path = write(tmp_path, "x-base: &base {lr: 1.0e-4, eps: 1.0e-6}\n", "base.yaml")
+    text = path.read_text() + "train:\n  <<: *base\n  lr: 2.0e-4\n"
+    with pytest.raises(ConfigError, match="unknown key 'x-base'"):  # (the anchor's own key is not a config key)
+        load_config(write(tmp_path, text))
+    from pivotrl.config import _UniqueKeyLoader
+
+    assert yaml.load(text, Loader=_UniqueKeyLoader)["train"] == {"lr": 2.0e-4, "eps": 1.0e-6}
+
+
+@pytest.mark.parametrize(
+    ("data", "byte"),
+    [("seed: 1\n".encode("utf-16"), "byte 0 is 0xff"), (b"seed: 1\n\x00\x80\xfe binary", "byte 9 is 0x80")],
+)
+def test_a_file_that_is_not_utf8_is_named(tmp_path, data, byte):
+    """UTF-16 as Notepad saves it, or a binary file given as the config: one line, not a UnicodeDecodeError."""
+    path = tmp_path / "job.yaml"
+    path.write_bytes(data)
+    assert error_of(path) == f"config file {str(path)!r} is not UTF-8 text ({byte}); save it as UTF-8"
+
+
+def test_yaml_on_and_off_are_taken_where_a_field_takes_on_and_off(tmp_path):
+    """YAML reads ``off`` as false: ``audit_migrations: off`` in a file means what the override says."""
+    assert load_config(write(tmp_path, "rollout: {audit_migrations: off}\n")).rollout.audit_migrations == "off"
+    assert load_config(write(tmp_path, "rollout: {audit_migrations: on}\n")).rollout.audit_migrations == "on"
+    assert load_config(None, ["rollout.audit_migrations=off"]).rollout.audit_migrations == "off"
+    msg = error_of(write(tmp_path, "mode: yes\n"))  # elsewhere the boolean is explained
+    assert msg.startswith("mode: must be one of colocated, disaggregated, shiftable, got True") and "quote it" in msg
 
 
 def test_invalid_yaml_names_file_and_line(tmp_path):

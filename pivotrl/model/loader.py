@@ -9,20 +9,35 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from pivotrl.model.config import ModelConfig
+from pivotrl.errors import UserError
+from pivotrl.model.config import ModelConfig, UnsupportedModelError
 from pivotrl.model.decoder import Decoder
 from pivotrl.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message says why."""
+class CheckpointError(UserError, ValueError):
+    """A checkpoint directory that cannot be loaded; the message says why (the user's to fix: one line, exit 2)."""
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a mapping; what is wrong with it named with the file."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{file}: not UTF-8 text (a JSON file is expected)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -32,14 +47,23 @@ def read_config(path: str | Path) -> ModelConfig:
     file = path / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
-    return ModelConfig.from_hf(json.loads(file.read_text()))
+    try:
+        return ModelConfig.from_hf(_read_json(file))
+    except KeyError as e:
+        raise CheckpointError(f"{file}: no {e.args[0]!r}, which the model needs") from None
+    except (CheckpointError, UnsupportedModelError):
+        raise
+    except (TypeError, ValueError) as e:  # (a number given as a string, a shape ModelConfig refuses)
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise CheckpointError(f"{index}: expected a 'weight_map' of tensor names to shard files")
+        return [path / s for s in sorted(set(weight_map.values()))]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     found = sorted(path.glob("*.safetensors"))
@@ -53,9 +77,15 @@ def weight_files(path: Path) -> list[Path]:
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                state[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    state[name] = f.get_tensor(name)
+        except FileNotFoundError:  # (a shard the index names)
+            raise CheckpointError(f"{file}: not found (a weight file of the checkpoint)") from None
+        except SafetensorError as e:
+            what = f"cannot be read as safetensors ({e}); the file is damaged or incomplete"
+            raise CheckpointError(f"{file}: {what}") from None
     return state
 
 

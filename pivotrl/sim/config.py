@@ -53,6 +53,10 @@ class LengthsConfig:
             self.dist(1 << 30)
         except ValueError as e:  # LengthDist names "<kind>.<param>"; the config names the param
             raise ValueError(str(e).removeprefix(f"{self.kind}.")) from None
+        for name in ("median", "sigma", "minimum", "alpha"):  # (another kind's too: a kind= override uses them)
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name}: expected a finite number, got {value!r}")
 
     def dist(self, cap: int) -> LengthDist:
         """The distribution, capped at ``cap`` tokens."""

@@ -352,6 +352,24 @@ def nonneg_least_squares(
     return nonneg_fit(gram, moment, sum(wi * t * t for t, wi in zip(y, w, strict=True)))
 
 
+def simulated(run_dir: str | Path) -> bool:
+    """Whether ``pivotrl simulate`` wrote the run directory: its summary.json has the ``sim`` section, or, in a
+    run cut short before it wrote one, its samples carry token counts (``response_tokens``) and no tokens."""
+    run = Path(run_dir)
+    try:
+        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = None
+    if isinstance(summary, dict):
+        return "sim" in summary or "sim_seconds" in summary
+    try:
+        with (run / "samples.jsonl").open(encoding="utf-8") as f:
+            row = json.loads(next((line for line in f if line.strip()), "null"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and "response_tokens" in row and "response_ids" not in row
+
+
 def _read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     run = Path(run_dir)
     if not run.is_dir():
@@ -359,6 +377,11 @@ def _read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
     for name in ("config.json", "events.jsonl"):
         if not (run / name).is_file():
             raise ValueError(f"not a run directory (no {name})")
+    if simulated(run):
+        raise ValueError(
+            "a simulated run (`pivotrl simulate` wrote it), whose costs are the simulator's own; "
+            "profile measures a run of `pivotrl train`"
+        )
     try:
         config = json.loads((run / "config.json").read_text())
     except json.JSONDecodeError as e:

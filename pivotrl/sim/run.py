@@ -198,6 +198,22 @@ def build(cfg: JobConfig) -> Simulation:
     for role, name, context, key in checks:
         if spec.capacity(role) >= 1:
             continue
+        if measured:  # a measured engine holds the longest sequence of the run it was fitted to, whatever the GPUs
+            base = costs.base if isinstance(costs, ScaledCosts) else costs
+            m = base.rollout if role is Role.ROLLOUT else base.genrm
+            what, new, keys, limits = (
+                ("rollout", max(r.max_new_tokens, cfg.eval.max_new_tokens), "sim.prompt_len",
+                 "rollout/eval.max_new_tokens")
+                if role is Role.ROLLOUT
+                else ("judge", r.max_new_tokens + j.max_new_tokens, "sim.prompt_len + sim.judge_template_len",
+                      "rollout.max_new_tokens + judge.max_new_tokens")
+            )  # fmt: skip
+            fix = (f"{keys} is {context - new}, at most {m.max_len - new} fits beside {new} new tokens ({limits})"
+                   if m.max_len > new else f"{new} new tokens ({limits}) leave no room for {keys}")  # fmt: skip
+            raise UserError(
+                f"sim.costs: the measured {what} engine ({m.model!r}) holds sequences of up to {m.max_len} "
+                f"tokens, its run's prompts and limits; this job's are {context}: {fix}"
+            )
         engine = getattr(sim, key)
         if engine and engine < sim.instance_gpus:  # the instance may hold it, one of its engines does not
             raise UserError(

@@ -129,7 +129,8 @@ def _jsonl_rows(path: Path, where: str) -> Iterator[tuple[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}{path} line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            at = "" if e.msg.endswith(" at") else " at"  # ("Unterminated string starting at": no second "at")
+            raise DataError(f"{where}{path} line {n}: not valid JSON ({e.msg}{at} column {e.colno})") from None
         yield f"line {n}", row
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -51,8 +52,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):  # (inf passes "> 0"; the run saves NaNs)
+                raise ValueError(f"train.{name} must be a finite number {allowed}, got {value!r}")
             if not ok:
-                raise ValueError(f"train.{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise ValueError(f"train.{name} must be {allowed}, got {value!r}")
 
         check("lr", self.lr > 0, "> 0")
         check("weight_decay", self.weight_decay >= 0, ">= 0")

@@ -8,6 +8,7 @@ import pytest
 from pivotrl.cli import main
 from pivotrl.config import load_config
 from pivotrl.control.messages import Role
+from pivotrl.errors import UserError
 from pivotrl.sim.costs import SPREAD_KINDS, CostModel
 from pivotrl.sim.measured import REQUIRED_SHIFTS, MeasuredCosts, fit_run, nonneg_least_squares
 from pivotrl.sim.models import ModelSpec
@@ -412,6 +413,36 @@ def test_a_fitted_profile_drives_a_simulation_of_its_job(tmp_path):
     assert summary["steps"] == 2 and summary["sim_seconds"] > 0
 
 
+def test_a_job_longer_than_the_measured_engines_names_the_sim_length_keys(tmp_path):
+    """The documented replay with the default sim.prompt_len (512) and sim.judge_template_len (256) was refused
+    as "Qwen2.5-7B with 608-token sequences does not fit on 1 x H100", a model and GPU not involved."""
+    costs = fit_run(steady_run().write(tmp_path / "run")).costs
+    costs.save(tmp_path / "costs.json")
+    rollout, genrm = costs.rollout, costs.genrm
+    job = ["rollout.max_new_tokens=16", "eval.max_new_tokens=16", "judge.max_new_tokens=8", "sim.gpus=1",
+           f"sim.costs={tmp_path / 'costs.json'}"]  # fmt: skip
+    config = Path(__file__).parents[2] / "examples/default.yaml"
+
+    def error(*more: str) -> str:
+        with pytest.raises(UserError) as info:
+            run_simulation(load_config(config, [*job, *more]), tmp_path / "sim")
+        return str(info.value)
+
+    assert error() == (
+        f"sim.costs: the measured rollout engine ('policy') holds sequences of up to {rollout.max_len} tokens, its "
+        f"run's prompts and limits; this job's are 528: sim.prompt_len is 512, at most {rollout.max_len - 16} fits "
+        "beside 16 new tokens (rollout/eval.max_new_tokens)"
+    )
+    assert error(f"sim.prompt_len={PROMPT['rollout']}").startswith(
+        f"sim.costs: the measured judge engine ('judge') holds sequences of up to {genrm.max_len} tokens"
+    )
+    assert "sim.prompt_len + sim.judge_template_len is 2" in error(f"sim.prompt_len={PROMPT['rollout']}")
+    assert error("rollout.max_new_tokens=400").endswith(
+        "400 new tokens (rollout/eval.max_new_tokens) leave no room for sim.prompt_len"
+    )
+    assert not (tmp_path / "sim").exists()
+
+
 def test_an_exact_run_has_no_spread_and_a_varied_one_is_measured(tmp_path):
     exact = fit_run(steady_run().write(tmp_path / "exact")).costs
     assert exact.spreads == pytest.approx({"shift": 0.0, "accumulate": 0.0, "optimizer": 0.0}, abs=1e-9)
@@ -439,3 +470,18 @@ def test_the_training_line_adds_up_to_the_measured_calls(tmp_path):
             for e in acc]  # fmt: skip
     assert sum(line) == pytest.approx(sum(e["end"] - e["start"] for e in acc))
     assert train.spread("accumulate") > 0.1
+
+
+def test_a_simulated_run_is_refused(tmp_path, capsys):
+    """A run of ``pivotrl simulate`` has the simulator's costs, and slices without the engine's counters: it was
+    refused with "a rollout slice ... has no running/finished"; it is named for what it is, even cut short."""
+    job = ["steps=1", "eval.size=4", "rollout.prompts_per_step=4", "rollout.group_size=2", "sim.gpus=2"]
+    run_simulation(load_config(Path(__file__).parents[2] / "examples/default.yaml", job), tmp_path / "sim")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'sim'}: a simulated run .*profile measures a run of `pivotr"):
+        fit_run(tmp_path / "sim")
+    assert main(["profile", str(tmp_path / "sim"), "--out", str(tmp_path / "costs.json")]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # (the lines before: the simulation's log)
+    assert last.startswith(f"pivotrl: error: {tmp_path / 'sim'}: a simulated run (`pivotrl simulate` wrote it)")
+    (tmp_path / "sim" / "summary.json").unlink()  # (cut short: its samples have token counts, not tokens)
+    with pytest.raises(ValueError, match="a simulated run"):
+        fit_run(tmp_path / "sim")

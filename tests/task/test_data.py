@@ -112,6 +112,10 @@ BAD = {
         lambda d: jsonl(d / "t.jsonl", [{"problem": "q", "answer": "a"}, '{"problem": "q",']),
         "t.jsonl line 2: not valid JSON (Expecting property name enclosed in double quotes at column 17)",
     ),
+    "jsonl unterminated string": (  # (json's own message ends with "starting at": no second "at")
+        lambda d: jsonl(d / "t.jsonl", ['{"problem": "q']),
+        "t.jsonl line 1: not valid JSON (Unterminated string starting at column 13)",
+    ),
     "jsonl not an object": (
         lambda d: jsonl(d / "t.jsonl", ['["q", "a"]']),
         "t.jsonl line 1: expected a JSON object, got list",

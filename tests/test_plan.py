@@ -1,0 +1,133 @@
+"""``pivotrl plan``: the step as the job's mode runs it, a run's measurements read with every mistake named,
+and splits that never complete said so (in JSON too, which has no infinity)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pivotrl.cli import main
+from pivotrl.config import load_config
+from pivotrl.errors import UserError
+from pivotrl.plan import format_report, plan_report
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "examples/default.yaml")
+
+
+def report_of(*overrides: str, run_dir: Path | None = None) -> dict:
+    return plan_report(load_config(CONFIG, overrides), run_dir)
+
+
+def test_disaggregated_estimates_the_default_split_and_recommends_only_splits_that_train():
+    """It recommended rollout:2, genrm:2, train:0, which split= refuses and which cannot train."""
+    report = report_of("mode=disaggregated", "devices=4")
+    assert report["split"] == {"rollout": 2, "genrm": 1, "train": 1} and not report["split_given"]
+    assert report["timeline"]["split"] == "r2 g1 t1"
+    assert min(report["recommended"].values()) >= 1
+    assert report["estimates"] and all("0" not in e["split"] for e in report["estimates"])  # (r0, g0, t0)
+    text = format_report(report)
+    assert "split: rollout:2,genrm:1,train:1 (the default; split= sets another)" in text
+    assert "recommended start split" not in text
+
+
+def test_disaggregated_estimates_the_split_given():
+    report = report_of("mode=disaggregated", "devices=5", "split=rollout:1,genrm:2,train:2")
+    assert report["split"] == {"rollout": 1, "genrm": 2, "train": 2} and report["split_given"]
+    assert report["timeline"]["timeline"].startswith("r1 g2 t2: rollout ")
+    # no device changes role: the static split is slower than the same start split in shiftable mode
+    shiftable = report_of("devices=5")["estimates"]
+    assert report["timeline"]["seconds"] > min(e["seconds"] for e in shiftable)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["split=rollout:2,genrm:1,train:1"], "split: only used with mode=disaggregated"),
+        (["mode=colocated", "split=rollout:2,genrm:1,train:1"], "split: only used with mode=disaggregated"),
+        (["mode=disaggregated", "devices=2"], "disaggregated mode needs at least 3 devices"),
+        (["mode=disaggregated", "split=rollout:2,genrm:1,train:2"], "uses 5 devices, but devices=4"),
+    ],
+)
+def test_a_layout_train_refuses_is_refused(overrides, message, capsys):
+    with pytest.raises(UserError, match=message):
+        report_of(*overrides)
+    assert main(["plan", CONFIG, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_colocated_runs_every_phase_on_every_device():
+    report = report_of("mode=colocated", "devices=4")
+    assert "recommended" not in report and report["timeline"]["split"] == "r4 g0 t0"
+    text = format_report(report)
+    assert "every device generates, then judges, then trains (phases end at): rollout " in text
+
+
+def test_a_split_that_never_completes_is_infeasible_not_infinitely_slow(capsys):
+    report = report_of("devices=1")
+    never = [e for e in report["estimates"] if e["seconds"] is None]
+    assert never and all(set(e["phases"].values()) == {None} for e in never)
+    json.dumps(report, allow_nan=False)  # (Infinity is not JSON)
+    text = format_report(report)
+    assert "r0 g0 t1: infeasible, the step never completes (no device generates)" in text
+    assert "infs" not in text and "inf " not in text
+    assert main(["plan", CONFIG, "devices=1", "--json"]) == 0
+    assert "Infinity" not in capsys.readouterr().out
+
+
+def test_the_marked_trainer_is_named_for_what_it_is():
+    assert "(* what train.backend=auto takes for this job on such GPUs)" in format_report(report_of())
+    text = format_report(report_of("train.backend=fsdp"))
+    assert "(* train.backend=fsdp, as configured)" in text and "auto" not in text.splitlines()[-1]
+
+
+def write_run(where: Path, metrics: str, events: str) -> Path:
+    where.mkdir()
+    (where / "metrics.jsonl").write_text(metrics)
+    (where / "events.jsonl").write_text(events)
+    return where
+
+
+METRICS = '{"response_tokens": 400, "response_length": 20.0, "judge_tokens": 900, "time_s": {"train": 2.0}}\n'
+EVENTS = '{"role": "rollout", "start": 0.0, "end": 1.0}\n{"role": "genrm", "start": 1.0, "end": 2.5}\n'
+
+
+@pytest.mark.parametrize(
+    ("metrics", "events", "message"),
+    [
+        ("", EVENTS, "metrics.jsonl has no steps"),
+        ("\n", EVENTS, "metrics.jsonl has no steps"),
+        (
+            METRICS,
+            EVENTS + '{"role": "rollout", "start": 1\n',
+            "events.jsonl line 3: not JSON (Expecting ',' delimiter: column 31)",
+        ),
+        (
+            METRICS + '{"step": "1\n',
+            EVENTS,
+            "metrics.jsonl line 2: not JSON (Unterminated string starting at: column 10)",
+        ),
+        (METRICS + "[1]\n", EVENTS, "metrics.jsonl line 2: expected a JSON object, got list"),
+        ('{"response_tokens": 400}\n', EVENTS, "metrics.jsonl line 1: no number at 'response_length'"),
+        (METRICS, '{"start": 0.0, "end": 1.0}\n', "events.jsonl line 1: no 'role'"),
+    ],
+)
+def test_a_profile_that_cannot_be_read_is_named_with_its_line(tmp_path, capsys, metrics, events, message):
+    run = write_run(tmp_path / "run", metrics, events)
+    with pytest.raises(UserError, match=re.escape(message)):
+        report_of(run_dir=run)
+    assert main(["plan", CONFIG, "--profile", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_profile_without_events_is_named(tmp_path):
+    run = write_run(tmp_path / "run", METRICS, EVENTS)
+    assert report_of(run_dir=run)["source"] == str(run)
+    (run / "events.jsonl").unlink()
+    with pytest.raises(UserError, match="events.jsonl not found"):
+        report_of(run_dir=run)
