@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,6 +54,32 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
         devices.resolve(cfg.device, devices.local_gpus())
 
 
+def check_run_dir(out: Path, resumable: bool) -> None:
+    """``--out`` of a new run, before anything starts: a directory that can be made, holding no run. A new run
+    there would truncate the old one's metrics and leave its checkpoints for a later ``--resume`` to mix in."""
+    from pivotrl.telemetry import run_files
+
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            where = "" if path == out else f" ({path} is a file)"
+            raise UserError(f"--out {out}: not a directory{where}; name a directory for the run")
+    found = run_files(out)
+    if found:
+        again = f", continue it with `pivotrl train --resume {out}`" if resumable and "config.json" in found else ""
+        names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(
+            f"--out {out}: already holds a run ({names}), which this one would overwrite; give a new --out{again}, "
+            "or remove it first"
+        )
+    made = [p for p in (out, *out.parents) if not p.exists()]  # (deepest first)
+    try:  # made and removed again: a failed start leaves nothing behind
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the directory ({e.strerror})") from None
+    for path in made:
+        path.rmdir()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.ray_address:  # before anything imports ray, which reads RAY_AUTH_MODE once
         from pivotrl.runtime.devices import enable_cluster_token
@@ -70,6 +97,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not args.config or not args.out:
             raise UserError("train needs a CONFIG and --out DIR (or --resume RUN_DIR)")
         out, cfg = Path(args.out), load_config(args.config, args.overrides)
+        check_run_dir(out, resumable=True)
     check_inputs(cfg, args.ray_address)
     from pivotrl.runtime.job import run_job
 
@@ -83,6 +111,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out)
+    check_run_dir(out, resumable=False)
     summary = run_simulation(cfg, out, progress=not args.quiet)
     print(format_summary(summary, out))
     print(format_sim(summary))
@@ -230,6 +259,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PATH_OPTIONS = ("out", "resume", "data", "models", "profile")  # the options that name a path
+PATH_ARGUMENTS = ("config", "run_dir", "run_a", "run_b")  # and the positional arguments
+
+
+def path_error(e: OSError, args: argparse.Namespace) -> str | None:
+    """An OS error on a path the user gave (or one under it), as one line naming the option; None for others
+    (a file not found is the user's whatever its path: their config or run directory named it)."""
+    if e.filename is not None:
+        failed = os.path.abspath(os.fsdecode(e.filename))
+        for dest in PATH_OPTIONS + PATH_ARGUMENTS:
+            given = getattr(args, dest, None)
+            if not isinstance(given, str):
+                continue
+            root = os.path.abspath(given)
+            if failed == root or failed.startswith(root.rstrip(os.sep) + os.sep):
+                label = f"--{dest} {given}" if dest in PATH_OPTIONS else given
+                under = "" if failed == root else f" ({os.fsdecode(e.filename)})"
+                return f"{label}: {e.strerror or e}{under}"
+    return str(e) if isinstance(e, FileNotFoundError) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
@@ -238,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UserError) as e:
         print(f"pivotrl: error: {e}", file=sys.stderr)
         return USAGE_ERROR
-    except FileNotFoundError as e:
-        print(f"pivotrl: error: {e}", file=sys.stderr)
+    except OSError as e:
+        line = path_error(e, args)
+        if line is None:
+            raise  # not about a path the user gave: a bug's, reported in full
+        print(f"pivotrl: error: {line}", file=sys.stderr)
         return USAGE_ERROR
     except RunInterrupted as e:
         print(f"pivotrl: stopped: {e}", file=sys.stderr)

@@ -91,21 +91,58 @@ class Recorder:
         self.slices.append(Slice(device, role, name, start, end, args))
 
 
+# what a run writes into its directory (tracking's folders included): a directory holding any of them holds a run
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "summary.json",
+    "events.jsonl",
+    "trace.json",
+    "timeline.png",
+    "decisions.jsonl",
+    "policy",
+    "checkpoints",
+    "tensorboard",
+    "wandb",
+)
+ROW_FILES = ("metrics.jsonl", "samples.jsonl")  # the files a resumed run cuts back to its checkpoint's rows
+
+
+def run_files(run_dir: str | Path) -> list[str]:
+    """The names of :data:`RUN_FILES` already in ``run_dir``: a new run written there would overwrite them."""
+    d = Path(run_dir)
+    return [name for name in RUN_FILES if (d / name).exists()] if d.is_dir() else []
+
+
+def _kept_lines(path: Path, rows: int) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)[:rows] if rows and path.is_file() else []
+
+
+def missing_rows(run_dir: str | Path, keep: tuple[int, int]) -> str | None:
+    """Why ``run_dir``'s metrics and samples cannot be cut back to the ``keep = (metrics rows, samples rows)``
+    its checkpoint saw (a file holds fewer), or None when both can."""
+    for name, rows in zip(ROW_FILES, keep, strict=True):
+        have = len(_kept_lines(Path(run_dir) / name, rows))
+        if have < rows:
+            return f"{Path(run_dir) / name} has {have} rows, its checkpoint saw {rows}"
+    return None
+
+
 class RunWriter:
     """Owns a run directory and writes every file in it."""
 
     def __init__(self, out: str | Path, keep: tuple[int, int] | None = None) -> None:
         """A new run starts its metrics and samples empty; a resumed one (``keep``) keeps their first
-        ``keep = (metrics rows, samples rows)`` lines, those its checkpoint had seen, and drops the rest."""
+        ``keep = (metrics rows, samples rows)`` lines, those its checkpoint had seen, and drops the rest.
+        Both files are checked before either is cut: a refused resume leaves them as they were."""
         self.dir = Path(out)
+        self.metrics_path, self.samples_path = (self.dir / name for name in ROW_FILES)
+        if keep is not None and (short := missing_rows(self.dir, keep)):
+            raise ValueError(short)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.dir / "metrics.jsonl"
-        self.samples_path = self.dir / "samples.jsonl"
         for path, rows in zip((self.metrics_path, self.samples_path), keep or (0, 0), strict=True):
-            lines = path.read_bytes().splitlines(keepends=True)[:rows] if rows and path.is_file() else []
-            if len(lines) < rows:
-                raise ValueError(f"{path}: {len(lines)} rows, its checkpoint saw {rows}")
-            path.write_bytes(b"".join(lines))
+            path.write_bytes(b"".join(_kept_lines(path, rows)))
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]

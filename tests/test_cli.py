@@ -163,3 +163,56 @@ def test_plan_says_how_many_train_devices_the_policy_needs(tmp_path, capsys):
     assert "train memory: not estimated, policy.path: cannot read '/nonexistent/config.json'" in capsys.readouterr().out
     assert main(["plan", *args, "--device-memory-gb", "0"]) == 2
     assert "--device-memory-gb: got 0, must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_an_out_directory_holding_a_run_is_refused_and_left_as_it_was(command, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main([command, CONFIG, "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {run}: already holds a run (config.json, metrics.jsonl)" in err and "Traceback" not in err
+    assert "give a new --out" in err and "or remove it first" in err
+    assert (f"pivotrl train --resume {run}" in err) == (command == "train")
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_an_empty_or_new_out_directory_is_taken_and_nothing_is_made_before_the_run(tmp_path):
+    from pivotrl.cli import check_run_dir
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_run_dir(empty, resumable=True)
+    check_run_dir(tmp_path / "new" / "run", resumable=True)
+    assert empty.is_dir() and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("file", "--out {tmp}/file: not a directory; name a directory for the run"),
+        ("file/run", "--out {tmp}/file/run: not a directory ({tmp}/file is a file)"),
+        ("/proc/nope", "--out /proc/nope: cannot create the directory ("),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_an_out_that_cannot_be_a_directory_is_refused_up_front(command, out, message, tmp_path, capsys):
+    (tmp_path / "file").write_text("kept\n")
+    out = out if out.startswith("/") else str(tmp_path / out)
+    assert main([command, CONFIG, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+    assert (tmp_path / "file").read_text() == "kept\n"
+
+
+def test_an_os_error_on_a_path_the_user_gave_names_the_option(tmp_path, capsys):
+    from pivotrl.telemetry import RunWriter, Slice
+
+    RunWriter(tmp_path).write_events([Slice(0, "rollout", "r", 0.0, 1.0)])
+    out = tmp_path / "missing" / "t.png"
+    assert main(["timeline", str(tmp_path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: No such file or directory" in err and "Traceback" not in err

@@ -131,3 +131,13 @@ def test_timeline_of_a_directory_without_events_is_a_user_error(tmp_path, capsys
 def test_read_events_missing(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_events(tmp_path)
+
+
+def test_a_resume_with_rows_missing_cuts_neither_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n" * 3)
+    (tmp_path / "samples.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="samples.jsonl has 1 rows, its checkpoint saw 5"):
+        RunWriter(tmp_path, keep=(2, 5))
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n" * 3
+    RunWriter(tmp_path, keep=(2, 1))
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n" * 2

@@ -51,7 +51,7 @@ from pivotrl.runtime.zero import check_dtypes
 from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
-from pivotrl.telemetry import RunWriter
+from pivotrl.telemetry import RunWriter, missing_rows
 from pivotrl.train import memory
 
 
@@ -157,6 +157,12 @@ def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     summary = Path(out) / "summary.json"
     if summary.is_file() and start.step < cfg.steps and _finished(summary, cfg.steps):
         raise ckpt.CheckpointError(f"{out}: the run finished all {cfg.steps} steps; nothing to resume")
+    short = missing_rows(out, (start.state["metrics_rows"], start.state["samples_rows"]))
+    if short:  # (checked before anything is cut: a refused resume leaves the files as they were)
+        raise ckpt.CheckpointError(
+            f"{out}: cannot resume from {start.path.name}: {short} (the file was changed since); restore it, "
+            "or start a new run with --out"
+        )
     logger.info("resuming %s from step %d (%s)", out, start.step, start.path.name)
     return start
 
@@ -378,17 +384,18 @@ def _run_once(
         except ValueError as e:
             auto = "" if cfg.train.min_devices else " (train.min_devices=auto found it)"
             raise UserError(f"{e}{auto}") from None
+        publish_initial(store, cfg, start)  # (the models are read here: a checkpoint that does not load stops it)
     except BaseException:
         driver.close()
         raise
-    # only once the devices are up: a failed start leaves no half-written run (a resumed one keeps its rows)
-    kept = None if start is None else (start.state["metrics_rows"], start.state["samples_rows"])
-    writer = RunWriter(out, keep=kept)
-    writer.write_json("config.json", cfg.to_dict())
     tracker = tracking.Tracker()
     try:
+        # only once the devices are up and the weights are in the GPS: a failed start leaves no half-written run
+        # (a resumed one keeps its rows)
+        kept = None if start is None else (start.state["metrics_rows"], start.state["samples_rows"])
+        writer = RunWriter(out, keep=kept)
+        writer.write_json("config.json", cfg.to_dict())
         tracker = tracking.start(cfg, out, None if start is None else start.step)
-        publish_initial(store, cfg, start)
         if start is not None:
             driver.groups.state_world = start.state["train_state_world"]  # a sharded trainer reads these shards
         origin = time.time()  # the run clock starts once every device is up and the weights are in the GPS
