@@ -25,10 +25,12 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
     """Fail before any work starts if a file the job needs is missing or unusable, or the device it asks for
     is not here (a cluster's devices are checked once it is joined)."""
     from pivotrl.model import CheckpointError, UnsupportedModelError
-    from pivotrl.model.loader import read_config
+    from pivotrl.model.loader import read_config, weight_files
+    from pivotrl.runtime.job import check_train_size
     from pivotrl.task.data import read_task
 
-    read_task(cfg.task)  # every row, so a bad one is reported before the devices start
+    train, _ = read_task(cfg.task)  # every row, so a bad one is reported before the devices start
+    check_train_size(cfg, len(train))
     if cfg.task.checker == "math":
         try:
             import math_verify  # noqa: F401
@@ -40,6 +42,7 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
             raise UserError(f"{field}: checkpoint directory {path!r} does not exist{hint}")
         try:
             read_config(path)
+            weight_files(Path(path))  # (safetensors: pickled weights are not loaded)
         except (CheckpointError, UnsupportedModelError) as e:
             raise UserError(f"{field}: {e}") from None
     from pivotrl.control.modes import make_policy
@@ -54,15 +57,20 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
         devices.resolve(cfg.device, devices.local_gpus())
 
 
+def check_directory(option: str, path: Path, purpose: str) -> None:
+    """``path`` is a directory or can become one: neither it nor a folder above it is a file."""
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            where = "" if p == path else f" ({p} is a file)"
+            raise UserError(f"{option} {path}: not a directory{where}; name a directory {purpose}")
+
+
 def check_run_dir(out: Path, resumable: bool) -> None:
     """``--out`` of a new run, before anything starts: a directory that can be made, holding no run. A new run
     there would truncate the old one's metrics and leave its checkpoints for a later ``--resume`` to mix in."""
     from pivotrl.telemetry import run_files
 
-    for path in (out, *out.parents):
-        if path.exists() and not path.is_dir():
-            where = "" if path == out else f" ({path} is a file)"
-            raise UserError(f"--out {out}: not a directory{where}; name a directory for the run")
+    check_directory("--out", out, "for the run")
     found = run_files(out)
     if found:
         again = f", continue it with `pivotrl train --resume {out}`" if resumable and "config.json" in found else ""
@@ -154,6 +162,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         if step == total:
             bars[name].close()
 
+    check_directory("--models", Path(args.models), "for the models")
+    check_directory("--data", Path(args.data), "for the task data")
     built = prepare(args.models, args.data, seed=args.seed, force=args.force, progress=progress)
     for name, path in built.items():
         print(f"{name}: {path}")
@@ -161,10 +171,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from pivotrl.telemetry import draw_timeline, read_events
+    from pivotrl.telemetry import PICTURE_FORMATS, draw_timeline, read_events
 
     run = Path(args.run_dir)
     out = Path(args.out) if args.out else run / "timeline.png"
+    if out.suffix.lstrip(".").lower() not in PICTURE_FORMATS:
+        got = f"a {out.suffix} file" if out.suffix else "no suffix"
+        allowed = ", ".join(f".{f}" for f in PICTURE_FORMATS)
+        raise UserError(f"--out {out}: {got}; the picture's format is its suffix, one of {allowed}")
     draw_timeline(read_events(run), out, title=run.name)
     print(out)
     return 0
@@ -245,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     tl = sub.add_parser("timeline", help="redraw a run's timeline picture from its events.jsonl")
     tl.add_argument("run_dir")
-    tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png)")
+    tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png); its suffix names the format: "
+                    ".png, .pdf, .svg, ...")  # fmt: skip
     tl.set_defaults(func=cmd_timeline)
     pf = sub.add_parser("profile", help="fit a measured-costs file (sim.costs) to a finished run's events")
     pf.add_argument("run_dir", help="a run directory of `pivotrl train`")
@@ -280,12 +295,47 @@ def path_error(e: OSError, args: argparse.Namespace) -> str | None:
     return str(e) if isinstance(e, FileNotFoundError) else None
 
 
+def _checkpoint_error(e: ValueError) -> bool:
+    """Whether ``e`` says a model checkpoint cannot be used (the model package's errors; not imported when no
+    command read a checkpoint, as then none was raised)."""
+    loader, config = sys.modules.get("pivotrl.model.loader"), sys.modules.get("pivotrl.model.config")
+    return (loader is not None and isinstance(e, loader.CheckpointError)) or (
+        config is not None and isinstance(e, config.UnsupportedModelError)
+    )
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout went away (``pivotrl ... | head``): what is still buffered goes nowhere, as a Unix
+    tool's output does, instead of failing again when Python flushes it at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+BROKEN_PIPE = 128 + 13  # the status of a Unix tool killed by SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    args = build_parser().parse_args(argv)
+    args = None
     try:
-        return args.func(args)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # (--help, a usage error: what it printed is flushed here, a closed pipe seen)
+            sys.stdout.flush()
+            raise
+        status = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is seen here
+        return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return BROKEN_PIPE
     except (ConfigError, UserError) as e:
+        print(f"pivotrl: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except ValueError as e:
+        if not _checkpoint_error(e):
+            raise
         print(f"pivotrl: error: {e}", file=sys.stderr)
         return USAGE_ERROR
     except OSError as e:

@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from pivotrl.errors import UserError
+
 ROLE_COLORS = {
     "rollout": "#4c78a8",
     "genrm": "#f58518",
@@ -184,10 +186,21 @@ class RunWriter:
 
 
 def read_events(run_dir: str | Path) -> list[Slice]:
+    """The slices of a run's ``events.jsonl``; a line that is not one is a :class:`UserError` naming the file
+    and the line (a file cut short or edited by hand)."""
     path = Path(run_dir) / "events.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no events.jsonl (is it a pivotrl run directory?)")
-    return [Slice(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    slices = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            slices.append(Slice(**json.loads(line)))
+        except (ValueError, TypeError) as e:  # not JSON, or not a slice's fields
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else "not an event's fields"
+            raise UserError(f"{path}: line {number} is not an event ({reason}); the file is damaged") from None
+    return slices
 
 
 def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
@@ -215,10 +228,10 @@ def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
 
 
 def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") -> None:
-    """Devices x time, coloured by role. Up to ``BAR_ROWS`` devices, one bar per slice (one
-    collection of bars per role); past that, a row of pixels per device, painted slice by slice
-    (shifts and migrations last, so that they show), which a thousand devices and 10^5 slices
-    draw in about a second."""
+    """Devices x time, coloured by role, in the format ``path``'s suffix names (:data:`PICTURE_FORMATS`). Up to
+    ``BAR_ROWS`` devices, one bar per slice (one collection of bars per role); past that, a row of pixels per
+    device, painted slice by slice (shifts and migrations last, so that they show), which a thousand devices and
+    10^5 slices draw in about a second."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,10 +264,12 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     else:  # fixed margins: tight_layout would draw the big figure once more to measure it
         width, height = fig.get_size_inches()
         fig.subplots_adjust(left=1.0 / width, right=1 - 0.2 / width, bottom=0.6 / height, top=1 - 0.6 / height)
-    fig.savefig(path, dpi=110, pil_kwargs={"compress_level": 1})  # a fast deflate: the file is a few 100 kB more
+    png = Path(path).suffix.lower() == ".png"  # a fast deflate there: the file is a few 100 kB more
+    fig.savefig(path, dpi=110, **({"pil_kwargs": {"compress_level": 1}} if png else {}))
     plt.close(fig)
 
 
+PICTURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")  # a timeline's, by suffix
 BAR_ROWS = 64  # more devices than this are drawn as pixel rows (a bar would be under 3 pixels high)
 RASTER_COLUMNS = 2000  # time bins of the pixel rows: more than the figure has pixels across
 

@@ -1,3 +1,4 @@
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -216,3 +217,60 @@ def test_an_os_error_on_a_path_the_user_gave_names_the_option(tmp_path, capsys):
     assert main(["timeline", str(tmp_path), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"--out {out}: No such file or directory" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_with_pickled_weights_only_is_refused_before_the_run(tmp_path, capsys, tiny_checkpoints):
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_checkpoints["policy"], policy)
+    (policy / "model.safetensors").rename(policy / "pytorch_model.bin")
+    args = ["train", CONFIG, f"policy.path={policy}", f"judge.path={tiny_checkpoints['judge']}"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"policy.path: {policy}: only pickled weights (*.bin/*.pt) found; pivotrl loads safetensors only" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_weights_that_do_not_load_are_a_user_error(tmp_path, capsys, tiny_checkpoints):
+    """Found only when the job loads them: one line, exit 2, nothing written."""
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_checkpoints["policy"], policy)
+    shutil.copy(tiny_checkpoints["judge"] / "config.json", policy / "config.json")  # Llama's names, Qwen2's biases
+    models = [f"policy.path={policy}", f"judge.path={tiny_checkpoints['judge']}", "mode=colocated", "devices=1"]
+    assert main(["train", CONFIG, *models, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"pivotrl: error: {policy}: weights do not match LlamaForCausalLM" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_fewer_train_problems_than_a_step_draws_are_refused(tmp_path, capsys, tiny_checkpoints):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join((ROOT / "data/arithmetic/train.jsonl").read_text().splitlines(keepends=True)[:3]))
+    models = [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}"]
+    args = ["train", CONFIG, *models, f"task.train_file={train}", "rollout.prompts_per_step=4"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"rollout.prompts_per_step=4: task.train_file {train} holds only 3 problems" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("option", ["--data", "--models"])
+def test_prepare_into_a_file_is_refused(option, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("kept\n")
+    assert main(["prepare", option, str(file)]) == 2
+    err = capsys.readouterr().err
+    assert f"{option} {file}: not a directory" in err and "Traceback" not in err
+    assert file.read_text() == "kept\n"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`pivotrl ... | head`: no traceback, the status of a Unix tool its reader left (SIGPIPE's)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pivotrl.cli", "plan", CONFIG, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    proc.stdout.close()  # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""

@@ -167,6 +167,15 @@ def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     return start
 
 
+def check_train_size(cfg: JobConfig, problems: int) -> None:
+    """A step draws ``rollout.prompts_per_step`` distinct problems: the train file must hold that many."""
+    if cfg.rollout.prompts_per_step > problems:
+        raise UserError(
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: task.train_file {cfg.task.train_file} holds "
+            f"only {problems} problems; lower rollout.prompts_per_step to at most {problems} or use a larger file"
+        )
+
+
 def _finished(summary: Path, steps: int) -> bool:
     import json
 
@@ -330,10 +339,7 @@ def _run_once(
     policy_chat, judge_chat = chat_templates(cfg)
     train_set, heldout = read_task(cfg.task)
     heldout = heldout[: cfg.eval.size]
-    if cfg.rollout.prompts_per_step > len(train_set):
-        raise ValueError(
-            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) exceeds the {len(train_set)} train problems"
-        )
+    check_train_size(cfg, len(train_set))
     origin = time.time()
     if in_process is None:
         in_process = cfg.devices == 1 and ray_address is None
