@@ -88,6 +88,20 @@ def check_run_dir(out: Path, resumable: bool) -> None:
         path.rmdir()
 
 
+def check_resume_overrides(run: Path, overrides: list[str]) -> None:
+    """A resume continues the run as it was configured: only how it is operated may change (``OPERATIONAL``)."""
+    from pivotrl.runtime.job import OPERATIONAL
+
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if "=" in override and key.split(".")[0] not in OPERATIONAL:
+            raise UserError(
+                f"--resume {run}: {override} would change what the run computes; a resume continues with the run's "
+                f"own config ({run / 'config.json'}) and takes overrides of {', '.join(OPERATIONAL)} only (to train "
+                f"on, start a new run from its policy: policy.path={run / 'policy'} --out NEW_DIR)"
+            )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.ray_address:  # before anything imports ray, which reads RAY_AUTH_MODE once
         from pivotrl.runtime.devices import enable_cluster_token
@@ -100,7 +114,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = out / "config.json"
         if not saved.is_file():
             raise UserError(f"--resume {out}: not a run directory (no config.json)")
-        cfg = load_config(args.config or saved, args.overrides)
+        config, overrides = args.config, list(args.overrides)
+        if config is not None and "=" in config and not Path(config).is_file():  # (`--resume RUN key=value`)
+            config, overrides = None, [config, *overrides]
+        check_resume_overrides(out, overrides)
+        cfg = load_config(config or saved, overrides)
     else:
         if not args.config or not args.out:
             raise UserError("train needs a CONFIG and --out DIR (or --resume RUN_DIR)")
@@ -225,9 +243,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: its positional arguments (a config, ``key=value`` overrides) may come before, between
+    or after its options, as in ``pivotrl train CONFIG --out DIR steps=1``."""
+
+    _intermixed = False
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's signature)
+        if self._intermixed:  # (parse_known_intermixed_args parses through here, twice)
+            return super().parse_known_args(args, namespace)
+        self._intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     t = sub.add_parser("train", help="run an RL job")
     t.add_argument("config", nargs="?", help="job config (YAML), e.g. examples/default.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 steps=10")

@@ -274,3 +274,56 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     proc.stdout.close()  # the reader is gone before anything is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", CONFIG, "--out", "{out}", "rollot.group_size=4"],
+        ["train", "--quiet", CONFIG, "--out", "{out}", "steps=2", "rollot.group_size=4"],
+        ["simulate", CONFIG, "--quiet", "rollot.group_size=4", "--out", "{out}"],
+        ["plan", CONFIG, "--json", "rollot.group_size=4"],
+    ],
+)
+def test_overrides_are_taken_after_options(args, tmp_path, capsys):
+    """Read as overrides wherever they stand: the typo is reported as the config's, not as an unknown argument."""
+    assert main([a.format(out=tmp_path / "run") for a in args]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'rollot'" in err and "unrecognized arguments" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_takes_an_override_after_json(capsys):
+    import json
+
+    assert main(["plan", CONFIG, "--json", "devices=3"]) == 0
+    assert sum(json.loads(capsys.readouterr().out)["recommended"].values()) == 3
+
+
+def resumable_run(where: Path, ckpt: dict[str, Path]) -> Path:
+    """A run directory as far as its config: the job's config.json, no checkpoint yet."""
+    import json
+
+    from pivotrl.config import load_config
+
+    run = where / "run"
+    run.mkdir()
+    cfg = load_config(CONFIG, [f"policy.path={ckpt['policy']}", f"judge.path={ckpt['judge']}", "devices=1"])
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return run
+
+
+@pytest.mark.parametrize("override", ["steps=12", "train.lr=1e-3"])
+def test_a_resume_refuses_overrides_of_what_the_run_computes(override, tmp_path, capsys, tiny_checkpoints):
+    run = resumable_run(tmp_path, tiny_checkpoints)
+    assert main(["train", "--resume", str(run), override]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {run}: {override} would change what the run computes" in err
+    assert f"run's own config ({run / 'config.json'})" in err and f"policy.path={run / 'policy'}" in err
+    assert "Traceback" not in err and sorted(p.name for p in run.iterdir()) == ["config.json"]
+
+
+def test_a_resume_takes_overrides_of_how_the_run_is_operated(tmp_path, capsys, tiny_checkpoints):
+    run = resumable_run(tmp_path, tiny_checkpoints)
+    assert main(["train", "--resume", str(run), "checkpoint.keep=3", "--quiet"]) == 2
+    assert "no usable checkpoint" in capsys.readouterr().err  # (past the overrides: this run has none)
