@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pivotrl.config import ConfigError, JobConfig, load_config, parse_split
 from pivotrl.errors import RunInterrupted, UserError
-from pivotrl.log import logger, setup_logging
+from pivotrl.log import setup_logging
 
 USAGE_ERROR = 2
 INTERRUPTED = 3  # the run stopped on a fault it cannot recover from; --resume continues it
@@ -346,6 +346,18 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
+def _resume_hint(args: argparse.Namespace | None) -> str:
+    """How to continue a train run stopped by Ctrl-C, where it has a checkpoint (the job module is loaded once
+    the run is started: before, it wrote none)."""
+    job = sys.modules.get("pivotrl.runtime.job")
+    out = None if args is None or args.command != "train" else args.resume or args.out
+    if job is None or not out:
+        return ""
+    from pivotrl import checkpoint as ckpt  # (loaded with the job module)
+
+    return f"; {job.resume_hint(out)}" if ckpt.has_checkpoint(out) else ""
+
+
 BROKEN_PIPE = 128 + 13  # the status of a Unix tool killed by SIGPIPE
 
 
@@ -382,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pivotrl: stopped: {e}", file=sys.stderr)
         return INTERRUPTED
     except KeyboardInterrupt:
-        logger.warning("interrupted")
+        print(f"pivotrl: interrupted{_resume_hint(args)}", file=sys.stderr)
         return 130
 
 

@@ -327,3 +327,24 @@ def test_a_resume_takes_overrides_of_how_the_run_is_operated(tmp_path, capsys, t
     run = resumable_run(tmp_path, tiny_checkpoints)
     assert main(["train", "--resume", str(run), "checkpoint.keep=3", "--quiet"]) == 2
     assert "no usable checkpoint" in capsys.readouterr().err  # (past the overrides: this run has none)
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_ctrl_c_says_how_to_resume_a_run_with_a_checkpoint(
+    checkpointed, tmp_path, capsys, monkeypatch, tiny_checkpoints
+):
+    from pivotrl.runtime import job
+
+    run = tmp_path / "run"
+
+    def interrupted(cfg, out, **kwargs) -> None:
+        if checkpointed:
+            (Path(out) / "checkpoints" / "step_000002").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "run_job", interrupted)
+    models = [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}", "devices=1"]
+    assert main(["train", CONFIG, *models, "--out", str(run)]) == 130
+    err = capsys.readouterr().err
+    hint = f"pivotrl: interrupted; resume with: pivotrl train --resume {run} (newest checkpoint: step_000002)"
+    assert (hint in err) == checkpointed and "pivotrl: interrupted" in err and "Traceback" not in err

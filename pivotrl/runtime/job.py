@@ -176,6 +176,13 @@ def check_train_size(cfg: JobConfig, problems: int) -> None:
         )
 
 
+def resume_hint(out: str | Path) -> str:
+    """How to continue the run in ``out`` once it stopped, and from where."""
+    newest = sorted((Path(out) / ckpt.DIR).glob(f"{ckpt.PREFIX}*"))
+    since = f"newest checkpoint: {newest[-1].name}" if newest else "no checkpoint yet: it starts over"
+    return f"resume with: pivotrl train --resume {out} ({since})"
+
+
 def _finished(summary: Path, steps: int) -> bool:
     import json
 
@@ -428,9 +435,7 @@ def _run_once(
             try:
                 commands = ctl.handle_all(driver.next_events())
             except DeviceLostError as e:
-                newest = sorted((Path(out) / ckpt.DIR).glob(f"{ckpt.PREFIX}*"))
-                since = f"newest checkpoint: {newest[-1].name}" if newest else "no checkpoint yet: it starts over"
-                raise RunInterrupted(f"{e}; resume with: pivotrl train --resume {out} ({since})") from e
+                raise RunInterrupted(f"{e}; {resume_hint(out)}") from e
             samples_rows += writer.samples(sample_rows(ctl.finished_steps))
             ctl.finished_steps.clear()
             while written < len(ctl.metrics):
