@@ -13,10 +13,16 @@ import os
 import sys
 from pathlib import Path
 
+from pivotrl import __version__
 from pivotrl.config import ConfigError, JobConfig, load_config, parse_split
 from pivotrl.errors import RunInterrupted, UserError
 from pivotrl.log import setup_logging
 
+DESCRIPTION = (
+    "RL post-training of LLMs with rewards from an LLM judge, on devices that shift between rollout, judge and "
+    "training while a step runs."
+)
+EPILOG = "First run: pivotrl prepare, then pivotrl train examples/default.yaml --out runs/latest (docs/running.md)."
 USAGE_ERROR = 2
 INTERRUPTED = 3  # the run stopped on a fault it cannot recover from; --resume continues it
 
@@ -151,12 +157,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def format_summary(s: dict, out: Path) -> str:
     """The few lines a person reads at the end of a run; the rest is in summary.json."""
     shift = s["shift_seconds"]
+    ran = s["steps"] - s.get("resumed_from_step", 0)  # (a resumed run's rates are of the steps it ran)
+    steady = f" ({s['steady_samples_per_s']:.0f} after the first step)" if ran > 1 else ""
     return "\n".join(
         [
             f"{s['mode']} on {s['devices']} device(s), {s['steps']} steps",
             f"held-out accuracy {s['accuracy_start']:.3f} -> {s['accuracy_end']:.3f} ({s['accuracy_gain']:+.3f}); "
             f"judge agreement {s['genrm_agreement']:.4f}, {s['genrm_parse_failures']} unparsable verdicts",
-            f"{s['samples_per_s']:.0f} samples/s ({s['steady_samples_per_s']:.0f} after the first step); "
+            f"{s['samples_per_s']:.0f} samples/s{steady}; "
             f"{s['shifts']} shifts (mean {shift['mean'] * 1000:.0f} ms, max {shift['max'] * 1000:.0f} ms), "
             f"{s['migrations']} migrations",
             f"timeline: {out / 'timeline.png'}   trace: {out / 'trace.json'} (open in Perfetto)",
@@ -260,7 +268,8 @@ class _CommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pivotrl", description=DESCRIPTION, epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"pivotrl {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     t = sub.add_parser("train", help="run an RL job")
     t.add_argument("config", nargs="?", help="job config (YAML), e.g. examples/default.yaml")

@@ -348,3 +348,30 @@ def test_ctrl_c_says_how_to_resume_a_run_with_a_checkpoint(
     err = capsys.readouterr().err
     hint = f"pivotrl: interrupted; resume with: pivotrl train --resume {run} (newest checkpoint: step_000002)"
     assert (hint in err) == checkpointed and "pivotrl: interrupted" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("steps, resumed_from, steady", [(3, None, True), (1, None, False), (10, 9, False)])
+def test_the_rate_after_the_first_step_is_shown_only_when_there_were_later_steps(steps, resumed_from, steady):
+    from pivotrl.cli import format_summary
+
+    s = {"mode": "colocated", "devices": 1, "steps": steps, "accuracy_start": 0.5, "accuracy_end": 0.5,
+         "accuracy_gain": 0.0, "genrm_agreement": 1.0, "genrm_parse_failures": 0, "samples_per_s": 75.0,
+         "steady_samples_per_s": 78.0, "shifts": 4, "shift_seconds": {"mean": 0.01, "max": 0.02},
+         "migrations": 0}  # fmt: skip
+    if resumed_from is not None:
+        s["resumed_from_step"] = resumed_from
+    text = format_summary(s, Path("runs/latest"))
+    assert ("75 samples/s (78 after the first step); 4 shifts" in text) == steady
+    assert ("75 samples/s; 4 shifts" in text) != steady
+
+
+def test_help_says_what_pivotrl_is_and_version_names_the_package(capsys):
+    import pivotrl
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "RL post-training of LLMs" in out and "``" not in out
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"pivotrl {pivotrl.__version__}\n"
