@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from pivotrl import __version__
 from pivotrl.config import ConfigError, JobConfig, load_config, parse_split
 from pivotrl.errors import RunInterrupted, UserError
-from pivotrl.log import logger, setup_logging
+from pivotrl.log import setup_logging
 
+DESCRIPTION = (
+    "RL post-training of LLMs with rewards from an LLM judge, on devices that shift between rollout, judge and "
+    "training while a step runs."
+)
+EPILOG = "First run: pivotrl prepare, then pivotrl train examples/default.yaml --out runs/latest (docs/running.md)."
 USAGE_ERROR = 2
 INTERRUPTED = 3  # the run stopped on a fault it cannot recover from; --resume continues it
 
@@ -24,10 +31,12 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
     """Fail before any work starts if a file the job needs is missing or unusable, or the device it asks for
     is not here (a cluster's devices are checked once it is joined)."""
     from pivotrl.model import CheckpointError, UnsupportedModelError
-    from pivotrl.model.loader import read_config
+    from pivotrl.model.loader import read_config, weight_files
+    from pivotrl.runtime.job import check_train_size
     from pivotrl.task.data import read_task
 
-    read_task(cfg.task)  # every row, so a bad one is reported before the devices start
+    train, _ = read_task(cfg.task)  # every row, so a bad one is reported before the devices start
+    check_train_size(cfg, len(train))
     if cfg.task.checker == "math":
         try:
             import math_verify  # noqa: F401
@@ -39,6 +48,7 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
             raise UserError(f"{field}: checkpoint directory {path!r} does not exist{hint}")
         try:
             read_config(path)
+            weight_files(Path(path))  # (safetensors: pickled weights are not loaded)
         except (CheckpointError, UnsupportedModelError) as e:
             raise UserError(f"{field}: {e}") from None
     from pivotrl.control.modes import make_policy
@@ -53,6 +63,51 @@ def check_inputs(cfg: JobConfig, ray_address: str | None = None) -> None:
         devices.resolve(cfg.device, devices.local_gpus())
 
 
+def check_directory(option: str, path: Path, purpose: str) -> None:
+    """``path`` is a directory or can become one: neither it nor a folder above it is a file."""
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            where = "" if p == path else f" ({p} is a file)"
+            raise UserError(f"{option} {path}: not a directory{where}; name a directory {purpose}")
+
+
+def check_run_dir(out: Path, resumable: bool) -> None:
+    """``--out`` of a new run, before anything starts: a directory that can be made, holding no run. A new run
+    there would truncate the old one's metrics and leave its checkpoints for a later ``--resume`` to mix in."""
+    from pivotrl.telemetry import run_files
+
+    check_directory("--out", out, "for the run")
+    found = run_files(out)
+    if found:
+        again = f", continue it with `pivotrl train --resume {out}`" if resumable and "config.json" in found else ""
+        names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(
+            f"--out {out}: already holds a run ({names}), which this one would overwrite; give a new --out{again}, "
+            "or remove it first"
+        )
+    made = [p for p in (out, *out.parents) if not p.exists()]  # (deepest first)
+    try:  # made and removed again: a failed start leaves nothing behind
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the directory ({e.strerror})") from None
+    for path in made:
+        path.rmdir()
+
+
+def check_resume_overrides(run: Path, overrides: list[str]) -> None:
+    """A resume continues the run as it was configured: only how it is operated may change (``OPERATIONAL``)."""
+    from pivotrl.runtime.job import OPERATIONAL
+
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if "=" in override and key.split(".")[0] not in OPERATIONAL:
+            raise UserError(
+                f"--resume {run}: {override} would change what the run computes; a resume continues with the run's "
+                f"own config ({run / 'config.json'}) and takes overrides of {', '.join(OPERATIONAL)} only (to train "
+                f"on, start a new run from its policy: policy.path={run / 'policy'} --out NEW_DIR)"
+            )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.ray_address:  # before anything imports ray, which reads RAY_AUTH_MODE once
         from pivotrl.runtime.devices import enable_cluster_token
@@ -65,11 +120,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = out / "config.json"
         if not saved.is_file():
             raise UserError(f"--resume {out}: not a run directory (no config.json)")
-        cfg = load_config(args.config or saved, args.overrides)
+        config, overrides = args.config, list(args.overrides)
+        if config is not None and "=" in config and not Path(config).is_file():  # (`--resume RUN key=value`)
+            config, overrides = None, [config, *overrides]
+        check_resume_overrides(out, overrides)
+        cfg = load_config(config or saved, overrides)
     else:
         if not args.config or not args.out:
             raise UserError("train needs a CONFIG and --out DIR (or --resume RUN_DIR)")
         out, cfg = Path(args.out), load_config(args.config, args.overrides)
+        check_run_dir(out, resumable=True)
     check_inputs(cfg, args.ray_address)
     from pivotrl.runtime.job import run_job
 
@@ -83,6 +143,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out)
+    check_run_dir(out, resumable=False)
     summary = run_simulation(cfg, out, progress=not args.quiet)
     print(format_summary(summary, out))
     print(format_sim(summary))
@@ -96,12 +157,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def format_summary(s: dict, out: Path) -> str:
     """The few lines a person reads at the end of a run; the rest is in summary.json."""
     shift = s["shift_seconds"]
+    ran = s["steps"] - s.get("resumed_from_step", 0)  # (a resumed run's rates are of the steps it ran)
+    steady = f" ({s['steady_samples_per_s']:.0f} after the first step)" if ran > 1 else ""
     return "\n".join(
         [
             f"{s['mode']} on {s['devices']} device(s), {s['steps']} steps",
             f"held-out accuracy {s['accuracy_start']:.3f} -> {s['accuracy_end']:.3f} ({s['accuracy_gain']:+.3f}); "
             f"judge agreement {s['genrm_agreement']:.4f}, {s['genrm_parse_failures']} unparsable verdicts",
-            f"{s['samples_per_s']:.0f} samples/s ({s['steady_samples_per_s']:.0f} after the first step); "
+            f"{s['samples_per_s']:.0f} samples/s{steady}; "
             f"{s['shifts']} shifts (mean {shift['mean'] * 1000:.0f} ms, max {shift['max'] * 1000:.0f} ms), "
             f"{s['migrations']} migrations",
             f"timeline: {out / 'timeline.png'}   trace: {out / 'trace.json'} (open in Perfetto)",
@@ -125,6 +188,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         if step == total:
             bars[name].close()
 
+    check_directory("--models", Path(args.models), "for the models")
+    check_directory("--data", Path(args.data), "for the task data")
     built = prepare(args.models, args.data, seed=args.seed, force=args.force, progress=progress)
     for name, path in built.items():
         print(f"{name}: {path}")
@@ -132,10 +197,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from pivotrl.telemetry import draw_timeline, read_events
+    from pivotrl.telemetry import PICTURE_FORMATS, draw_timeline, read_events
 
     run = Path(args.run_dir)
     out = Path(args.out) if args.out else run / "timeline.png"
+    if out.suffix.lstrip(".").lower() not in PICTURE_FORMATS:
+        got = f"a {out.suffix} file" if out.suffix else "no suffix"
+        allowed = ", ".join(f".{f}" for f in PICTURE_FORMATS)
+        raise UserError(f"--out {out}: {got}; the picture's format is its suffix, one of {allowed}")
     draw_timeline(read_events(run), out, title=run.name)
     print(out)
     return 0
@@ -182,9 +251,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: its positional arguments (a config, ``key=value`` overrides) may come before, between
+    or after its options, as in ``pivotrl train CONFIG --out DIR steps=1``."""
+
+    _intermixed = False
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's signature)
+        if self._intermixed:  # (parse_known_intermixed_args parses through here, twice)
+            return super().parse_known_args(args, namespace)
+        self._intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = False
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pivotrl", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="pivotrl", description=DESCRIPTION, epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"pivotrl {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     t = sub.add_parser("train", help="run an RL job")
     t.add_argument("config", nargs="?", help="job config (YAML), e.g. examples/default.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 steps=10")
@@ -216,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     tl = sub.add_parser("timeline", help="redraw a run's timeline picture from its events.jsonl")
     tl.add_argument("run_dir")
-    tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png)")
+    tl.add_argument("--out", help="picture path (default RUN_DIR/timeline.png); its suffix names the format: "
+                    ".png, .pdf, .svg, ...")  # fmt: skip
     tl.set_defaults(func=cmd_timeline)
     pf = sub.add_parser("profile", help="fit a measured-costs file (sim.costs) to a finished run's events")
     pf.add_argument("run_dir", help="a run directory of `pivotrl train`")
@@ -230,22 +317,93 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PATH_OPTIONS = ("out", "resume", "data", "models", "profile")  # the options that name a path
+PATH_ARGUMENTS = ("config", "run_dir", "run_a", "run_b")  # and the positional arguments
+
+
+def path_error(e: OSError, args: argparse.Namespace) -> str | None:
+    """An OS error on a path the user gave (or one under it), as one line naming the option; None for others
+    (a file not found is the user's whatever its path: their config or run directory named it)."""
+    if e.filename is not None:
+        failed = os.path.abspath(os.fsdecode(e.filename))
+        for dest in PATH_OPTIONS + PATH_ARGUMENTS:
+            given = getattr(args, dest, None)
+            if not isinstance(given, str):
+                continue
+            root = os.path.abspath(given)
+            if failed == root or failed.startswith(root.rstrip(os.sep) + os.sep):
+                label = f"--{dest} {given}" if dest in PATH_OPTIONS else given
+                under = "" if failed == root else f" ({os.fsdecode(e.filename)})"
+                return f"{label}: {e.strerror or e}{under}"
+    return str(e) if isinstance(e, FileNotFoundError) else None
+
+
+def _checkpoint_error(e: ValueError) -> bool:
+    """Whether ``e`` says a model checkpoint cannot be used (the model package's errors; not imported when no
+    command read a checkpoint, as then none was raised)."""
+    loader, config = sys.modules.get("pivotrl.model.loader"), sys.modules.get("pivotrl.model.config")
+    return (loader is not None and isinstance(e, loader.CheckpointError)) or (
+        config is not None and isinstance(e, config.UnsupportedModelError)
+    )
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout went away (``pivotrl ... | head``): what is still buffered goes nowhere, as a Unix
+    tool's output does, instead of failing again when Python flushes it at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _resume_hint(args: argparse.Namespace | None) -> str:
+    """How to continue a train run stopped by Ctrl-C, where it has a checkpoint (the job module is loaded once
+    the run is started: before, it wrote none)."""
+    job = sys.modules.get("pivotrl.runtime.job")
+    out = None if args is None or args.command != "train" else args.resume or args.out
+    if job is None or not out:
+        return ""
+    from pivotrl import checkpoint as ckpt  # (loaded with the job module)
+
+    return f"; {job.resume_hint(out)}" if ckpt.has_checkpoint(out) else ""
+
+
+BROKEN_PIPE = 128 + 13  # the status of a Unix tool killed by SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    args = build_parser().parse_args(argv)
+    args = None
     try:
-        return args.func(args)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # (--help, a usage error: what it printed is flushed here, a closed pipe seen)
+            sys.stdout.flush()
+            raise
+        status = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is seen here
+        return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return BROKEN_PIPE
     except (ConfigError, UserError) as e:
         print(f"pivotrl: error: {e}", file=sys.stderr)
         return USAGE_ERROR
-    except FileNotFoundError as e:
+    except ValueError as e:
+        if not _checkpoint_error(e):
+            raise
         print(f"pivotrl: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except OSError as e:
+        line = path_error(e, args)
+        if line is None:
+            raise  # not about a path the user gave: a bug's, reported in full
+        print(f"pivotrl: error: {line}", file=sys.stderr)
         return USAGE_ERROR
     except RunInterrupted as e:
         print(f"pivotrl: stopped: {e}", file=sys.stderr)
         return INTERRUPTED
     except KeyboardInterrupt:
-        logger.warning("interrupted")
+        print(f"pivotrl: interrupted{_resume_hint(args)}", file=sys.stderr)
         return 130
 
 

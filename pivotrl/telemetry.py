@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from pivotrl.errors import UserError
+
 ROLE_COLORS = {
     "rollout": "#4c78a8",
     "genrm": "#f58518",
@@ -91,21 +93,58 @@ class Recorder:
         self.slices.append(Slice(device, role, name, start, end, args))
 
 
+# what a run writes into its directory (tracking's folders included): a directory holding any of them holds a run
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "summary.json",
+    "events.jsonl",
+    "trace.json",
+    "timeline.png",
+    "decisions.jsonl",
+    "policy",
+    "checkpoints",
+    "tensorboard",
+    "wandb",
+)
+ROW_FILES = ("metrics.jsonl", "samples.jsonl")  # the files a resumed run cuts back to its checkpoint's rows
+
+
+def run_files(run_dir: str | Path) -> list[str]:
+    """The names of :data:`RUN_FILES` already in ``run_dir``: a new run written there would overwrite them."""
+    d = Path(run_dir)
+    return [name for name in RUN_FILES if (d / name).exists()] if d.is_dir() else []
+
+
+def _kept_lines(path: Path, rows: int) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)[:rows] if rows and path.is_file() else []
+
+
+def missing_rows(run_dir: str | Path, keep: tuple[int, int]) -> str | None:
+    """Why ``run_dir``'s metrics and samples cannot be cut back to the ``keep = (metrics rows, samples rows)``
+    its checkpoint saw (a file holds fewer), or None when both can."""
+    for name, rows in zip(ROW_FILES, keep, strict=True):
+        have = len(_kept_lines(Path(run_dir) / name, rows))
+        if have < rows:
+            return f"{Path(run_dir) / name} has {have} rows, its checkpoint saw {rows}"
+    return None
+
+
 class RunWriter:
     """Owns a run directory and writes every file in it."""
 
     def __init__(self, out: str | Path, keep: tuple[int, int] | None = None) -> None:
         """A new run starts its metrics and samples empty; a resumed one (``keep``) keeps their first
-        ``keep = (metrics rows, samples rows)`` lines, those its checkpoint had seen, and drops the rest."""
+        ``keep = (metrics rows, samples rows)`` lines, those its checkpoint had seen, and drops the rest.
+        Both files are checked before either is cut: a refused resume leaves them as they were."""
         self.dir = Path(out)
+        self.metrics_path, self.samples_path = (self.dir / name for name in ROW_FILES)
+        if keep is not None and (short := missing_rows(self.dir, keep)):
+            raise ValueError(short)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.dir / "metrics.jsonl"
-        self.samples_path = self.dir / "samples.jsonl"
         for path, rows in zip((self.metrics_path, self.samples_path), keep or (0, 0), strict=True):
-            lines = path.read_bytes().splitlines(keepends=True)[:rows] if rows and path.is_file() else []
-            if len(lines) < rows:
-                raise ValueError(f"{path}: {len(lines)} rows, its checkpoint saw {rows}")
-            path.write_bytes(b"".join(lines))
+            path.write_bytes(b"".join(_kept_lines(path, rows)))
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
@@ -147,10 +186,21 @@ class RunWriter:
 
 
 def read_events(run_dir: str | Path) -> list[Slice]:
+    """The slices of a run's ``events.jsonl``; a line that is not one is a :class:`UserError` naming the file
+    and the line (a file cut short or edited by hand)."""
     path = Path(run_dir) / "events.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no events.jsonl (is it a pivotrl run directory?)")
-    return [Slice(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    slices = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            slices.append(Slice(**json.loads(line)))
+        except (ValueError, TypeError) as e:  # not JSON, or not a slice's fields
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else "not an event's fields"
+            raise UserError(f"{path}: line {number} is not an event ({reason}); the file is damaged") from None
+    return slices
 
 
 def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
@@ -178,10 +228,10 @@ def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
 
 
 def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") -> None:
-    """Devices x time, coloured by role. Up to ``BAR_ROWS`` devices, one bar per slice (one
-    collection of bars per role); past that, a row of pixels per device, painted slice by slice
-    (shifts and migrations last, so that they show), which a thousand devices and 10^5 slices
-    draw in about a second."""
+    """Devices x time, coloured by role, in the format ``path``'s suffix names (:data:`PICTURE_FORMATS`). Up to
+    ``BAR_ROWS`` devices, one bar per slice (one collection of bars per role); past that, a row of pixels per
+    device, painted slice by slice (shifts and migrations last, so that they show), which a thousand devices and
+    10^5 slices draw in about a second."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,10 +264,12 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     else:  # fixed margins: tight_layout would draw the big figure once more to measure it
         width, height = fig.get_size_inches()
         fig.subplots_adjust(left=1.0 / width, right=1 - 0.2 / width, bottom=0.6 / height, top=1 - 0.6 / height)
-    fig.savefig(path, dpi=110, pil_kwargs={"compress_level": 1})  # a fast deflate: the file is a few 100 kB more
+    png = Path(path).suffix.lower() == ".png"  # a fast deflate there: the file is a few 100 kB more
+    fig.savefig(path, dpi=110, **({"pil_kwargs": {"compress_level": 1}} if png else {}))
     plt.close(fig)
 
 
+PICTURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")  # a timeline's, by suffix
 BAR_ROWS = 64  # more devices than this are drawn as pixel rows (a bar would be under 3 pixels high)
 RASTER_COLUMNS = 2000  # time bins of the pixel rows: more than the figure has pixels across
 

@@ -131,3 +131,40 @@ def test_timeline_of_a_directory_without_events_is_a_user_error(tmp_path, capsys
 def test_read_events_missing(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_events(tmp_path)
+
+
+def test_a_resume_with_rows_missing_cuts_neither_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n" * 3)
+    (tmp_path / "samples.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="samples.jsonl has 1 rows, its checkpoint saw 5"):
+        RunWriter(tmp_path, keep=(2, 5))
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n" * 3
+    RunWriter(tmp_path, keep=(2, 1))
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n" * 2
+
+
+def test_a_damaged_events_file_is_a_user_error_naming_the_line(tmp_path, capsys):
+    RunWriter(tmp_path).write_events(slices())
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write('{"device": 0, "role": "roll\n')
+    assert main(["timeline", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'events.jsonl'}: line 4 is not an event (" in err and "Traceback" not in err
+    (tmp_path / "events.jsonl").write_text('{"device": 0}\n')
+    assert main(["timeline", str(tmp_path)]) == 2
+    assert "line 1 is not an event (not an event's fields)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["timeline.txt", "timeline"])
+def test_a_timeline_picture_in_a_format_not_drawn_is_refused(name, tmp_path, capsys):
+    RunWriter(tmp_path).write_events(slices())
+    assert main(["timeline", str(tmp_path), "--out", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / name}: " in err and "one of .png, .pdf, .svg" in err and "Traceback" not in err
+    assert not (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize("suffix, magic", [(".pdf", b"%PDF"), (".svg", b"<?xml")])
+def test_the_timeline_is_drawn_in_the_format_its_suffix_names(suffix, magic, tmp_path):
+    draw_timeline(slices(), tmp_path / f"t{suffix}")
+    assert (tmp_path / f"t{suffix}").read_bytes().startswith(magic)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pivotrl.config import JudgeConfig
+from pivotrl.errors import UserError
 from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig, Tokenizer, char_tokenizer, save_model
 from pivotrl.recipes.sft import sft
@@ -97,6 +98,11 @@ def _build(spec: dict[str, Any], tok: Tokenizer, seed: int) -> Decoder:
 
 
 def ensure_data(data_dir: Path, seed: int = 0) -> tuple[Path, Path]:
+    """The bundled task's train and held-out files under ``data_dir``, written there unless both are."""
+    for path in (data_dir, *data_dir.parents):
+        if path.exists() and not path.is_dir():
+            where = "" if path == data_dir else f" ({path} is a file)"
+            raise UserError(f"data directory {data_dir}: not a directory{where}; name a directory for the task data")
     train, heldout = data_dir / "train.jsonl", data_dir / "heldout.jsonl"
     if not (train.is_file() and heldout.is_file()):
         t, h = make_splits(seed)

@@ -51,7 +51,7 @@ from pivotrl.runtime.zero import check_dtypes
 from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
-from pivotrl.telemetry import RunWriter
+from pivotrl.telemetry import RunWriter, missing_rows
 from pivotrl.train import memory
 
 
@@ -157,8 +157,30 @@ def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     summary = Path(out) / "summary.json"
     if summary.is_file() and start.step < cfg.steps and _finished(summary, cfg.steps):
         raise ckpt.CheckpointError(f"{out}: the run finished all {cfg.steps} steps; nothing to resume")
+    short = missing_rows(out, (start.state["metrics_rows"], start.state["samples_rows"]))
+    if short:  # (checked before anything is cut: a refused resume leaves the files as they were)
+        raise ckpt.CheckpointError(
+            f"{out}: cannot resume from {start.path.name}: {short} (the file was changed since); restore it, "
+            "or start a new run with --out"
+        )
     logger.info("resuming %s from step %d (%s)", out, start.step, start.path.name)
     return start
+
+
+def check_train_size(cfg: JobConfig, problems: int) -> None:
+    """A step draws ``rollout.prompts_per_step`` distinct problems: the train file must hold that many."""
+    if cfg.rollout.prompts_per_step > problems:
+        raise UserError(
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: task.train_file {cfg.task.train_file} holds "
+            f"only {problems} problems; lower rollout.prompts_per_step to at most {problems} or use a larger file"
+        )
+
+
+def resume_hint(out: str | Path) -> str:
+    """How to continue the run in ``out`` once it stopped, and from where."""
+    newest = sorted((Path(out) / ckpt.DIR).glob(f"{ckpt.PREFIX}*"))
+    since = f"newest checkpoint: {newest[-1].name}" if newest else "no checkpoint yet: it starts over"
+    return f"resume with: pivotrl train --resume {out} ({since})"
 
 
 def _finished(summary: Path, steps: int) -> bool:
@@ -324,10 +346,7 @@ def _run_once(
     policy_chat, judge_chat = chat_templates(cfg)
     train_set, heldout = read_task(cfg.task)
     heldout = heldout[: cfg.eval.size]
-    if cfg.rollout.prompts_per_step > len(train_set):
-        raise ValueError(
-            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) exceeds the {len(train_set)} train problems"
-        )
+    check_train_size(cfg, len(train_set))
     origin = time.time()
     if in_process is None:
         in_process = cfg.devices == 1 and ray_address is None
@@ -378,17 +397,18 @@ def _run_once(
         except ValueError as e:
             auto = "" if cfg.train.min_devices else " (train.min_devices=auto found it)"
             raise UserError(f"{e}{auto}") from None
+        publish_initial(store, cfg, start)  # (the models are read here: a checkpoint that does not load stops it)
     except BaseException:
         driver.close()
         raise
-    # only once the devices are up: a failed start leaves no half-written run (a resumed one keeps its rows)
-    kept = None if start is None else (start.state["metrics_rows"], start.state["samples_rows"])
-    writer = RunWriter(out, keep=kept)
-    writer.write_json("config.json", cfg.to_dict())
     tracker = tracking.Tracker()
     try:
+        # only once the devices are up and the weights are in the GPS: a failed start leaves no half-written run
+        # (a resumed one keeps its rows)
+        kept = None if start is None else (start.state["metrics_rows"], start.state["samples_rows"])
+        writer = RunWriter(out, keep=kept)
+        writer.write_json("config.json", cfg.to_dict())
         tracker = tracking.start(cfg, out, None if start is None else start.step)
-        publish_initial(store, cfg, start)
         if start is not None:
             driver.groups.state_world = start.state["train_state_world"]  # a sharded trainer reads these shards
         origin = time.time()  # the run clock starts once every device is up and the weights are in the GPS
@@ -415,9 +435,7 @@ def _run_once(
             try:
                 commands = ctl.handle_all(driver.next_events())
             except DeviceLostError as e:
-                newest = sorted((Path(out) / ckpt.DIR).glob(f"{ckpt.PREFIX}*"))
-                since = f"newest checkpoint: {newest[-1].name}" if newest else "no checkpoint yet: it starts over"
-                raise RunInterrupted(f"{e}; resume with: pivotrl train --resume {out} ({since})") from e
+                raise RunInterrupted(f"{e}; {resume_hint(out)}") from e
             samples_rows += writer.samples(sample_rows(ctl.finished_steps))
             ctl.finished_steps.clear()
             while written < len(ctl.metrics):

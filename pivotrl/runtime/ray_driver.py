@@ -184,6 +184,11 @@ def mark_session(session_dir: str) -> None:
     (Path(session_dir) / MARKER).write_text(str(os.getpid()))
 
 
+def unmark_session(session_dir: str) -> None:
+    """The Ray instance this driver started was shut down: nothing of it is left for a later start to end."""
+    (Path(session_dir) / MARKER).unlink(missing_ok=True)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -315,6 +320,7 @@ class RayDriver:
         if address is not None:
             check_reachable(address)
         self.started_ray = not ray.is_initialized()
+        self.session_dir: str | None = None  # that of the instance this driver started and marked as its own
         self.store: RayStore | None = None
         self.actors: list[Any] = []
         self.pg: Any = None
@@ -327,7 +333,8 @@ class RayDriver:
                 gpus = dev.local_gpus() if cfg.device != dev.CPU else 0
                 ray.init(address="local", num_cpus=max(2, cfg.devices), num_gpus=gpus, _node_ip_address=dev.LOOPBACK,
                          **kwargs)  # fmt: skip
-                mark_session(ray._private.worker._global_node.get_session_dir_path())
+                self.session_dir = ray._private.worker._global_node.get_session_dir_path()
+                mark_session(self.session_dir)
             else:
                 _join_cluster(address, kwargs)
         try:
@@ -685,3 +692,5 @@ class RayDriver:
             remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()
+            if self.session_dir is not None:  # (only once it is down: a driver killed before leaves the marker)
+                unmark_session(self.session_dir)

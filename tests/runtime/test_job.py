@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from pivotrl import checkpoint as ckpt
 from pivotrl.config import load_config
 from pivotrl.control.controller import sequence_seed
 from pivotrl.errors import UserError
-from pivotrl.model import Tokenizer
+from pivotrl.model import CheckpointError, Tokenizer
 from pivotrl.model.chat import load_chat_template
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import job
@@ -299,3 +300,37 @@ def test_context_spec_sizes_prompts_in_their_chat_templates(chat_checkpoints):
     assert chat.policy_chat and chat.judge_chat == judge_chat
     assert chat.max_len - plain.max_len == len(policy_chat("").encode())  # ChatML puts the prompt in as it is
     assert chat.judge_max_len > plain.judge_max_len
+
+
+def test_a_job_whose_policy_does_not_load_writes_nothing(tiny_checkpoints, tmp_path):
+    """The models are read before the run directory is touched: a failed start leaves no half-written run."""
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_checkpoints["policy"], policy)
+    (policy / "model.safetensors").rename(policy / "pytorch_model.bin")
+    cfg = small_job({**tiny_checkpoints, "policy": policy}, "steps=1")
+    with pytest.raises(CheckpointError, match="only pickled weights"):
+        run_job(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_whose_rows_were_cut_is_refused_before_anything_is_written(tiny_checkpoints, tmp_path):
+    """metrics.jsonl shorter than its checkpoint saw: refused in one line, before the devices start, and neither
+    file is cut."""
+    import hashlib
+
+    cfg = small_job(tiny_checkpoints)
+    run = tmp_path / "run"
+    step = run / ckpt.DIR / "step_000002"
+    step.mkdir(parents=True)
+    state = {"step": 2, "config": cfg.to_dict(), "metrics_rows": 2, "samples_rows": 24, "entries": []}
+    (step / "state.json").write_text(json.dumps(state))
+    (step / "manifest.json").write_text(json.dumps({"state.json": hashlib.sha256((step / "state.json").read_bytes())
+                                                    .hexdigest()}))  # fmt: skip
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "samples.jsonl").write_text('{"step": 1}\n' * 30)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot resume from step_000002: .*metrics.jsonl has 1 rows, "
+                       "its checkpoint saw 2"):  # fmt: skip
+        run_job(cfg, run, progress=False, resume=True)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before

@@ -41,3 +41,29 @@ def test_only_sessions_of_dead_pivotrl_drivers_are_removed(tmp_path):
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+def test_a_driver_that_shut_its_ray_down_leaves_nothing_to_clean(tmp_path, monkeypatch, caplog):
+    """A clean run's session is not taken for one a dead driver left: the next start says nothing."""
+    import logging
+
+    import ray
+
+    from pivotrl.runtime.ray_driver import RayDriver, mark_session
+
+    session = tmp_path / "session_done"
+    session.mkdir()
+    mark_session(str(session))
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    (session / MARKER).write_text(str(exited.pid))  # as the next start finds it: the driver has exited since
+    driver = object.__new__(RayDriver)  # as it stands once its devices are gone: only its own Ray is left
+    driver.actors, driver.store, driver.pg, driver.started_ray, driver.session_dir = [], None, None, True, str(session)
+    shut = []
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [])
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+    driver.close()
+    assert shut and not (session / MARKER).exists()
+    with caplog.at_level(logging.WARNING):
+        assert clean_stale_sessions(tmp_path) == 0
+    assert "removed a Ray instance" not in caplog.text and session.exists()
