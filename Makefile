@@ -25,6 +25,8 @@ prepare: install
 	$(VENV)/bin/pivotrl prepare
 
 run: prepare
+	# the run before is kept as runs/previous (train refuses an --out that holds a run)
+	if [ -e runs/latest ]; then rm -rf runs/previous && mv runs/latest runs/previous; fi
 	$(VENV)/bin/pivotrl train examples/default.yaml --out runs/latest
 
 test: install
