@@ -7,3 +7,8 @@ class UserError(Exception):
 
 class RunInterrupted(Exception):
     """The run cannot go on (a device lost with state nothing else holds); the message says how to resume it."""
+
+
+class TrainingDiverged(RunInterrupted):
+    """The updates stopped being finite (``pivotrl.runtime.job.diverged``): resuming would diverge again, so the
+    job does not resume itself; the message says what to change."""

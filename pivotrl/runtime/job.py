@@ -9,6 +9,7 @@ every role's weights from the Global Parameter Storage.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.engine.kv_budget import GB
 from pivotrl.engine.vllm_engine import INSTALL as VLLM_INSTALL
 from pivotrl.engine.vllm_engine import available as vllm_available
-from pivotrl.errors import RunInterrupted, UserError
+from pivotrl.errors import RunInterrupted, TrainingDiverged, UserError
 from pivotrl.gps import Kind, LocalStore, ParameterStore
 from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
@@ -183,6 +184,28 @@ def resume_hint(out: str | Path) -> str:
     return f"resume with: pivotrl train --resume {out} ({since})"
 
 
+DIVERGED_STEPS = 3  # consecutive updates skipped for a gradient norm that is not finite: the run stops
+
+
+def diverged(rows: list[dict[str, Any]], lr: float) -> str | None:
+    """Why the run must stop, where its last ``DIVERGED_STEPS`` steps each skipped their update because the
+    gradient norm was not finite (None otherwise). One such step is skipped and the run goes on (a rare
+    overflow); several in a row mean the weights themselves are no longer finite, and every later step would
+    skip too, and end in a policy of NaN weights."""
+    last = rows[-DIVERGED_STEPS:]
+    if len(last) < DIVERGED_STEPS or not all(_nonfinite(m.get("train_grad_norm")) for m in last):
+        return None
+    return (
+        f"training diverged: the gradient norm was not finite at steps {last[0]['step']}-{last[-1]['step']}, so "
+        f"their updates were skipped and the weights are likely no longer finite; start again with a lower "
+        f"train.lr (now {lr:g}) or a train.grad_clip"
+    )
+
+
+def _nonfinite(x: Any) -> bool:
+    return isinstance(x, float) and not math.isfinite(x)
+
+
 def _finished(summary: Path, steps: int) -> bool:
     import json
 
@@ -258,6 +281,8 @@ def run_job(
     while True:
         try:
             summary = _run_once(cfg, out, progress, ray_address, policy, in_process, resume)
+        except TrainingDiverged:
+            raise  # (the same steps again would diverge the same way)
         except RunInterrupted as e:
             if not cfg.restart_lost or len(auto) >= AUTO_RESUMES:
                 raise
@@ -446,6 +471,8 @@ def _run_once(
                 acc = ctl.accuracy.get(max(ctl.accuracy), 0.0)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
+                if why := diverged(ctl.metrics[:written], cfg.train.lr):
+                    raise TrainingDiverged(why)
             stepped = copied is not None and ctl.version >= copied[0]
             if ctl.checkpoint_due is not None or stepped:  # before the next commands: this step boundary's state
                 copies = shard_copies(store, *copied) if stepped else []

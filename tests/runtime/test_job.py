@@ -334,3 +334,33 @@ def test_a_resume_whose_rows_were_cut_is_refused_before_anything_is_written(tiny
                        "its checkpoint saw 2"):  # fmt: skip
         run_job(cfg, run, progress=False, resume=True)
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_updates_that_stop_being_finite_stop_the_run_with_what_to_change(tiny_checkpoints, tmp_path):
+    """A learning rate that throws the weights out of range: the first update lands, the next gradients are not
+    finite and their updates are skipped; after DIVERGED_STEPS of them in a row the run stops (no resume of its
+    own: it would diverge again), its steps so far written, instead of training on to a policy of NaN."""
+    from pivotrl.errors import TrainingDiverged
+    from pivotrl.runtime.job import DIVERGED_STEPS
+
+    cfg = small_job(tiny_checkpoints, "train.lr=1e30", "steps=8", "eval.every=0")
+    with pytest.raises(TrainingDiverged, match=r"training diverged: .* steps 2-4, .* lower train.lr \(now 1e\+30\)"):
+        run_job(cfg, tmp_path, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 + DIVERGED_STEPS and not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("norms", "stops"),
+    [
+        ([0.5, float("nan"), float("inf"), float("nan")], True),
+        ([float("nan"), 0.5, float("nan"), float("nan")], False),  # one finite update between: it goes on
+        ([float("nan"), float("nan")], False),
+        ([0.0, 0.0, 0.0], False),  # (a step with no tokens skips its update with a norm of 0)
+    ],
+)
+def test_divergence_is_consecutive_updates_with_a_norm_that_is_not_finite(norms, stops):
+    from pivotrl.runtime.job import diverged
+
+    rows = [{"step": i + 1, "train_grad_norm": x} for i, x in enumerate(norms)]
+    assert (diverged(rows, 1e-4) is not None) == stops
