@@ -225,7 +225,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pivotrl.sim.measured import fit_run
+    from pivotrl.sim.measured import fit_run, replay_overrides, write_length_trace
 
     try:
         fit = fit_run(args.run_dir)
@@ -239,7 +239,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     t = fit.costs.train
     print(f"train: {t.per_token_s * 1e6:.1f} us/token + {t.per_call_s * 1e3:.1f} ms/call, "
           f"optimizer step {t.optimizer_step_s * 1e3:.1f} ms")  # fmt: skip
-    print(f"measured costs written to {args.out} (use: pivotrl simulate CONFIG sim.costs={args.out} ...)")
+    replay = " ".join(replay_overrides(args.run_dir, fit))
+    trace = Path(args.out).with_suffix(".lengths.jsonl")
+    if write_length_trace(args.run_dir, trace):  # (each sample's own length, as the run generated it)
+        replay += f" sim.lengths_file={trace} sim.lengths_replay=true"
+    config = Path(args.run_dir) / "config.json"
+    print(f"measured costs written to {args.out}; the run's job on them: pivotrl simulate {config} "
+          f"sim.costs={args.out} {replay} --out DIR")  # fmt: skip
     return 0
 
 

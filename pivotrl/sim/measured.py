@@ -613,6 +613,64 @@ def _fit_train(
     return TrainMeasure(per_token, optimizer, per_call), spreads, report
 
 
+def replay_overrides(run_dir: str | Path, fit: RunFit) -> list[str]:
+    """The ``sim.*`` overrides that make ``pivotrl simulate`` with ``fit``'s costs run the job of ``run_dir``
+    (given its ``config.json``): as many instances as it had devices, its prompts as long as its engines
+    prefilled them, the judge's prompt beside the prompt and the response,
+    its judgments' length (``metrics.jsonl``) and its slice cadence. Those the run's files do not tell are
+    left out (the job's config gives them)."""
+    out = []
+    try:  # (one instance of one GPU a device, as the costs were measured)
+        devices = json.loads((Path(run_dir) / "config.json").read_text())["devices"]
+        out.append(f"sim.gpus={int(devices)}")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    prompt, judge_prompt = (fit.report.get(role, {}).get("prompt_tokens") for role in ("rollout", "genrm"))
+    if prompt:
+        out.append(f"sim.prompt_len={max(1, round(prompt))}")
+    rows = []
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and all(isinstance(row.get(k), int | float) for k in _REPLAYED):
+                rows.append(row)
+    samples = sum(r["response_tokens"] / r["response_length"] for r in rows if r["response_length"] > 0)
+    if samples:
+        response = sum(r["response_tokens"] for r in rows) / samples
+        if prompt and judge_prompt:
+            out.append(f"sim.judge_template_len={max(0, round(judge_prompt - prompt - response))}")
+        out.append(f"sim.judge_output_len={max(1, round(sum(r['judge_tokens'] for r in rows) / samples))}")
+    out.append(f"sim.slice_s={fit.slice_s:.4f}")
+    return out
+
+
+def write_length_trace(run_dir: str | Path, path: str | Path) -> int:
+    """Each response's length, by step and sample, from ``run_dir``'s ``samples.jsonl`` into a length trace at
+    ``path`` (``sim.lengths_file`` with ``sim.lengths_replay=true`` replays it, each sample its own); the rows
+    written (0: nothing to replay, no file written)."""
+    source = Path(run_dir) / "samples.jsonl"
+    if not source.is_file():
+        return 0
+    rows = []
+    for line in source.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("response_ids"), list) and "step" in row and "uid" in row:
+            rows.append(json.dumps({"step": row["step"], "uid": row["uid"], "length": len(row["response_ids"])}))
+    if rows:
+        Path(path).write_text("\n".join(rows) + "\n")
+    return len(rows)
+
+
+_REPLAYED = ("response_tokens", "response_length", "judge_tokens")
+
+
 def fit_run(run_dir: str | Path) -> RunFit:
     """Fit a ``MeasuredCosts`` to a run directory of the real runtime (its ``config.json`` and
     ``events.jsonl``), with the run's slice cadence.

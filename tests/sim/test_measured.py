@@ -13,6 +13,7 @@ from pivotrl.sim.costs import SPREAD_KINDS, CostModel
 from pivotrl.sim.measured import REQUIRED_SHIFTS, MeasuredCosts, fit_run, nonneg_least_squares
 from pivotrl.sim.models import ModelSpec
 from pivotrl.sim.run import run_simulation
+from pivotrl.sim.workload import replay_table
 
 POLICY = ModelSpec("policy", 1e6, 1e6, 2, 64, 4, 2, 16, 100, True)
 GENRM = ModelSpec("genrm", 2e6, 2e6, 2, 64, 4, 2, 16, 100, True)
@@ -344,6 +345,31 @@ def test_a_run_without_measured_slices_is_refused(tmp_path):
             e["args"] = {}
     with pytest.raises(ValueError, match="no rollout generation slices"):
         fit_run(tr.write(tmp_path / "run"))
+
+
+def test_the_profile_command_prints_the_runs_job_to_simulate_on_its_costs(tmp_path, capsys):
+    """What ``simulate`` needs beside the costs to run the profiled job: its devices as instances, its prompts
+    as its engines prefilled them, the judge prompt beside prompt and response, its judgments' length (from
+    metrics.jsonl: 2 steps of 16 samples, responses of 10 tokens and judgments of 40) and each sample's
+    response length, written as a trace that ``sim.lengths_replay`` reads."""
+    run = steady_run().write(tmp_path / "run", {**RUN_CONFIG, "devices": 3})
+    fit = fit_run(run)
+    step = {"response_tokens": 160, "response_length": 10.0, "judge_tokens": 640}
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **step}) + "\n" for i in (1, 2)))
+    (run / "samples.jsonl").write_text(
+        "".join(json.dumps({"step": 1, "uid": u, "response_ids": [5] * (u + 1)}) + "\n" for u in range(4))
+    )
+    assert main(["profile", str(run), "--out", str(tmp_path / "costs.json")]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    prompt, judge = (fit.report[r]["prompt_tokens"] for r in ("rollout", "genrm"))
+    trace = tmp_path / "costs.lengths.jsonl"
+    assert line.endswith(
+        f"pivotrl simulate {run / 'config.json'} sim.costs={tmp_path / 'costs.json'} sim.gpus=3 "
+        f"sim.prompt_len={round(prompt)} sim.judge_template_len={max(0, round(judge - prompt - 10))} "
+        f"sim.judge_output_len=40 sim.slice_s={fit.slice_s:.4f} sim.lengths_file={trace} sim.lengths_replay=true "
+        "--out DIR"
+    ), line
+    assert judge > prompt and replay_table(trace) == {(1, u): u + 1 for u in range(4)}
 
 
 def test_the_profile_command_writes_a_loadable_file(tmp_path, capsys):
