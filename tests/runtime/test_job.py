@@ -339,11 +339,13 @@ def test_a_resume_whose_rows_were_cut_is_refused_before_anything_is_written(tiny
 def test_updates_that_stop_being_finite_stop_the_run_with_what_to_change(tiny_checkpoints, tmp_path):
     """A learning rate that throws the weights out of range: the first update lands, the next gradients are not
     finite and their updates are skipped; after DIVERGED_STEPS of them in a row the run stops (no resume of its
-    own: it would diverge again), its steps so far written, instead of training on to a policy of NaN."""
+    own: it would diverge again), its steps so far written, instead of training on to a policy of NaN. (The
+    random judge may give every response the fallback reward, and zero advantages move no weight: the weight
+    decay moves them whatever the rewards.)"""
     from pivotrl.errors import TrainingDiverged
     from pivotrl.runtime.job import DIVERGED_STEPS
 
-    cfg = small_job(tiny_checkpoints, "train.lr=1e30", "steps=8", "eval.every=0")
+    cfg = small_job(tiny_checkpoints, "train.lr=1e30", "train.weight_decay=0.1", "steps=8", "eval.every=0")
     with pytest.raises(TrainingDiverged, match=r"training diverged: .* steps 2-4, .* lower train.lr \(now 1e\+30\)"):
         run_job(cfg, tmp_path, progress=False)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
