@@ -79,9 +79,10 @@ def test_a_split_that_never_completes_is_infeasible_not_infinitely_slow(capsys):
     assert "Infinity" not in capsys.readouterr().out
 
 
-def test_the_marked_trainer_is_named_for_what_it_is():
-    assert "(* what train.backend=auto takes for this job on such GPUs)" in format_report(report_of())
-    text = format_report(report_of("train.backend=fsdp"))
+def test_the_marked_trainer_is_named_for_what_it_is(tiny_checkpoints):
+    policy = f"policy.path={tiny_checkpoints['policy']}"  # (a config.json to read: models/ is built by prepare)
+    assert "(* what train.backend=auto takes for this job on such GPUs)" in format_report(report_of(policy))
+    text = format_report(report_of(policy, "train.backend=fsdp"))
     assert "(* train.backend=fsdp, as configured)" in text and "auto" not in text.splitlines()[-1]
 
 
