@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -217,8 +218,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     run_dir = Path(args.profile) if args.profile else None
     if run_dir is not None and not (run_dir / "metrics.jsonl").is_file():
         raise UserError(f"--profile: {str(run_dir)!r} is not a run directory (no metrics.jsonl)")
-    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
-        raise UserError(f"--device-memory-gb: got {args.device_memory_gb:g}, must be > 0 (a train device's memory)")
+    if args.device_memory_gb is not None and not 0 < args.device_memory_gb < math.inf:
+        raise UserError(
+            f"--device-memory-gb: got {args.device_memory_gb:g}, must be a finite number > 0 (a train device's memory)"
+        )
     report = plan_report(cfg, run_dir, device_gb=args.device_memory_gb)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

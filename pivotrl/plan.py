@@ -131,7 +131,19 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
     disaggregated, the split given or the default one, which no device leaves, and the best such splits;
     colocated, every device in every phase. A layout the mode refuses is refused here as ``train`` does."""
     r = cfg.rollout
+    memory_report = train_memory(cfg, device_gb)
     min_train = max(1, cfg.train.min_devices)
+    if not cfg.train.min_devices and "fewest_devices" in memory_report:  # auto, as a run on such GPUs takes it
+        fewest = memory_report["fewest_devices"][memory_report["backend"]]
+        if fewest is None:
+            backend = memory_report["backend"]
+            other = "" if backend == "fsdp" else "train.backend=fsdp, "
+            raise UserError(
+                f"train.min_devices=auto: train.backend={backend} does not fit on all {cfg.devices} devices of "
+                f"{device_gb:g} GB (`pivotrl plan` without --device-memory-gb prints what each holds): use more "
+                f"devices, {other}train.activation_checkpointing=true or a smaller train.micro_batch_tokens"
+            )
+        min_train = fewest
     try:
         layout = make_policy(cfg.mode, cfg.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                              cfg.judge.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip
@@ -189,7 +201,8 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
         rows.sort(key=lambda e: e.total)
         report["recommended"] = {role.value: best[role] for role in ROLES}
         report["estimates"] = [_row(e) for e in rows[:top]]
-    report["train_memory"] = train_memory(cfg, device_gb)
+    report["train_memory"] = memory_report
+    report["min_train_devices"] = min_train
     return report
 
 

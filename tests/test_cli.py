@@ -163,7 +163,7 @@ def test_plan_says_how_many_train_devices_the_policy_needs(tmp_path, capsys):
     assert main(["plan", CONFIG, "policy.path=/nonexistent"]) == 0  # the rest of the plan still prints
     assert "train memory: not estimated, policy.path: cannot read '/nonexistent/config.json'" in capsys.readouterr().out
     assert main(["plan", *args, "--device-memory-gb", "0"]) == 2
-    assert "--device-memory-gb: got 0, must be > 0" in capsys.readouterr().err
+    assert "--device-memory-gb: got 0, must be a finite number > 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["train", "simulate"])

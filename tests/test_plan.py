@@ -132,3 +132,28 @@ def test_a_profile_without_events_is_named(tmp_path):
     (run / "events.jsonl").unlink()
     with pytest.raises(UserError, match="events.jsonl not found"):
         report_of(run_dir=run)
+
+
+def test_with_device_memory_the_train_devices_at_the_step_are_those_a_run_takes(tmp_path, capsys):
+    """train.min_devices=auto on 80 GB devices: a 7B policy's FSDP2 state needs 3 at the step (as `train` resolves
+    it), so a split with one train device is refused as `train` refuses it, the default split keeps 3, and a job
+    whose devices cannot hold it at all is refused with what would help."""
+    from pivotrl.model.config import ModelConfig
+    from pivotrl.sim.models import MODELS
+
+    shape: ModelConfig = MODELS["Qwen2.5-7B"].train_config()
+    (tmp_path / "config.json").write_text(json.dumps(shape.to_hf("bfloat16")))
+    policy = f"policy.path={tmp_path}"
+
+    def plan(*extra: str) -> dict:
+        return plan_report(load_config(CONFIG, [policy, *extra]), device_gb=80.0)
+
+    with pytest.raises(UserError, match=r"train:1 is fewer than the 3 devices the optimizer step needs"):
+        plan("mode=disaggregated", "split=rollout:2,genrm:1,train:1")
+    report = plan("mode=disaggregated", "devices=8")
+    assert report["min_train_devices"] == 3 and report["split"]["train"] >= 3
+    assert all(int(e["split"].split("t")[-1]) >= 3 for e in report["estimates"])
+    with pytest.raises(UserError, match=r"does not fit on all 2 devices of 80 GB"):
+        plan("devices=2")
+    assert main(["plan", CONFIG, policy, "--device-memory-gb", "inf"]) == 2
+    assert "must be a finite number > 0" in capsys.readouterr().err
