@@ -180,8 +180,9 @@ def check_train_size(cfg: JobConfig, problems: int) -> None:
 def resume_hint(out: str | Path) -> str:
     """How to continue the run in ``out`` once it stopped, and from where."""
     newest = sorted((Path(out) / ckpt.DIR).glob(f"{ckpt.PREFIX}*"))
-    since = f"newest checkpoint: {newest[-1].name}" if newest else "no checkpoint yet: it starts over"
-    return f"resume with: pivotrl train --resume {out} ({since})"
+    if not newest:  # (--resume needs a checkpoint, and --out refuses a directory that holds a run)
+        return f"no checkpoint yet: start it again with another --out (or remove {out} first)"
+    return f"resume with: pivotrl train --resume {out} (newest checkpoint: {newest[-1].name})"
 
 
 DIVERGED_STEPS = 3  # consecutive updates skipped for a gradient norm that is not finite: the run stops

@@ -366,3 +366,14 @@ def test_divergence_is_consecutive_updates_with_a_norm_that_is_not_finite(norms,
 
     rows = [{"step": i + 1, "train_grad_norm": x} for i, x in enumerate(norms)]
     assert (diverged(rows, 1e-4) is not None) == stops
+
+
+def test_the_resume_hint_offers_resume_only_where_a_checkpoint_is(tmp_path):
+    """``--resume`` needs a checkpoint, and ``--out`` refuses a directory that holds a run: a run stopped before
+    its first checkpoint is started again elsewhere, not resumed."""
+    from pivotrl import checkpoint as ckpt
+    from pivotrl.runtime.job import resume_hint
+
+    assert resume_hint(tmp_path) == f"no checkpoint yet: start it again with another --out (or remove {tmp_path} first)"
+    (tmp_path / ckpt.DIR / f"{ckpt.PREFIX}000002").mkdir(parents=True)
+    assert resume_hint(tmp_path) == f"resume with: pivotrl train --resume {tmp_path} (newest checkpoint: step_000002)"
