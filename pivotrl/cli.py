@@ -8,9 +8,12 @@ tracebacks are for bugs only.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
+import select
+import stat
 import sys
 from pathlib import Path
 
@@ -330,10 +333,17 @@ PATH_OPTIONS = ("out", "resume", "data", "models", "profile")  # the options tha
 PATH_ARGUMENTS = ("config", "run_dir", "run_a", "run_b")  # and the positional arguments
 
 
+# the OS errors a path the user gave can cause, theirs to fix (others on such a path are a bug's, in full)
+USER_PATH_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOENT", "EACCES", "EPERM", "EROFS", "ENOSPC", "EDQUOT", "ENOTDIR", "EISDIR",
+                                      "EEXIST", "ENAMETOOLONG", "ELOOP") if hasattr(errno, name)
+)  # fmt: skip
+
+
 def path_error(e: OSError, args: argparse.Namespace) -> str | None:
     """An OS error on a path the user gave (or one under it), as one line naming the option; None for others
     (a file not found is the user's whatever its path: their config or run directory named it)."""
-    if e.filename is not None:
+    if e.filename is not None and e.errno in USER_PATH_ERRNOS:
         failed = os.path.abspath(os.fsdecode(e.filename))
         for dest in PATH_OPTIONS + PATH_ARGUMENTS:
             given = getattr(args, dest, None)
@@ -354,6 +364,19 @@ def _checkpoint_error(e: ValueError) -> bool:
     return (loader is not None and isinstance(e, loader.CheckpointError)) or (
         config is not None and isinstance(e, config.UnsupportedModelError)
     )
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader went away (Linux reports the write end as in error then)."""
+    try:
+        fd = sys.stdout.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # (no real stdout, or no poll on this platform)
+        return True  # (then the pipe error is most likely stdout's, as before)
 
 
 def _quiet_stdout() -> None:
@@ -392,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, not at exit: a reader that went away is seen here
         return status
     except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe (an engine's, a tracker's): a failure, reported in full
         _quiet_stdout()
         return BROKEN_PIPE
     except (ConfigError, UserError) as e:

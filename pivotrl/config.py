@@ -370,21 +370,30 @@ class _DuplicateKey(yaml.YAMLError):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping (two ``train:`` sections, ``lr``
-    twice in one) is an error: PyYAML keeps the last, silently dropping what the user wrote first."""
+    twice in one) is an error: PyYAML keeps the last, silently dropping what the user wrote first. Each mapping
+    is checked once, as written, before its merge keys (``<<: *base``, whose keys those written beside it
+    override) are flattened into it: PyYAML flattens a mapping in place, and an anchored one merged elsewhere
+    first would then seem to hold its merged keys twice."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # (``<<: *base``: keys written beside it override it)
-                continue
-            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-            try:
-                if key in seen:
-                    raise _DuplicateKey(key, line, seen[key])
-                seen[key] = line
-            except TypeError:  # an unhashable key: the base class says so
-                continue
-        return super().construct_mapping(node, deep=deep)
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+        super().flatten_mapping(node)
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:

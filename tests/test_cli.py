@@ -276,6 +276,19 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert proc.wait(timeout=120) == 141 and err == ""
 
 
+def test_a_pipe_other_than_stdout_breaking_is_a_failure_reported_in_full(monkeypatch, capfd):
+    """Only stdout's reader going away is the quiet exit 141; a broken pipe elsewhere (an engine's, a tracker's)
+    while stdout is open is a failure, and a traceback says where."""
+    import pivotrl.cli as cli
+
+    def broken(args):
+        raise BrokenPipeError("the engine's pipe")
+
+    monkeypatch.setattr(cli, "cmd_plan", broken)
+    with pytest.raises(BrokenPipeError, match="the engine's pipe"):
+        main(["plan", CONFIG])
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -375,3 +388,19 @@ def test_help_says_what_pivotrl_is_and_version_names_the_package(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out == f"pivotrl {pivotrl.__version__}\n"
+
+
+def test_only_path_errors_the_user_can_fix_are_usage_errors(tmp_path):
+    """A full disk or a missing file under --out is the user's to fix (one line, exit 2); an I/O error there
+    is not theirs, and is reported in full."""
+    import argparse
+    import errno
+
+    from pivotrl.cli import path_error
+
+    args = argparse.Namespace(out=str(tmp_path))
+    under = str(tmp_path / "checkpoints" / "x")
+    assert path_error(OSError(errno.ENOSPC, "No space left on device", under), args) == (
+        f"--out {tmp_path}: No space left on device ({under})"
+    )
+    assert path_error(OSError(errno.EIO, "Input/output error", under), args) is None

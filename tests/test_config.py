@@ -194,6 +194,10 @@ def test_a_key_beside_a_merge_key_still_overrides_it(tmp_path):
     from pivotrl.config import _UniqueKeyLoader
 
     assert yaml.load(text, Loader=_UniqueKeyLoader)["train"] == {"lr": 2.0e-4, "eps": 1.0e-6}
+    # a mapping that merges another and is itself merged elsewhere first: PyYAML flattens it in place, which
+    # must not read as its keys given twice
+    nested = "d:\n  base: &base\n    lr: 1.0e-4\n  tuned: &tuned\n    <<: *base\n    lr: 3.0e-4\ntrain:\n  <<: *tuned\n"
+    assert yaml.load(nested, Loader=_UniqueKeyLoader) == yaml.safe_load(nested)
 
 
 @pytest.mark.parametrize(

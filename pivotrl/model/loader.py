@@ -99,7 +99,12 @@ def load_model(
         if dtype not in DTYPES:
             raise CheckpointError(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    tokenizer = Tokenizer.load(path, eos_from_config=cfg.eos_token_id)
+    try:
+        tokenizer = Tokenizer.load(path, eos_from_config=cfg.eos_token_id)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # (the tokenizers library raises its own errors for a file it cannot parse)
+        raise CheckpointError(f"{path / 'tokenizer.json'}: cannot be read as a tokenizer ({e})") from None
     model = Decoder.empty(cfg, device, dtype)
     state = load_state_dict(path)
     if cfg.tie_word_embeddings:
@@ -111,6 +116,13 @@ def load_model(
         raise CheckpointError(
             f"{path}: weights do not match {cfg.architecture}: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    shapes = model.state_dict()
+    wrong = [f"{k} {tuple(state[k].shape)} (config.json: {tuple(shapes[k].shape)})"
+             for k in sorted(expected) if tuple(state[k].shape) != tuple(shapes[k].shape)]  # fmt: skip
+    if wrong:
+        raise CheckpointError(
+            f"{path}: {len(wrong)} weight(s) do not have the shape config.json gives them: {', '.join(wrong[:3])}"
         )
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     return model.eval(), tokenizer

@@ -52,6 +52,25 @@ def test_an_invalid_shard_index_is_named(policy):
         load_model(policy)
 
 
+def test_weights_of_another_shape_than_the_config_gives_are_named(policy):
+    """A config.json edited (or copied from another size) beside the weights: torch's size-mismatch traceback
+    becomes one line naming the weights, their shape and the config's."""
+    import json
+
+    cfg = json.loads((policy / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (policy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"weight\(s\) do not have the shape config.json gives them: .*mlp"):
+        load_model(policy)
+
+
+def test_a_tokenizer_file_that_does_not_parse_is_named(policy):
+    tok = policy / "tokenizer.json"
+    tok.write_text(tok.read_text()[:100])
+    with pytest.raises(CheckpointError, match=f"^{tok}: cannot be read as a tokenizer"):
+        load_model(policy)
+
+
 def test_train_with_an_invalid_config_json_exits_2_with_one_line(policy, tiny_checkpoints, tmp_path, capsys):
     (policy / "config.json").write_text('{"architectures": [')
     args = [str(ROOT / "examples/default.yaml"), f"policy.path={policy}", f"judge.path={tiny_checkpoints['judge']}"]
