@@ -114,7 +114,7 @@ def _trainer_fits(cfg: JobConfig, shape: ModelConfig, backend: str, sim: SimConf
         need = memory.per_device(shape, backend, sim.gpus, tokens, c, ckpt) / 1e9
         logger.warning(
             "train.backend=%s: training %s (%.1fB parameters) needs %.0f GB a GPU even on all %d, more than %.0f%% "
-            "of an %s's %.0f GB (pivotrl.train.memory), so a run would not start; the simulation prices it anyway "
+            "of an %s's %.0f GB (pivotrl.train.memory), so a run would not fit it; the simulation prices it anyway "
             "(what shrinks it: train.backend=fsdp or auto, train.activation_checkpointing=true, a smaller "
             "train.micro_batch_tokens)",
             backend, sim.policy_model, shape.num_parameters() / 1e9, need, sim.gpus, 100 * memory.HEADROOM, sim.gpu,

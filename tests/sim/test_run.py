@@ -141,7 +141,7 @@ def test_the_optimizer_step_waits_for_as_many_instances_as_the_trainer_fits_on(c
         assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B") == 1
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert len(warned) == 1 and warned[0].startswith("train.backend=zero: training Qwen2.5-14B (14.8B parameters)")
-        assert "so a run would not start" in warned[0]
+        assert "so a run would not fit it" in warned[0]
         caplog.clear()
         assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B", "train.backend=fsdp") > 1
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
