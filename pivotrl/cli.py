@@ -16,6 +16,7 @@ import select
 import stat
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from pivotrl import __version__
 from pivotrl.config import ConfigError, JobConfig, load_config, parse_split
@@ -277,6 +278,11 @@ class _CommandParser(argparse.ArgumentParser):
             return self.parse_known_intermixed_args(args, namespace)
         finally:
             self._intermixed = False
+
+    def error(self, message: str) -> NoReturn:
+        # (the intermixed parse names every positional it found missing, ``overrides`` too, which may be empty)
+        message = message.replace("arguments are required: config, overrides", "argument is required: config")
+        super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -404,3 +404,12 @@ def test_only_path_errors_the_user_can_fix_are_usage_errors(tmp_path):
         f"--out {tmp_path}: No space left on device ({under})"
     )
     assert path_error(OSError(errno.EIO, "Input/output error", under), args) is None
+
+
+def test_a_missing_config_is_named_alone(capsys):
+    """Overrides are optional: a command without its config says only that the config is missing."""
+    with pytest.raises(SystemExit) as info:
+        main(["plan"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "the following argument is required: config" in err and "overrides" not in err.splitlines()[-1]
