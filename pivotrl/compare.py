@@ -17,6 +17,7 @@ from typing import Any
 
 from pivotrl.errors import UserError
 from pivotrl.sim.measured import simulated
+from pivotrl.telemetry import read_jsonl
 
 
 @dataclass(slots=True)
@@ -59,14 +60,7 @@ class Comparison:
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{path}: not found (is {path.parent} a run directory written by `pivotrl train`?)")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not JSON ({e})") from None
-    return rows
+    return [row for _, row in read_jsonl(path)]
 
 
 def _tokens(row: dict[str, Any]) -> Any:

@@ -31,27 +31,16 @@ from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.model.config import ModelConfig, UnsupportedModelError
 from pivotrl.runtime.devices import CUDA, shares_gpu
+from pivotrl.telemetry import read_jsonl
 from pivotrl.train import memory
 
 _METRICS = ("response_tokens", "response_length", "judge_tokens", "time_s/train")  # (nested keys by "/")
 
 
 def _rows(file: Path) -> list[tuple[int, dict[str, Any]]]:
-    """A run's JSONL file as (line number, row) pairs; a line that is not a JSON object is named."""
     if not file.is_file():
         raise UserError(f"--profile: {file} not found (a run directory of `pivotrl train` has one)")
-    rows = []
-    for n, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"--profile: {file} line {n}: not JSON ({e.msg}: column {e.colno})") from None
-        if not isinstance(row, dict):
-            raise UserError(f"--profile: {file} line {n}: expected a JSON object, got {type(row).__name__}")
-        rows.append((n, row))
-    return rows
+    return read_jsonl(file)
 
 
 def _number(file: Path, n: int, row: dict[str, Any], *keys: str) -> float:

@@ -185,6 +185,24 @@ class RunWriter:
         draw_timeline(slices, self.dir / "timeline.png", title)
 
 
+def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """A run file's rows (``metrics.jsonl``, ``samples.jsonl``, ``events.jsonl``) as (line number, object), blank
+    lines skipped; a line that is not a JSON object is a :class:`UserError` naming the file and the line (a file
+    cut short or edited by hand)."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} line {n}: not JSON ({e.msg}: column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+        rows.append((n, row))
+    return rows
+
+
 def read_events(run_dir: str | Path) -> list[Slice]:
     """The slices of a run's ``events.jsonl``; a line that is not one is a :class:`UserError` naming the file
     and the line (a file cut short or edited by hand)."""

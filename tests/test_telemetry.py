@@ -168,3 +168,18 @@ def test_a_timeline_picture_in_a_format_not_drawn_is_refused(name, tmp_path, cap
 def test_the_timeline_is_drawn_in_the_format_its_suffix_names(suffix, magic, tmp_path):
     draw_timeline(slices(), tmp_path / f"t{suffix}")
     assert (tmp_path / f"t{suffix}").read_bytes().startswith(magic)
+
+
+def test_a_run_files_rows_come_with_their_lines_and_a_damaged_line_is_named(tmp_path):
+    from pivotrl.errors import UserError
+    from pivotrl.telemetry import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n\n{"step": 2}\n')
+    assert read_jsonl(path) == [(1, {"step": 1}), (3, {"step": 2})]
+    path.write_text('{"step": 1}\n{"step": \n')
+    with pytest.raises(UserError, match=rf"^{path} line 2: not JSON \(Expecting value: column 10\)$"):
+        read_jsonl(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(UserError, match=rf"^{path} line 1: expected a JSON object, got list$"):
+        read_jsonl(path)

@@ -23,6 +23,7 @@ from pivotrl.control.messages import ROLES, Role
 from pivotrl.control.profiles import nonneg_fit
 from pivotrl.sim.costs import SPREAD_KINDS, _check, _check_count, _check_tp, check_spread_kind
 from pivotrl.sim.models import ModelSpec
+from pivotrl.telemetry import read_jsonl
 
 
 def shift_key(src: Role | None, dst: Role) -> str:
@@ -389,15 +390,9 @@ def _read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
     if not isinstance(config, dict):
         raise ValueError("config.json: expected an object")
     events = []
-    for lineno, line in enumerate((run / "events.jsonl").read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"events.jsonl:{lineno}: not JSON ({err.msg})") from None
-        keys = ("device", "role", "name", "start", "end")
-        if not isinstance(e, dict) or any(k not in e for k in keys) or not isinstance(e.get("args", {}), dict):
+    keys = ("device", "role", "name", "start", "end")
+    for lineno, e in read_jsonl(run / "events.jsonl"):
+        if any(k not in e for k in keys) or not isinstance(e.get("args", {}), dict):
             raise ValueError(f"events.jsonl:{lineno}: expected an object with {', '.join(keys)} and args")
         e.setdefault("args", {})
         events.append(e)
@@ -628,16 +623,9 @@ def replay_overrides(run_dir: str | Path, fit: RunFit) -> list[str]:
     prompt, judge_prompt = (fit.report.get(role, {}).get("prompt_tokens") for role in ("rollout", "genrm"))
     if prompt:
         out.append(f"sim.prompt_len={max(1, round(prompt))}")
-    rows = []
     path = Path(run_dir) / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and all(isinstance(row.get(k), int | float) for k in _REPLAYED):
-                rows.append(row)
+    read = read_jsonl(path) if path.is_file() else []
+    rows = [r for _, r in read if all(isinstance(r.get(k), int | float) for k in _REPLAYED)]
     samples = sum(r["response_tokens"] / r["response_length"] for r in rows if r["response_length"] > 0)
     if samples:
         response = sum(r["response_tokens"] for r in rows) / samples
@@ -655,14 +643,9 @@ def write_length_trace(run_dir: str | Path, path: str | Path) -> int:
     source = Path(run_dir) / "samples.jsonl"
     if not source.is_file():
         return 0
-    rows = []
-    for line in source.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("response_ids"), list) and "step" in row and "uid" in row:
-            rows.append(json.dumps({"step": row["step"], "uid": row["uid"], "length": len(row["response_ids"])}))
+    rows = [json.dumps({"step": row["step"], "uid": row["uid"], "length": len(row["response_ids"])})
+            for _, row in read_jsonl(source)
+            if isinstance(row.get("response_ids"), list) and "step" in row and "uid" in row]  # fmt: skip
     if rows:
         Path(path).write_text("\n".join(rows) + "\n")
     return len(rows)
@@ -683,7 +666,8 @@ def fit_run(run_dir: str | Path) -> RunFit:
     ``_fit_train``. Shifts: ``_shift_seconds``. The spread of shifts, backward calls and optimizer
     steps about those means (``MeasuredCosts.spreads``): the simulator draws each one's seconds
     with it, so that a step waiting on the slowest of several pays what the run paid. Raises
-    ``ValueError`` naming the run directory and what is missing or wrong.
+    ``ValueError`` naming the run directory and what is missing or wrong (a line of a run file that is not
+    JSON: ``telemetry.read_jsonl``'s ``UserError``, naming the file).
     """
     try:
         return _fit_run(run_dir)
