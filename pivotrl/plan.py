@@ -111,6 +111,8 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
             t: memory.fewest_devices(config, t, device_bytes, cfg.devices, tokens, c, checkpointed)
             for t in memory.TRAINERS
         }
+        if out["fewest_devices"][backend] is None:  # (train.min_devices=auto then stops a run: why)
+            out["too_big"] = cfg.train.too_big(config, backend, cfg.devices, device_bytes, CUDA)
     return out
 
 
@@ -125,13 +127,7 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
     if not cfg.train.min_devices and "fewest_devices" in memory_report:  # auto, as a run on such GPUs takes it
         fewest = memory_report["fewest_devices"][memory_report["backend"]]
         if fewest is None:
-            backend = memory_report["backend"]
-            other = "" if backend == "fsdp" else "train.backend=fsdp, "
-            raise UserError(
-                f"train.min_devices=auto: train.backend={backend} does not fit on all {cfg.devices} devices of "
-                f"{device_gb:g} GB (`pivotrl plan` without --device-memory-gb prints what each holds): use more "
-                f"devices, {other}train.activation_checkpointing=true or a smaller train.micro_batch_tokens"
-            )
+            raise UserError(f"train.min_devices=auto: {memory_report['too_big']}")
         min_train = fewest
     try:
         layout = make_policy(cfg.mode, cfg.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,

@@ -53,7 +53,6 @@ from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
 from pivotrl.telemetry import RunWriter, missing_rows
-from pivotrl.train import memory
 
 
 def chat_templates(cfg: JobConfig) -> tuple[ChatTemplate | None, ChatTemplate | None]:
@@ -330,16 +329,8 @@ def train_min_devices(cfg: JobConfig, kind: str, shared: bool, device_bytes: flo
     backend = cfg.train.resolved_backend(kind, shared)
     fewest = cfg.train.fewest_devices(config, backend, cfg.devices, device_bytes, kind)
     if fewest is None:
-        c, tokens = cfg.train.compute_bytes(kind), cfg.train.planned_tokens
-        ckpt = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, kind)
-        need = memory.per_device(config, backend, cfg.devices, tokens, c, ckpt) / 1e9
-        raise UserError(
-            f"train.min_devices=auto: training {config.num_parameters() / 1e9:.2f}B parameters with "
-            f"train.backend={backend} needs {need:.0f} GB a device even on all {cfg.devices} devices, more than "
-            f"{memory.HEADROOM:.0%} of their {device_bytes / 1e9:.0f} GB (arithmetic; pivotrl plan shows it): use "
-            "more devices, train.backend=fsdp, train.activation_checkpointing=true or a smaller "
-            "train.micro_batch_tokens, or set train.min_devices to run anyway"
-        )
+        why = cfg.train.too_big(config, backend, cfg.devices, device_bytes, kind)
+        raise UserError(f"train.min_devices=auto: {why}, or set train.min_devices to run anyway")
     return fewest
 
 

@@ -304,8 +304,9 @@ def spread_ends(spec: SimSpec, samples: int, rollout_tokens: int) -> list[tuple[
 
 
 def ideal_for_job(cfg: JobConfig) -> IdealStep:
-    """The ideal step of a ``pivotrl simulate`` job, from the spec the simulator builds for it."""
-    return ideal_of(cfg, build(cfg).spec)
+    """The ideal step of a ``pivotrl simulate`` job, from the spec the simulator builds for it (quietly: what a
+    run of the job would meet is said where the job is built to run)."""
+    return ideal_of(cfg, build(cfg, warn=False).spec)
 
 
 INSTANCE_SIZES = (1, 2, 4, 8)  # GPUs per model instance that ``ideals_by_size`` compares

@@ -42,7 +42,6 @@ from pivotrl.sim.workload import LengthDist, decode_context, length_moments, rep
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.rules import exact_match
 from pivotrl.telemetry import RunWriter
-from pivotrl.train import memory
 
 KEEP_VERSIONS = 2  # policy versions the GPS holds, as the runtime keeps them
 
@@ -100,31 +99,24 @@ def _replay(cfg: JobConfig) -> dict[tuple[int, int], int] | None:
         raise UserError(f"sim.lengths_replay: {e}") from None
 
 
-def _trainer_fits(cfg: JobConfig, shape: ModelConfig, backend: str, sim: SimConfig) -> int | None:
+def _trainer_fits(cfg: JobConfig, shape: ModelConfig, backend: str, sim: SimConfig, warn: bool) -> int | None:
     """The fewest of the modeled GPUs that hold ``backend``'s train state of ``shape`` and a micro batch's
     activations (``pivotrl.train.memory``, as a run on those GPUs sizes it). None of them enough is the error
     a run would meet (``train.min_devices=auto``): here a warning, naming it as the runtime does, since a
     simulated job may be a what-if; the step is then priced as if the state fitted."""
     gpu_bytes = GPUS[sim.gpu].hbm_bytes
     fewest = cfg.train.fewest_devices(shape, backend, sim.gpus, gpu_bytes, "cuda")
-    if fewest is None:
-        t = cfg.train
-        c, tokens = t.compute_bytes("cuda"), t.planned_tokens
-        ckpt = t.resolved_checkpointing(shape, backend, sim.gpus, gpu_bytes, "cuda")
-        need = memory.per_device(shape, backend, sim.gpus, tokens, c, ckpt) / 1e9
-        logger.warning(
-            "train.backend=%s: training %s (%.1fB parameters) needs %.0f GB a GPU even on all %d, more than %.0f%% "
-            "of an %s's %.0f GB (pivotrl.train.memory), so a run would not fit it; the simulation prices it anyway "
-            "(what shrinks it: train.backend=fsdp or auto, train.activation_checkpointing=true, a smaller "
-            "train.micro_batch_tokens)",
-            backend, sim.policy_model, shape.num_parameters() / 1e9, need, sim.gpus, 100 * memory.HEADROOM, sim.gpu,
-            gpu_bytes / 1e9,
-        )  # fmt: skip
+    if fewest is None and warn:
+        why = cfg.train.too_big(shape, backend, sim.gpus, gpu_bytes, "cuda")
+        logger.warning("%s (%s on %ss): a run would not fit it; the simulation prices it anyway", why, sim.policy_model,
+                       sim.gpu)  # fmt: skip
     return fewest
 
 
-def build(cfg: JobConfig) -> Simulation:
-    """Check the job and set up its simulation; a mistake raises ``UserError`` naming the key."""
+def build(cfg: JobConfig, warn: bool = True) -> Simulation:
+    """Check the job and set up its simulation; a mistake raises ``UserError`` naming the key. ``warn``: say
+    what a run would meet (a trainer that fits no GPU, judgments cut at their cap); off for the ideals of a job
+    already built, which would say it again for each."""
     sim = cfg.sim
     costs = _costs(cfg)
     policy_model, genrm_model = MODELS[sim.policy_model], MODELS[sim.genrm_model]
@@ -155,7 +147,7 @@ def build(cfg: JobConfig) -> Simulation:
                 f"parses to {label!r}"
             )
     lengths, replay, judge_lengths = _lengths(cfg), _replay(cfg), sim.judge_lengths(j.max_new_tokens)
-    if sim.judge_output_sigma:
+    if sim.judge_output_sigma and warn:
         _warn_capped_judgments(judge_lengths)
     rollout_context = sim.prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens)
     judge_context = sim.prompt_len + r.max_new_tokens + sim.judge_template_len + j.max_new_tokens
@@ -230,7 +222,7 @@ def build(cfg: JobConfig) -> Simulation:
     r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
     # the fewest GPUs the trainer's state fits on (a train device is one GPU in the runtime; here an instance of
     # sim.instance_gpus): the optimizer step waits for as many instances, as the runtime's train.min_devices=auto
-    fewest_gpus = _trainer_fits(cfg, shape, backend, sim) if not measured and shape is not None else 1
+    fewest_gpus = _trainer_fits(cfg, shape, backend, sim, warn) if not measured and shape is not None else 1
     try:
         min_train = cfg.train.min_devices or -(-(fewest_gpus or 1) // sim.instance_gpus)
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,

@@ -136,6 +136,23 @@ class TrainConfig:
         c, tokens = self.compute_bytes(device_type), self.planned_tokens
         return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, c, checkpointed)
 
+    def too_big(self, config: ModelConfig, trainer: str, devices: int, device_bytes: float, device_type: str) -> str:
+        """Why ``trainer``'s state of ``config`` fits none of ``devices`` devices of ``device_bytes`` (where
+        ``fewest_devices`` is None): what a device would hold on all of them, against what it has, and what
+        would shrink it. One sentence, for the runtime's error, ``pivotrl plan``'s and the simulator's warning."""
+        from pivotrl.train import memory
+
+        checkpointed = self.resolved_checkpointing(config, trainer, devices, device_bytes, device_type)
+        need = memory.per_device(config, trainer, devices, self.planned_tokens, self.compute_bytes(device_type),
+                                 checkpointed) / 1e9  # fmt: skip
+        other = "" if trainer == "fsdp" else "train.backend=fsdp, "
+        return (
+            f"training {config.num_parameters() / 1e9:.2f}B parameters with train.backend={trainer} needs "
+            f"{need:.0f} GB a device even on all {devices} devices, more than {memory.HEADROOM:.0%} of their "
+            f"{device_bytes / 1e9:.0f} GB (arithmetic; pivotrl plan shows it): use more devices, {other}"
+            "train.activation_checkpointing=true or a smaller train.micro_batch_tokens"
+        )
+
     def resolved_precision(self, device_type: str) -> str:
         if self.precision != "auto":
             return self.precision

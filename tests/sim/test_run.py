@@ -12,7 +12,7 @@ from pivotrl.cli import main
 from pivotrl.config import load_config
 from pivotrl.control.controller import Controller
 from pivotrl.control.messages import Role
-from pivotrl.sim.ideal import ideal_for_job
+from pivotrl.sim.ideal import ideal_for_job, ideals_by_size
 from pivotrl.sim.run import build, format_sim, format_sizes, run_simulation
 from tests.sim.test_measured import PROFILE
 
@@ -140,9 +140,11 @@ def test_the_optimizer_step_waits_for_as_many_instances_as_the_trainer_fits_on(c
     try:
         assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B") == 1
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert len(warned) == 1 and warned[0].startswith("train.backend=zero: training Qwen2.5-14B (14.8B parameters)")
-        assert "so a run would not fit it" in warned[0]
-        caplog.clear()
+        assert len(warned) == 1 and warned[0].startswith("training 14.77B parameters with train.backend=zero needs")
+        assert "needs 103 GB a device even on all 128 devices" in warned[0] and "a run would not fit it" in warned[0]
+        caplog.clear()  # the job's ideals (a simulate prints them) build it again, quietly: said once is enough
+        ideals_by_size(load_config(EXAMPLE, ["train.backend=zero", "sim.policy_model=Qwen2.5-14B"]))
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
         assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B", "train.backend=fsdp") > 1
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
     finally:
