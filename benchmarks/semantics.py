@@ -55,7 +55,20 @@ def main() -> None:
     runs = {}
     for name, d in (("a", a), ("b", b)):
         s = json.loads((d / "summary.json").read_text())
-        runs[name] = {k: s[k] for k in ("mode", "devices", "steps", "steady_samples_per_s", "shifts", "migrations")}
+        keys = (
+            "mode",
+            "devices",
+            "steps",
+            "samples_per_s",
+            "steady_samples_per_s",
+            "wall_seconds",
+            "shifts",
+            "migrations",
+            "accuracy_start",
+            "accuracy_end",
+            "genrm_agreement",
+        )  # (what the README quotes)
+        runs[name] = {k: s[k] for k in keys}
         print(f"{name}: {s['mode']} on {s['devices']} device(s): {s['steady_samples_per_s']:.0f} samples/s, "
               f"{s['shifts']} shifts, {s['migrations']} migrations")  # fmt: skip
     write_report(args.out, {"runs": runs, "comparison": c.to_dict(), "machine": machine(load_at_start)})
