@@ -164,7 +164,7 @@ class Deferred:
         return int(np.prod(self.shape, dtype=np.int64))
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def cast(t: Tensor, dtype: torch.dtype) -> Tensor | Deferred:

@@ -615,11 +615,8 @@ def replay_overrides(run_dir: str | Path, fit: RunFit) -> list[str]:
     its judgments' length (``metrics.jsonl``) and its slice cadence. Those the run's files do not tell are
     left out (the job's config gives them)."""
     out = []
-    try:  # (one instance of one GPU a device, as the costs were measured)
-        devices = json.loads((Path(run_dir) / "config.json").read_text())["devices"]
-        out.append(f"sim.gpus={int(devices)}")
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    if isinstance(devices := fit.report.get("devices"), int):  # (one instance of one GPU a device, as measured)
+        out.append(f"sim.gpus={devices}")
     prompt, judge_prompt = (fit.report.get(role, {}).get("prompt_tokens") for role in ("rollout", "genrm"))
     if prompt:
         out.append(f"sim.prompt_len={max(1, round(prompt))}")
@@ -683,7 +680,7 @@ def _fit_run(run_dir: str | Path) -> RunFit:
     steady = _steady_start(events)
     slices, skipped = _replay(events, max_batch)
     gen: dict[str, GenMeasure] = {}
-    report: dict[str, Any] = {"steady_from_s": steady, "replay_out_of_step": skipped}
+    report: dict[str, Any] = {"steady_from_s": steady, "replay_out_of_step": skipped, "devices": config.get("devices")}
     prompt: dict[str, float] = {}
     names = [
         Path(str(config[k].get("path", ""))).name if isinstance(config.get(k), dict) else ""
