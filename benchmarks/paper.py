@@ -342,6 +342,7 @@ def steady(run_dir: Path) -> dict[str, Any]:
     fractions = {r: b / capacity for r, b in busy.items()} if capacity > 0 else busy
     return {
         "samples_per_s": summary["steady_samples_per_s"],
+        "train_backend": summary.get("train_backend"),  # (the trainer the run priced)
         "step_seconds": step_s,
         "step_seconds_each": [m["step_seconds"] for m in metrics],
         "rollout_seconds": rollout_s,

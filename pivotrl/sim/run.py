@@ -227,7 +227,8 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         min_train = cfg.train.min_devices or -(-(fewest_gpus or 1) // sim.instance_gpus)
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                             j.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip
-        job = dataclasses.replace(cfg, devices=sim.devices, rollout=r)
+        train = dataclasses.replace(cfg.train, backend=backend)  # (auto made concrete, as a run's is)
+        job = dataclasses.replace(cfg, devices=sim.devices, rollout=r, train=train)
     except ValueError as e:
         raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None
     if isinstance(alloc, Shiftable):
@@ -363,6 +364,7 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     slices = driver.slices()
     summary = summarize(job, ctl, slices, driver.clock())
     summary["policy_checkpoint"] = None  # nothing is trained
+    summary["train_backend"], summary["train_min_devices"] = job.train.backend, s.loop.min_train_devices  # (as a run's)
     summary["gps_bytes"] = gps_bytes(spec)
     summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
                       "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,

@@ -38,7 +38,7 @@ REAL_RUN_KEYS = {  # what run_job writes to summary.json
     "role_busy_fraction", "device_idle_fraction", "shifts", "migrations", "devices_lost", "migration_audit",
     "shift_seconds",
     "wall_seconds",
-    "policy_checkpoint", "gps_bytes",
+    "policy_checkpoint", "gps_bytes", "train_backend", "train_min_devices",
 }  # fmt: skip
 FILES = ["metrics.jsonl", "summary.json", "events.jsonl", "trace.json", "timeline.png", "samples.jsonl", "config.json"]
 
@@ -87,6 +87,7 @@ def test_summary_has_a_real_runs_keys_plus_virtual_and_real_time(runs):
     summary = json.loads((runs["colocated"] / "summary.json").read_text())
     assert REAL_RUN_KEYS | {"sim_seconds", "sim", "wall_split"} == set(summary)
     assert summary["samples_per_s"] == pytest.approx(2 * 32 / summary["sim_seconds"])
+    assert summary["train_backend"] in ("zero", "fsdp") and summary["train_min_devices"] >= 1  # (the trainer priced)
 
 
 def test_the_same_config_gives_the_same_run(runs, tmp_path):
