@@ -363,15 +363,6 @@ def path_error(e: OSError, args: argparse.Namespace) -> str | None:
     return str(e) if isinstance(e, FileNotFoundError) else None
 
 
-def _checkpoint_error(e: ValueError) -> bool:
-    """Whether ``e`` says a model checkpoint cannot be used (the model package's errors; not imported when no
-    command read a checkpoint, as then none was raised)."""
-    loader, config = sys.modules.get("pivotrl.model.loader"), sys.modules.get("pivotrl.model.config")
-    return (loader is not None and isinstance(e, loader.CheckpointError)) or (
-        config is not None and isinstance(e, config.UnsupportedModelError)
-    )
-
-
 def _stdout_closed() -> bool:
     """Whether stdout is a pipe whose reader went away (Linux reports the write end as in error then)."""
     try:
@@ -426,11 +417,6 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_stdout()
         return BROKEN_PIPE
     except (ConfigError, UserError) as e:
-        print(f"pivotrl: error: {e}", file=sys.stderr)
-        return USAGE_ERROR
-    except ValueError as e:
-        if not _checkpoint_error(e):
-            raise
         print(f"pivotrl: error: {e}", file=sys.stderr)
         return USAGE_ERROR
     except OSError as e:

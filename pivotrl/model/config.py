@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pivotrl.errors import UserError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -24,8 +26,9 @@ MOE_FAMILIES = ("qwen3_moe",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-class UnsupportedModelError(ValueError):
-    """A checkpoint this decoder cannot run; the message says what is supported."""
+class UnsupportedModelError(UserError, ValueError):
+    """A checkpoint this decoder cannot run; the message says what is supported (the user's to fix: one line,
+    exit 2, as ``CheckpointError``)."""
 
 
 @dataclass(slots=True)
