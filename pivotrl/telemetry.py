@@ -210,14 +210,11 @@ def read_events(run_dir: str | Path) -> list[Slice]:
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no events.jsonl (is it a pivotrl run directory?)")
     slices = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, row in read_jsonl(path):
         try:
-            slices.append(Slice(**json.loads(line)))
-        except (ValueError, TypeError) as e:  # not JSON, or not a slice's fields
-            reason = e.msg if isinstance(e, json.JSONDecodeError) else "not an event's fields"
-            raise UserError(f"{path}: line {number} is not an event ({reason}); the file is damaged") from None
+            slices.append(Slice(**row))
+        except TypeError:
+            raise UserError(f"{path} line {n}: not an event's fields; the file is damaged") from None
     return slices
 
 

@@ -149,10 +149,10 @@ def test_a_damaged_events_file_is_a_user_error_naming_the_line(tmp_path, capsys)
         f.write('{"device": 0, "role": "roll\n')
     assert main(["timeline", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"{tmp_path / 'events.jsonl'}: line 4 is not an event (" in err and "Traceback" not in err
+    assert f"{tmp_path / 'events.jsonl'} line 4: not JSON (" in err and "Traceback" not in err
     (tmp_path / "events.jsonl").write_text('{"device": 0}\n')
     assert main(["timeline", str(tmp_path)]) == 2
-    assert "line 1 is not an event (not an event's fields)" in capsys.readouterr().err
+    assert "events.jsonl line 1: not an event's fields; the file is damaged" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["timeline.txt", "timeline"])
