@@ -147,7 +147,7 @@ class RunWriter:
             path.write_bytes(b"".join(_kept_lines(path, rows)))
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return [row for _, row in read_jsonl(self.metrics_path)]
 
     def rows(self, name: str) -> int:
         path = self.dir / name
