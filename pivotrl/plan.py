@@ -153,7 +153,7 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
         judge_future=seqs,
         judge_tokens_mean=judge,
         train_groups_left=r.prompts_per_step,
-        train_tokens_per_group=resp * r.group_size,
+        train_tokens_per_group=0.0,  # (every response is still to generate: the planner expects their lengths)
         step_seconds=step_s,
         train_devices_needed=min_train,
     )

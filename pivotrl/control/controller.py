@@ -446,12 +446,13 @@ class Controller:
         so_far = self.tokens_so_far
         read_running = reads(uid for uid in judging if uid not in so_far)
         read = read_running + reads(r.uid for r in s.judge_queue)
-        # the groups left are the ones with the longest responses (those end last): their tokens as known
-        # so far, the mean length for responses still generating
-        expected = m["prompt_tokens"] + m["response_tokens"]
+        # the groups left are the ones with the longest responses (those end last): their tokens as known so
+        # far, a response still generating at what it has written (the planner adds what it expects to come)
+        prompt = m["prompt_tokens"]
         left = [x for i, x in enumerate(step.samples) if i not in step.backward] if step is not None else []
-        train_tokens = sum(len(x.prompt_ids) + len(x.response_ids) if x.response_ids else expected for x in left)
-        per_group = train_tokens / len(left) * g if left else expected * g
+        train_tokens = sum(len(x.prompt_ids) + len(x.response_ids) if x.response_ids else prompt + so_far.get(x.uid, 0)
+                           for x in left)  # fmt: skip
+        per_group = train_tokens / len(left) * g if left else (prompt + m["response_tokens"]) * g
         return Workload(
             rollout_remaining=[self.tokens_so_far.get(uid, 0) for uid in gen_uids],
             rollout_groups=[by_uid[u].prompt_index if u < EVAL_UID and u in by_uid else -1 for u in gen_uids],
@@ -475,6 +476,7 @@ class Controller:
             judge_read_tokens=read,
             judge_read_running=read_running,
             judge_left_running=sum(self._verdict_left(so_far.get(uid, 0)) for uid in judging),
+            judge_written=[so_far.get(uid, 0) for uid in judging],
             judge_reread=self.measured["judge_reread"],
             lockstep_train=self.spec.lockstep_train,
             # (an optimizer step still to run: it waits for as many train devices)

@@ -79,6 +79,7 @@ class _Work:
     judge_holders: int  # the judge devices running them (0: unknown)
     judge_read_running: float  # what they still read (those not started)
     judge_left_running: float  # verdict tokens they are expected still to write
+    judge_longest_running: float  # ... until the last of them ends: a judge that reasons writes some much longer
     groups: int
     ready: int  # groups whose backward can start now
     judging: int  # groups generated whole, whose backward starts once the judge queue drains
@@ -152,9 +153,32 @@ def _fits(kv: float | None, context: float, slots: float = INF) -> float:
     return slots if kv is None else max(1.0, min(slots, kv // max(1.0, context)))
 
 
+def _longest_running(w: Workload, judgments: LengthModel) -> float:
+    """Verdict tokens until the last running judgment ends, from what each has written (``BUCKET`` tokens apart
+    share their chances; none written known: as many fresh ones). Before the judgments seen say how they
+    spread, one judgment's mean."""
+    if not w.judge_running:
+        return 0.0
+    if judgments.samples < judgments.min_samples:
+        return w.judge_tokens_mean
+    written = Counter(t - t % BUCKET for t in w.judge_written) if w.judge_written else {0: w.judge_running}
+    return judgments.expected_longest(written)
+
+
+def _generating_rest(w: Workload, expected: dict[int, float]) -> float:
+    """Tokens the step's training responses still generating are expected still to write (held-out
+    evaluation's, of group -1, train nothing)."""
+    if not w.rollout_groups:
+        return sum(expected[t] for t in w.rollout_remaining)
+    return sum(expected[t] for t, g in zip(w.rollout_remaining, w.rollout_groups, strict=True) if g >= 0)
+
+
 def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work:
     lm, by_t = p.lengths, Counter(w.rollout_remaining)  # queued sequences share t=0: one lookup each
     exp = {t: lm.expected_remaining(t) for t in by_t}
+    # the responses still generating train at the length they are expected to reach: the longest of the step,
+    # which end last, are many groups' (counted at the mean length, a step's backward looks ever shorter)
+    generating = _generating_rest(w, exp) / w.train_groups_left if w.train_groups_left else 0.0
     running = [t for t in w.rollout_remaining if t > 0]
     longest = lm.expected_longest(by_t)
     # a sequence with t tokens and e expected to come reads t + e/2 tokens (and the prompt) on average
@@ -188,6 +212,7 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
         judge_left_running=w.judge_running * w.judge_tokens_mean
         if w.judge_left_running is None
         else w.judge_left_running,
+        judge_longest_running=_longest_running(w, p.judgments),
         judge_future=w.judge_future,
         judge_tokens=w.judge_tokens_mean,
         judge_read_queued=w.judge_read_tokens * w.judge_reread,
@@ -195,7 +220,7 @@ def _summarize(w: Workload, p: Profiles, judge_kv: float | None = None) -> _Work
         groups=w.train_groups_left,
         ready=min(w.train_groups_ready, w.train_groups_left),
         judging=min(w.train_groups_judging, max(0, w.train_groups_left - w.train_groups_ready)),
-        group_tokens=w.train_tokens_per_group,
+        group_tokens=w.train_tokens_per_group + generating,
         group_size=w.train_group_size,
         step_seconds=w.step_seconds,
         gen_context=w.prompt_tokens_mean + (sum(running) / len(running) if running else 0.0),
@@ -434,6 +459,25 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
         queued = w.judge_running * w.judge_tokens + n_wait * w.judge_tokens * slow(w.judge_wait_context)
         queued += w.judge_read_queued * per_read
         latency = w.judge_tokens / p.judge.rate(1, ctx)  # the last judgment alone (one running may just start)
+
+        def written_alone(tokens: float) -> float:
+            """Seconds to write ``tokens`` of a verdict alone (a long one's batch-mates, shorter, are done by
+            its end), at its own context: the longest, not the mean, of a judge that reasons outlasts the
+            rest by many times one judgment."""
+            return tokens * p.judge.step_seconds(1, None if ctx is None else ctx + (tokens - w.judge_tokens) / 2)
+
+        def alone(count: float, start: float) -> float:
+            """When the longest of ``count`` judgments started at ``start`` ends."""
+            key = ("longest", max(1, round(count)))
+            if key not in w.memo:
+                seen = p.judgments.samples >= p.judgments.min_samples  # (before, one judgment's mean)
+                w.memo[key] = written_alone(p.judgments.expected_longest({0: key[1]}) if seen else w.judge_tokens)
+            return start + w.memo[key]
+
+        # the running judgments' longest, on its device; the longest waiting, started now at the soonest
+        chain = written_alone(w.judge_longest_running)
+        if n_wait > 0:
+            chain = max(chain, alone(n_wait, 0.0))
         # judgments running stay where they run (moved, they would read their prompts again): their
         # devices finish them, in the batch they hold, before taking others (``held``, at ``t_held``);
         # judge devices beyond them help only with the judgments waiting and those to come
@@ -467,6 +511,12 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
                 prev = ended
             pieces.append((t_r, max(0.0, w.judge_future - prev) * per_future[-1]))
             judged = _fifo(pieces, arrivals, judge_rate)
+            # the responses ending by each point are judged once the queue reaches them: the longest of
+            # their judgments ends a chain (the last response's is rarely the longest judged)
+            counts = [*(b - a for a, b in zip((0.0, *w.ended[:-1]), w.ended, strict=True)), w.judge_future - prev]
+            for (at, _), before, count in zip(pieces[1:], judged[:-1], counts, strict=True):
+                if count >= 0.5:
+                    chain = max(chain, alone(count, max(at, before)))
             bulk, t_q = max(judged[-1], t_held), max(judged[0], t_held)  # t_q: those waiting now are done
             if handoff_r and n_g:
                 # a judge device takes what its cache holds and keeps it: the judgments left when the rollout
@@ -497,7 +547,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             bulk = max(t_held, _drain(rest, judge_rate, arrivals))
             t_q = max(t_held, _drain(queued, judge_rate, arrivals))
             last = latency
-        t_g = max(bulk, latency, t_r + last if w.judge_future else 0.0)
+        t_g = max(bulk, latency, chain, t_r + last if w.judge_future else 0.0)
         r_judged = handoff_r and t_r < t_g
     # backward
     t_b, t_first = 0.0, INF

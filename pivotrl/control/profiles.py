@@ -17,7 +17,7 @@ import math
 from bisect import bisect_right, insort
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from pivotrl.control.messages import Role
 
@@ -447,16 +447,21 @@ class ShiftCosts:
 
 @dataclass(slots=True)
 class Profiles:
+    NAMES: ClassVar[tuple[str, ...]] = ("rollout", "judge", "train", "lengths", "costs", "judgments")
+
     rollout: RoleProfile
     judge: RoleProfile
     train: TrainProfile
     lengths: LengthModel = field(default_factory=LengthModel)
     costs: ShiftCosts = field(default_factory=ShiftCosts)
+    # verdict lengths of finished judgments: a judge that reasons writes some many times longer than the
+    # mean, and the longest of those left, not their mean, is how long the judge runs past the rollout
+    judgments: LengthModel = field(default_factory=LengthModel)
 
     def state(self) -> dict[str, Any]:
         """Everything learned, as plain JSON values (a checkpoint keeps it: a resumed run plans as the
         uninterrupted one would)."""
-        return {name: _encode_fields(getattr(self, name)) for name in ("rollout", "judge", "train", "lengths", "costs")}
+        return {name: _encode_fields(getattr(self, name)) for name in self.NAMES}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take up what :meth:`state` wrote."""
@@ -519,6 +524,8 @@ class Workload:
     train_groups_left: int = 0  # groups whose backward is not done
     train_groups_ready: int = 0  # of which judged, so their backward can start now
     train_groups_judging: int = 0  # of which generated whole, waiting for judgments
+    # tokens through the backward per group left: its responses as generated, those still generating at
+    # their prompt and what they have so far (the planner adds what its length model expects them still to write)
     train_tokens_per_group: float = 512.0
     train_group_size: int = 1  # samples per group: the backward of one runs on up to this many devices
     step_seconds: float = 0.0  # the optimizer step, after the last backward
@@ -529,6 +536,7 @@ class Workload:
     # verdict tokens the running judgments are expected still to write, given what each has written (None:
     # a whole judgment each, ``judge_tokens_mean``)
     judge_left_running: float | None = None
+    judge_written: list[int] = field(default_factory=list)  # verdict tokens so far per running judgment (or none)
     # tokens a judge device reads per token of those prompts and responses (its template, and judgments a
     # full paged cache preempted, read again): measured over the last step
     judge_reread: float = 1.0
@@ -536,8 +544,9 @@ class Workload:
     train_devices_needed: int = 0  # the fewest train devices the step's optimizer step runs on (0: none to run)
 
     def __post_init__(self) -> None:
-        if any(t < 0 for t in self.rollout_remaining):
-            raise ValueError(f"rollout_remaining: got {min(self.rollout_remaining)}, tokens must be >= 0")
+        for name in ("rollout_remaining", "judge_written"):
+            if any(t < 0 for t in getattr(self, name)):
+                raise ValueError(f"{name}: got {min(getattr(self, name))}, tokens must be >= 0")
         counts = ("rollout_queued", "rollout_holders", "judge_queued", "judge_running", "judge_holders",
                   "judge_future", "train_groups_left", "train_groups_ready", "train_groups_judging",
                   "train_devices_needed", "step_seconds", "prompt_tokens_mean", "judge_read_tokens",
@@ -558,7 +567,7 @@ class Workload:
         _positive("judge_reread", self.judge_reread)
         if self.judge_left_running is not None:
             _positive("judge_left_running", self.judge_left_running, strict=False)
-        _positive("train_tokens_per_group", self.train_tokens_per_group)
+        _positive("train_tokens_per_group", self.train_tokens_per_group, strict=False)
         size = self.train_group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"train_group_size: got {self.train_group_size!r}, must be an integer >= 1")

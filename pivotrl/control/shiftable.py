@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pivotrl.control.messages import Accumulated, Event, Generated, Progress, Role, ShiftDone, Trained
+from pivotrl.control.messages import Accumulated, Event, Generated, Judged, Progress, Role, ShiftDone, Trained
 from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Planner
 from pivotrl.control.profiles import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload
@@ -88,6 +88,9 @@ class Shiftable:
                 prior_mean=rollout_tokens / 2, prior_max=float(rollout_tokens), window=max(step_samples, 4096)
             ),
             costs=ShiftCosts(),
+            judgments=LengthModel(
+                prior_mean=judge_tokens / 2, prior_max=float(judge_tokens), window=max(step_samples, 4096)
+            ),
         )
         self.judge_tokens = float(judge_tokens)
         self._train: tuple[int, ...] = ()
@@ -117,6 +120,9 @@ class Shiftable:
         elif isinstance(event, Generated):
             for r in event.results:
                 p.lengths.observe(len(r.output_ids))
+        elif isinstance(event, Judged):
+            for j in event.results:
+                p.judgments.observe(j.tokens)
         elif isinstance(event, Accumulated) and event.tokens and event.seconds > 0:
             p.train.observe(event.tokens, event.seconds)
         elif isinstance(event, Trained) and event.backward_tokens and event.backward_seconds > 0:

@@ -493,6 +493,7 @@ def test_a_group_generated_whole_is_judged_first():
     ctl.handle(Progress(1, Role.GENRM, 0.5, 3, 1, ((0, 3),), prefill_tokens=10, prefill_seconds=0.1))
     w = ctl.workload()
     assert (w.judge_read_running, w.judge_left_running) == (0, ctl.measured["judge_tokens"] - 3)
+    assert w.judge_written == [3]  # (how long the running judgment may still run depends on what it wrote)
     assert w.judge_read_tokens == sum(len(ctl.by_uid[u].prompt_ids) + len(ctl.by_uid[u].response_ids)
                                       for u in (2, 3, 4, 6))  # fmt: skip
     for c in ctl.handle(Judged(1, (JudgeResult(0, "VERDICT: yes", False, 5),))):
@@ -502,6 +503,20 @@ def test_a_group_generated_whole_is_judged_first():
     assert 0 not in ctl.tokens_so_far  # a judged sample's progress is gone with it
     assert ctl.workload().judge_left_running == ctl.measured["judge_tokens"]  # judgment 2 has not started
     assert ctl.by_uid[0].judge_tokens == 5  # the judgment's length stays with its sample (samples.jsonl)
+
+
+def test_a_response_still_generating_trains_at_what_it_has_written_so_far():
+    """The workload counts a group's responses still generating at their prompt and the tokens they have
+    written (the planner adds what its length model expects them still to write), not at a mean length
+    that the longest responses of a step, which end last, far exceed."""
+    ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}), per_device=16)
+    in_roles(ctl)
+    prompt = ctl.measured["prompt_tokens"]
+    before = ctl.workload()
+    assert before.train_tokens_per_group == pytest.approx(prompt * GROUP)  # nothing written yet
+    ctl.handle(Progress(0, R, 0.5, 100, 1, ((0, 100),)))  # sample 0 (group 0) has written 100 tokens
+    after = ctl.workload()
+    assert after.train_tokens_per_group == pytest.approx(before.train_tokens_per_group + 100 * GROUP / SAMPLES)
 
 
 class ReasoningJudge(FakeCluster):

@@ -313,6 +313,7 @@ def test_learned_profiles_survive_a_checkpoint_as_json():
     p.train.observe(20_000, 2.0)
     for n in (12, 40, 96, 7, 55) * 10:
         p.lengths.observe(n)
+        p.judgments.observe(n // 2)
     p.costs.observe(Role.ROLLOUT, Role.GENRM, 0.3)
     p.costs.observe(None, Role.TRAIN, 0.9)
     state = json.loads(json.dumps(learned.state()))
@@ -324,6 +325,20 @@ def test_learned_profiles_survive_a_checkpoint_as_json():
     assert [q.lengths.expected_remaining(t) for t in (0, 30, 90)] == [
         p.lengths.expected_remaining(t) for t in (0, 30, 90)
     ]
+    assert q.judgments.expected_longest({0: 8}) == p.judgments.expected_longest({0: 8}) != 24.0
     assert q.costs.cost(Role.ROLLOUT, Role.GENRM) == p.costs.cost(Role.ROLLOUT, Role.GENRM)
     assert q.costs.cost(None, Role.TRAIN) == p.costs.cost(None, Role.TRAIN)
     assert json.loads(json.dumps(fresh.state())) == json.loads(json.dumps(learned.state()))  # caches alike too
+
+
+def test_a_checkpoint_from_before_judgment_lengths_were_learned_still_restores():
+    """A checkpoint written before the planner learned judgment lengths restores; they start from the prior."""
+    import json
+
+    from pivotrl.control.shiftable import Shiftable
+
+    older = json.loads(json.dumps(Shiftable(4, 64, 96, 64, 256).state()))
+    del older["judgments"]
+    fresh = Shiftable(4, 64, 96, 64, 256)
+    fresh.restore(older)
+    assert fresh.profiles.judgments.samples == 0 and fresh.profiles.judgments.prior_max == 64.0

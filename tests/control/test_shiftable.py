@@ -3,7 +3,7 @@ something a plan reacts to changed or its estimate is due for a refresh."""
 
 import pytest
 
-from pivotrl.control.messages import Progress, Role
+from pivotrl.control.messages import Judged, JudgeResult, Progress, Role
 from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Workload
 from pivotrl.control.shiftable import REPLAN_SHARE, PlanView, Shiftable
@@ -69,6 +69,14 @@ def test_slices_teach_each_role_its_own_speeds():
     # read 3,000 tokens of KV cache, 30 each
     policy.observe(Progress(1, Role.ROLLOUT, 1.0, 100, 10, steps=10, kv_tokens=3000), None)
     assert p.rollout.context == pytest.approx(30.0) and p.judge.context == 0.0
+
+
+def test_finished_judgments_teach_the_planner_how_their_lengths_spread():
+    policy = Shiftable(4, max_batch=64, rollout_tokens=96, judge_tokens=48)
+    lengths = policy.profiles.judgments
+    assert (lengths.samples, lengths.prior_max) == (0, 48.0)
+    policy.observe(Judged(2, tuple(JudgeResult(uid, "VERDICT: yes", False, 4 + uid) for uid in range(40))), None)
+    assert lengths.samples == 40 and lengths.expected_longest({0: 40}) > lengths.mean
 
 
 def test_a_plan_that_lends_devices_is_planned_again_when_they_are_due():
