@@ -452,6 +452,11 @@ class Worker:
         self._step_group, self._in_step = None, True
         try:
             return self._step(ctx, cmd, rank, rendezvous, state_world, attempt)
+        except BaseException:
+            # a member that fails out of a collective (a member lost) leaves the group at once: the others
+            # that wait for it in the same collective fail too, instead of until the driver kills them
+            self.close()
+            raise
         finally:
             self._in_step, self._step_group = False, None
 

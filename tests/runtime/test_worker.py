@@ -503,3 +503,28 @@ def test_a_retired_train_group_hands_its_memory_back(store, monkeypatch):
     w.shift(Role.TRAIN, 1)
     w.retire_group()
     assert freed == ["cpu"]
+
+
+def test_a_member_failing_out_of_its_optimizer_step_leaves_the_group(store, monkeypatch):
+    """A member whose collective fails (a member of its group was lost) leaves the process group at once: the
+    others waiting for it in the same collective then fail too, instead of waiting until the driver kills them."""
+    w = make_worker(store)
+
+    class Group:
+        left = False
+
+        def leave(self) -> None:
+            self.left = True
+
+    group = w.group = Group()
+    w.group_devices = (0, 1, 2)
+
+    def lost_peer(*args: object) -> None:
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    monkeypatch.setattr(w, "_train_ctx", lambda version: None)
+    monkeypatch.setattr(w, "_step", lost_peer)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        w.step(Step((0, 1, 2), 0, 10), 0, None)
+    assert group.left and w.group is None and w.group_devices == ()
+    assert w.progress() == -1  # (no longer in a step)
