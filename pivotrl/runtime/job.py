@@ -167,6 +167,12 @@ def resumable(cfg: JobConfig, out: str | Path) -> ckpt.Checkpoint:
     return start
 
 
+def resumed_drill(cfg: JobConfig, saved: dict[str, Any]) -> JobConfig:
+    """``cfg`` for a resume of the run whose config was ``saved``: the run's own drill (``fault.*``) happened once, in
+    the run resumed, and is not replayed; a drill the resume is given instead runs."""
+    return replace(cfg, fault=FaultConfig()) if cfg.fault == config_from_dict(saved).fault else cfg
+
+
 def check_train_size(cfg: JobConfig, problems: int) -> None:
     """A step draws ``rollout.prompts_per_step`` distinct problems: the train file must hold that many."""
     if cfg.rollout.prompts_per_step > problems:
@@ -355,7 +361,7 @@ def _run_once(
 
     start = resumable(cfg, out) if resume else None
     if start is not None:
-        cfg = replace(cfg, fault=FaultConfig())  # an injected fault happened once, in the run resumed
+        cfg = resumed_drill(cfg, start.state["config"])
     for key, backend in (("rollout.backend", cfg.rollout.backend), ("judge.backend", cfg.judge.backend)):
         if backend == "vllm" and not vllm_available():
             raise UserError(f"{key}=vllm: vLLM is not installed here; install it with {VLLM_INSTALL}, or use native")

@@ -377,3 +377,15 @@ def test_the_resume_hint_offers_resume_only_where_a_checkpoint_is(tmp_path):
     assert resume_hint(tmp_path) == f"no checkpoint yet: start it again with another --out (or remove {tmp_path} first)"
     (tmp_path / ckpt.DIR / f"{ckpt.PREFIX}000002").mkdir(parents=True)
     assert resume_hint(tmp_path) == f"resume with: pivotrl train --resume {tmp_path} (newest checkpoint: step_000002)"
+
+
+def test_a_resume_replays_no_drill_of_the_run_but_runs_one_it_is_given():
+    """The run's drill (fault.*) happened once, in the run resumed; a different one given to --resume runs."""
+    from pivotrl.config import FaultConfig
+    from pivotrl.runtime.job import resumed_drill
+
+    ran = load_config(ROOT / "examples/default.yaml", ["fault.first=true", "fault.phase=optimizer", "fault.step=2"])
+    saved = ran.to_dict()
+    assert resumed_drill(ran, saved).fault == FaultConfig()  # (no drill)
+    other = replace(ran, fault=replace(ran.fault, first=False, device=2, phase="judge", step=3))
+    assert resumed_drill(other, saved).fault == other.fault
