@@ -606,11 +606,18 @@ def gap(g: dict[str, Any]) -> str | None:
         floor = (i["joint_rollout_gpu_s"] + i["gpu_seconds"]["rollout_prefill"]) / g["gpus"]
         trade = (f", the joint floor's {i['joint_rollout_s']:.1f} s; it keeps the whole cluster {busy:.1f} s a step "
                  f"against the floor's {floor:.1f} s")  # fmt: skip
+    judge = ""
+    if "busy_fraction" in r and "gpu_seconds" in i:  # the judge's busy time against the floor's price of its work
+        busy = r["busy_fraction"]["genrm"] * r["step_seconds"]
+        work = (i["gpu_seconds"]["genrm_prefill"] + i["gpu_seconds"]["genrm_decode"]) / g["gpus"]
+        judge = (f"; the judge keeps it {busy:.1f} s against the floor's {work:.1f} s, and it idles "
+                 f"{r['idle_fraction'] * r['step_seconds']:.1f} s")  # fmt: skip
     return (
         f"shiftable TP{r['instance_gpus']}: step {r['step_seconds']:.1f} s against a floor of "
         f"{i['floor_seconds']:.1f} s; its rollout ends at {r['rollout_seconds']:.1f} s (spread path "
         f"{i['spread_rollout_s']:.1f} s{trade}), the update {r['step_seconds'] - r['rollout_seconds']:.1f} s later "
-        f"(the joint floor's {i['after_s']:.1f} s); shifts {r['shift_seconds_per_step'] / devices:.1f} s a device"
+        f"(the joint floor's {i['after_s']:.1f} s){judge}; shifts {r['shift_seconds_per_step'] / devices:.1f} s "
+        "a device"
     )
 
 

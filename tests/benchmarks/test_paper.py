@@ -251,6 +251,12 @@ def test_gap_says_when_shiftables_rollout_ends_and_how_long_after_it_the_update_
     line = paper.gap(g)
     assert "rollout ends at 64.0 s (spread path 55.0 s)" in line and "17.0 s later (the joint floor's 8.0 s)" in line
     assert "shifts 2.0 s a device" in line  # 64 device-seconds over 32 instances of 4 GPUs
+    assert "judge" not in line  # (a report without the judge's busy time)
+    # the judge busy a fifth of the step, against the floor's 640 + 1920 GPU-seconds of its work on 128 GPUs
+    busy = {**run, "busy_fraction": {"rollout": 0.5, "genrm": 0.2, "train": 0.2, "shift": 0.0}, "idle_fraction": 0.1}
+    priced = {**i, "gpu_seconds": {"genrm_prefill": 640.0, "genrm_decode": 1920.0}}
+    line = paper.gap({**g, "ideals": {"4": priced}, "modes": {"shiftable": busy}})
+    assert "the judge keeps it 16.2 s against the floor's 20.0 s, and it idles 8.1 s" in line
     assert paper.gap({**g, "ideals": {"4": fake_ideal(100.0)}}) is None  # an older report
 
 
