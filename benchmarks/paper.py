@@ -340,6 +340,9 @@ def steady(run_dir: Path) -> dict[str, Any]:
             moves += 1
     capacity = summary["devices"] * (w1 - w0)
     fractions = {r: b / capacity for r, b in busy.items()} if capacity > 0 else busy
+    # from a group's last response to its last judgment: how long its backward waits on the judge
+    waits = [m["group_wait_s"] for m in later if m.get("group_wait_s")]
+    wait = {k: sum(x[k] for x in waits) / len(waits) for k in ("median", "p90", "max")} if waits else None
     return {
         "samples_per_s": summary["steady_samples_per_s"],
         "train_backend": summary.get("train_backend"),  # (the trainer the run priced)
@@ -352,6 +355,7 @@ def steady(run_dir: Path) -> dict[str, Any]:
         "moves_per_step": moves / max(len(later), 1),  # devices changing role
         "shift_seconds_per_step": sum(m["shift_seconds"] for m in later) / len(later),  # device-seconds
         "migrations_per_step": sum(m["migrations"] for m in later) / len(later),
+        "group_wait_s": wait,  # (the steps' median, 90th percentile and longest, averaged over the steps)
     }
 
 
@@ -612,6 +616,8 @@ def gap(g: dict[str, Any]) -> str | None:
         work = (i["gpu_seconds"]["genrm_prefill"] + i["gpu_seconds"]["genrm_decode"]) / g["gpus"]
         judge = (f"; the judge keeps it {busy:.1f} s against the floor's {work:.1f} s, and it idles "
                  f"{r['idle_fraction'] * r['step_seconds']:.1f} s")  # fmt: skip
+    if r.get("group_wait_s"):
+        judge += f"; a group waits {r['group_wait_s']['median']:.1f} s for its judgments (median)"
     return (
         f"shiftable TP{r['instance_gpus']}: step {r['step_seconds']:.1f} s against a floor of "
         f"{i['floor_seconds']:.1f} s; its rollout ends at {r['rollout_seconds']:.1f} s (spread path "

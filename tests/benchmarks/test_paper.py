@@ -83,6 +83,7 @@ def write_run(path: Path) -> None:
                     "shift_seconds": x,
                     "migrations": m,
                     "time_s": {"rollout": r, "step": s},
+                    "group_wait_s": {"median": r / 2, "p90": r, "max": s},
                 }
             )
             + "\n"
@@ -118,6 +119,7 @@ def test_steady_window_leaves_out_the_first_step(tmp_path):
     assert (s["shifts_per_step"], s["moves_per_step"], s["shift_seconds_per_step"]) == (3.0, 0.5, 2.5)
     assert s["migrations_per_step"] == 2.0
     assert s["rollout_seconds"] == 7.5
+    assert s["group_wait_s"] == pytest.approx({"median": 3.75, "p90": 7.5, "max": 10.0})  # the steady steps'
 
 
 def test_tail_points_keep_the_mean_length():
@@ -257,6 +259,10 @@ def test_gap_says_when_shiftables_rollout_ends_and_how_long_after_it_the_update_
     priced = {**i, "gpu_seconds": {"genrm_prefill": 640.0, "genrm_decode": 1920.0}}
     line = paper.gap({**g, "ideals": {"4": priced}, "modes": {"shiftable": busy}})
     assert "the judge keeps it 16.2 s against the floor's 20.0 s, and it idles 8.1 s" in line
+    assert "waits" not in line  # (a run without group waits)
+    waits = {**busy, "group_wait_s": {"median": 12.5, "p90": 20.0, "max": 30.0}}
+    line = paper.gap({**g, "ideals": {"4": priced}, "modes": {"shiftable": waits}})
+    assert "a group waits 12.5 s for its judgments (median)" in line
     assert paper.gap({**g, "ideals": {"4": fake_ideal(100.0)}}) is None  # an older report
 
 
