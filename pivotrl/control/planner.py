@@ -153,16 +153,19 @@ def _fits(kv: float | None, context: float, slots: float = INF) -> float:
     return slots if kv is None else max(1.0, min(slots, kv // max(1.0, context)))
 
 
+def _longest_judgment(judgments: LengthModel, written: dict[int, int], mean: float) -> float:
+    """Verdict tokens until the last of some judgments ends (``written``: tokens so far -> how many); before
+    the judgments seen say how they spread, one judgment's ``mean``."""
+    return judgments.expected_longest(written) if judgments.samples >= judgments.min_samples else mean
+
+
 def _longest_running(w: Workload, judgments: LengthModel) -> float:
     """Verdict tokens until the last running judgment ends, from what each has written (``BUCKET`` tokens apart
-    share their chances; none written known: as many fresh ones). Before the judgments seen say how they
-    spread, one judgment's mean."""
+    share their chances; none written known: as many fresh ones)."""
     if not w.judge_running:
         return 0.0
-    if judgments.samples < judgments.min_samples:
-        return w.judge_tokens_mean
     written = Counter(t - t % BUCKET for t in w.judge_written) if w.judge_written else {0: w.judge_running}
-    return judgments.expected_longest(written)
+    return _longest_judgment(judgments, written, w.judge_tokens_mean)
 
 
 def _generating_rest(w: Workload, expected: dict[int, float]) -> float:
@@ -470,8 +473,7 @@ def _estimate(w: _Work, p: Profiles, alloc: Alloc, max_batch: Batch, late: Late 
             """When the longest of ``count`` judgments started at ``start`` ends."""
             key = ("longest", max(1, round(count)))
             if key not in w.memo:
-                seen = p.judgments.samples >= p.judgments.min_samples  # (before, one judgment's mean)
-                w.memo[key] = written_alone(p.judgments.expected_longest({0: key[1]}) if seen else w.judge_tokens)
+                w.memo[key] = written_alone(_longest_judgment(p.judgments, {0: key[1]}, w.judge_tokens))
             return start + w.memo[key]
 
         # the running judgments' longest, on its device; the longest waiting, started now at the soonest
