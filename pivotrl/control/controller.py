@@ -449,7 +449,9 @@ class Controller:
         # the groups left are the ones with the longest responses (those end last): their tokens as known so
         # far, a response still generating at what it has written (the planner adds what it expects to come)
         prompt = m["prompt_tokens"]
-        left = [x for i, x in enumerate(step.samples) if i not in step.backward] if step is not None else []
+        # (lockstep: every sample of the step is backpropagated at its optimizer step, the buffered ones too)
+        lockstep = self.spec.lockstep_train
+        left = [x for i, x in enumerate(step.samples) if lockstep or i not in step.backward] if step is not None else []
         train_tokens = sum(len(x.prompt_ids) + len(x.response_ids) if x.response_ids else prompt + so_far.get(x.uid, 0)
                            for x in left)  # fmt: skip
         per_group = train_tokens / len(left) * g if left else (prompt + m["response_tokens"]) * g

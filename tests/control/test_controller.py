@@ -782,8 +782,11 @@ def test_a_lockstep_trainer_leaves_every_group_to_the_step():
     for lockstep in (False, True):
         ctl = controller(Colocated(2), lockstep_train=lockstep)
         run_until(ctl, Step)
-        groups = ctl.spec.prompts_per_step
-        assert ctl.workload().train_groups_left == (groups if lockstep else 0)
+        groups, w, samples = ctl.spec.prompts_per_step, ctl.workload(), ctl.step.samples
+        assert w.train_groups_left == (groups if lockstep else 0)
+        if lockstep:  # (the buffered groups at their real tokens, not at a mean of what is not yet buffered)
+            real = sum(len(x.prompt_ids) + len(x.response_ids) for x in samples) / len(samples) * GROUP
+            assert w.train_tokens_per_group == pytest.approx(real)
     before = ctl.measured["step_seconds"]
     ctl.handle(Trained((0, 1), 1, {"loss": 0.0}, 5.0, 400, 4.5))
     assert ctl.measured["step_seconds"] == pytest.approx(before + 0.2 * (0.5 - before))
