@@ -44,13 +44,18 @@ VARIANTS = {
 }
 
 
-def paper_tps() -> dict[str, int]:
-    """The instance size shiftable runs at in the paper's report, per group (empty without one)."""
+def paper_shiftable(key: str) -> dict[str, Any]:
+    """A field of shiftable's run in the paper's report, per group (empty without one)."""
     path = RESULTS / "paper.json"
     if not path.is_file():
         return {}
     groups = json.loads(path.read_text()).get("groups", [])
-    return {g["name"]: g["modes"]["shiftable"]["instance_gpus"] for g in groups if "shiftable" in g.get("modes", {})}
+    return {g["name"]: g["modes"]["shiftable"][key] for g in groups if "shiftable" in g.get("modes", {})}
+
+
+def paper_tps() -> dict[str, int]:
+    """The instance size shiftable runs at in the paper's report, per group (empty without one)."""
+    return paper_shiftable("instance_gpus")
 
 
 def main(argv: list[str] | None = None) -> int:

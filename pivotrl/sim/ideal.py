@@ -347,6 +347,9 @@ class JointFloor:
     seconds: float
     rollout_s: float
     rollout_gpu_s: float
+    prefill_s: float = 0.0  # the rollout's first pass, every prompt read, before its first decode step
+    # that rollout run by run after the prefill: (first decode step, decode steps, seconds, instances)
+    runs: tuple[tuple[int, int, float, int], ...] = ()
 
 
 def joint_floor(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: float, after_s: float) -> JointFloor:
@@ -411,4 +414,7 @@ def joint_floor(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: fl
             fa = dual(a)
     value, lam = max((fa, a), (fc, c), (dual(0.0), 0.0), (dual(1.0), 1.0))
     choice = picked(lam)  # the rollout it prices there: its time (prefill included) and decode GPU-seconds
-    return JointFloor(value, prefill_s + sum(s for s, _ in choice), sum(w for _, w in choice))
+    # (a run holding more responses than the cluster's batches is priced at every response's share: all instances)
+    runs = tuple((start, steps, s, min(d, round(w / (tp * s))) if s > 0 else 0)
+                 for (_, _, start, steps), (s, w) in zip(segments, choice, strict=True))  # fmt: skip
+    return JointFloor(value, prefill_s + sum(s for s, _ in choice), sum(w for _, w in choice), prefill_s, runs)

@@ -12,7 +12,15 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.control.messages import Role
 from pivotrl.sim.driver import SimSpec
-from pivotrl.sim.ideal import IdealStep, ideal_for_job, ideal_step, ideals_by_size, length_moments, spread_ends
+from pivotrl.sim.ideal import (
+    IdealStep,
+    ideal_for_job,
+    ideal_step,
+    ideals_by_size,
+    joint_floor,
+    length_moments,
+    spread_ends,
+)
 from pivotrl.sim.models import MODELS
 from pivotrl.sim.run import run_simulation
 from pivotrl.sim.workload import LengthDist
@@ -202,6 +210,30 @@ def test_the_joint_floor_is_below_every_schedule_and_above_both_ends(samples):
     assert step.joint_floor_s >= step.spread_path_s - 1e-9
     packed = 2 * sum(0.1 + 0.001 * a for a in range(1, samples))  # one instance holds every alive response
     assert step.joint_floor_s >= (packed + rest) / 8 - 1e-9
+
+
+def test_the_joint_floors_rollout_run_by_run_adds_up_to_what_it_prices():
+    """``JointFloor.runs`` is the rollout the floor prices, as a schedule to replay: its runs follow each other
+    from the first decode step to the longest response's, each on as many instances as the floor keeps."""
+    costs = LinearCosts()
+    sim = spec(costs, LengthDist.lognormal(20, 0.6, 90))
+    step = ideal_step(sim, 128, rollout_tokens=90, judge_tokens=100)
+    rest = step.total - step.gpu_seconds["rollout_decode"]
+    jf = joint_floor(sim, 128, 90, rest, step.after_s)
+    assert jf.seconds == pytest.approx(step.joint_floor_s)
+    assert jf.runs[0][0] == 1 and all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(jf.runs))
+    longest = max(min(sim.lengths.quantile((i + 0.5) / 128), 90) for i in range(128))
+    assert jf.runs[-1][0] + jf.runs[-1][1] == longest
+    assert jf.rollout_s == pytest.approx(jf.prefill_s + sum(s for _, _, s, _ in jf.runs))
+    # a run holding more responses than every instance's batch is priced at each one's share of full batches,
+    # more than its instances' time: all of them run it
+    assert all(1 <= k <= sim.devices for _, _, _, k in jf.runs)
+    assert sum(sim.tp * k * s for _, _, s, k in jf.runs) <= jf.rollout_gpu_s + 1e-9
+    assert [k for *_, k in jf.runs] != [sim.devices] * len(jf.runs)  # the tail packed into fewer somewhere
+    # fewer responses than the instances hold at once: the instances' time is the GPU-seconds it prices
+    few = ideal_step(sim, 32, rollout_tokens=90, judge_tokens=100)
+    jf = joint_floor(sim, 32, 90, few.total - few.gpu_seconds["rollout_decode"], few.after_s)
+    assert jf.rollout_gpu_s == pytest.approx(sum(sim.tp * k * s for _, _, s, k in jf.runs))
 
 
 def test_the_joint_floor_binds_where_a_long_tail_meets_much_work():

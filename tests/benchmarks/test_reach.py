@@ -1,0 +1,77 @@
+"""The reach benchmark: the floor's rollout replayed on the floor's terms lands on the floor; a judge that pays
+for its batch in latency or price cannot beat that; a lockstep trainer starts nothing before the last judgment."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # scripts import their neighbours
+
+import reach  # noqa: E402
+from paper import EXAMPLE, GROUPS, job_overrides  # noqa: E402
+
+from pivotrl.config import load_config  # noqa: E402
+from pivotrl.sim.run import build  # noqa: E402
+
+SMALL = ["rollout.prompts_per_step=64"]  # 16 GPUs in instances of 4, 1,024 responses
+
+
+def job(name: str, *extra: str):
+    return load_config(EXAMPLE, [*job_overrides(GROUPS[name], 16, 4), "mode=colocated", *SMALL, *extra])
+
+
+@pytest.mark.parametrize("name", ["dense-7b", "reasoning-judge"])
+def test_the_floors_own_terms_replay_to_the_floor_and_a_batched_judge_does_not_beat_them(name):
+    out = reach.reach(job(name), targets=(8, 32, 256))
+    floor, check = out["floor_seconds"], out["floors_judge"]["seconds"]
+    # the floor's rollout, a judge at full-batch price and batch-1 latency, fluid training: about the floor
+    # (a few time steps over it; under it would mean the floor is no floor of its own terms)
+    assert floor - 0.1 <= check <= floor * 1.03, (floor, check)
+    for b, r in out["batched"].items():  # a judge's batch costs latency or price: never shorter
+        assert r["seconds"] >= check - 0.1, (b, r["seconds"], check)
+        assert r["judge_instance_s"] >= out["judge_price_instance_s"] * 0.99, (b, r)  # never under the floor's price
+    assert out["best_seconds"] == min(r["seconds"] for r in out["batched"].values())
+    # a full batch's latency leaves the groups waiting: the biggest target is not the best here
+    assert out["best_target"] < 256
+
+
+def test_a_lockstep_trainer_trains_nothing_before_the_last_judgment():
+    cfg = job("dense-7b", "train.backend=fsdp")
+    spec = build(cfg, warn=False).spec
+    step = reach.step_of(cfg, spec)
+    assert step.lockstep
+    r = reach.replay(step, spec, 32)
+    backward = sum(step.group_work) / step.devices  # every instance training, from the last judgment on
+    assert r["seconds"] >= r["judging_ends_s"] + backward + step.optimizer_s - 0.1
+    zero_cfg = job("dense-7b")  # (ZeRO-1 fits here: each group backpropagated once judged)
+    zero_spec = build(zero_cfg, warn=False).spec
+    zero = reach.replay(reach.step_of(zero_cfg, zero_spec), zero_spec, 32)
+    assert not zero_spec.lockstep_train
+    assert zero["seconds"] < r["seconds"]
+
+
+def test_the_draws_follow_the_seed_and_every_response_is_somewhere():
+    cfg = job("dense-7b")
+    spec = build(cfg, warn=False).spec
+    a, b, c = reach.step_of(cfg, spec, 0), reach.step_of(cfg, spec, 0), reach.step_of(cfg, spec, 1)
+    assert a.groups == b.groups and a.groups != c.groups
+    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert len(a.ends) == n and sorted(a.groups) == sorted(i // cfg.rollout.group_size for i in range(n))
+    assert list(a.ends) == sorted(a.ends)  # responses in length order end in that order
+    assert sum(a.group_work) == pytest.approx(a.floor.gpu_seconds["train"] / spec.tp)
+
+
+def test_the_script_writes_its_rows_and_refuses_an_empty_batch(tmp_path, capsys):
+    out = tmp_path / "reach.json"
+    assert reach.main(["--groups", "dense-7b", "--gpus", "16", "--tp", "4", "--targets", "16", "64",
+                       "--set", *SMALL, "--out", str(out)]) == 0  # fmt: skip
+    (row,) = json.loads(out.read_text())["groups"]
+    assert row["name"] == "dense-7b" and set(row["batched"]) == {"16", "64"} and row["shiftable_seconds"] is None
+    assert "dense-7b" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        reach.main(["--targets", "0", "--out", str(out)])
+    assert e.value.code == 2
