@@ -142,9 +142,14 @@ class _Rollout:
         return self.edges[self.k][1] if self.k < len(self.edges) else 0
 
 
-def replay(step: Step, spec: SimSpec, target: int | None = None, dt: float = DT) -> dict[str, float]:
+def replay(
+    step: Step, spec: SimSpec, target: int | None = None, dt: float = DT, cohort: int = 0, regroup_s: float = 0.0
+) -> dict[str, float]:
     """One replay of ``step``: with the batched judge at target batch ``target``, or (None) the floor's judge.
-    Returns the step's seconds, the instance-seconds the judge held, and when the rollout and judging ended."""
+    ``cohort`` (a lockstep trainer only; a what-if, not a trainer pivotrl has): at most that many instances
+    backpropagate the groups judged so far, in lockstep among themselves, and at the last judgment the
+    rest join them after ``regroup_s`` (a new group meets, the state resharded). Returns the step's seconds,
+    the instance-seconds the judge held, and when the rollout and judging ended."""
     jc, model, tp = spec.role_costs(Role.GENRM), spec.genrm, spec.tp
     capacity = spec.capacity(Role.GENRM)
     n, d = len(step.ends), step.devices
@@ -164,6 +169,7 @@ def replay(step: Step, spec: SimSpec, target: int | None = None, dt: float = DT)
     t, a, finished, groups_done, released, trained = 0.0, 0, 0, 0, 0.0, 0.0
     judge_held = judge_end = 0.0
     total_work = sum(step.group_work)
+    stalled, formed, trained_early = 0.0, False, 0.0
 
     def alone(i: int) -> float:
         """Judgment ``i`` by itself: its prompt read, its verdict written at batch 1."""
@@ -171,16 +177,16 @@ def replay(step: Step, spec: SimSpec, target: int | None = None, dt: float = DT)
         return jc.prefill(model, tp, c, c) + max(0, o - 1) * jc.decode_step(model, tp, 1, c + o / 2)
 
     def finish(i: int) -> None:
-        nonlocal finished, groups_done, released, judge_end
+        nonlocal finished, groups_done, released, judge_end, trained_early
         finished += 1
-        judge_end = t
+        judge_end, trained_early = t, trained
         g = step.groups[i]
         judged[g] += 1
         if judged[g] == members[g]:
             groups_done += 1
-            if not step.lockstep:
+            if not step.lockstep or cohort:
                 released += step.group_work[g]
-        if step.lockstep and finished == n:
+        if step.lockstep and finished == n and not cohort:
             released = total_work
 
     while groups_done < len(members) or trained < total_work - 1e-9:
@@ -188,6 +194,12 @@ def replay(step: Step, spec: SimSpec, target: int | None = None, dt: float = DT)
             queue.append(arrivals[a])
             a += 1
         free = d - rollout.at(t)
+        if step.lockstep and cohort and finished < n:
+            # the cohort: once the first group is judged and as many instances are free, they train in lockstep
+            # and stay in the train group (a device that left it would have the group meet again) to the step
+            formed = formed or (released > 0 and free >= cohort)
+            if formed:
+                free -= cohort
         if target is None:  # the floor's judge: full-batch work, first in first out, on every free instance
             budget = free * dt
             while queue and budget > 0:
@@ -228,26 +240,44 @@ def replay(step: Step, spec: SimSpec, target: int | None = None, dt: float = DT)
                 context_sum -= step.contexts[i] + step.judgments[i] / 2
                 finish(i)
             spare = (free - judges) * dt
+        if step.lockstep and cohort:  # the cohort alone until the last judgment, then a regroup, then all
+            if finished < n:
+                spare = cohort * dt if formed else 0.0
+            elif stalled < regroup_s:
+                stalled, spare = stalled + dt, 0.0
         trained += min(spare, released - trained)
         t += dt
         if t > 1e5:
             raise RuntimeError("replay: the step did not end (a judgment or a group never done)")
     return {"seconds": t + step.optimizer_s, "judge_instance_s": judge_held, "judging_ends_s": judge_end,
+            "trained_by_last_judgment": trained_early,
             "rollout_ends_s": rollout.edges[-1][0] if rollout.edges else step.rollout_prefill_s}  # fmt: skip
 
 
-def reach(cfg: JobConfig, targets: tuple[int, ...] = TARGETS, seed: int = 0, dt: float = DT) -> dict[str, Any]:
-    """Both replays of job ``cfg``'s step: the floor's judge, and the batched judge at its best target."""
+def reach(
+    cfg: JobConfig, targets: tuple[int, ...] = TARGETS, seed: int = 0, dt: float = DT, cohort: int = 0
+) -> dict[str, Any]:
+    """Both replays of job ``cfg``'s step: the floor's judge, and the batched judge at its best target
+    (``cohort``: ``replay``'s what-if for a lockstep trainer, its regroup at the cost model's price)."""
     spec = build(cfg, warn=False).spec
     step = step_of(cfg, spec, seed)
     capacity = spec.capacity(Role.GENRM)
-    check = replay(step, spec, None, dt)
-    tried = {b: replay(step, spec, b, dt) for b in sorted({min(b, capacity) for b in targets})}
+    regroup = spec.costs.regroup(spec.policy, spec.devices * spec.tp) if cohort else 0.0
+    check = replay(step, spec, None, dt, cohort, regroup)
+    tried = {b: replay(step, spec, b, dt, cohort, regroup) for b in sorted({min(b, capacity) for b in targets})}
     best = min(tried, key=lambda b: tried[b]["seconds"])
-    return {"floor_seconds": step.floor.floor_seconds, "joint_floor_seconds": step.floor.joint_floor_s,
-            "floors_judge": check, "batched": {str(b): r for b, r in tried.items()}, "best_target": best,
-            "best_seconds": tried[best]["seconds"], "judge_price_instance_s": (step.floor.gpu_seconds["genrm_prefill"]
-            + step.floor.gpu_seconds["genrm_decode"]) / spec.tp, "lockstep": step.lockstep}  # fmt: skip
+    price = (step.floor.gpu_seconds["genrm_prefill"] + step.floor.gpu_seconds["genrm_decode"]) / spec.tp
+    return {
+        "floor_seconds": step.floor.floor_seconds,
+        "joint_floor_seconds": step.floor.joint_floor_s,
+        "floors_judge": check,
+        "batched": {str(b): r for b, r in tried.items()},
+        "best_target": best,
+        "best_seconds": tried[best]["seconds"],
+        "judge_price_instance_s": price,
+        "lockstep": step.lockstep,
+        "cohort": cohort if step.lockstep else 0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=0, help="GPUs per instance (0: shiftable's in paper.json, else 4)")
     ap.add_argument("--targets", type=int, nargs="+", default=list(TARGETS), help="the judge's target batches")
     ap.add_argument("--seed", type=int, default=0, help="draws which response is in which group, and its judgment")
+    ap.add_argument("--cohort", type=int, default=0, metavar="K",
+                    help="what-if for FSDP2 groups: K instances backpropagate as groups are judged, the rest join at "
+                         "the last judgment after a regroup (not a trainer pivotrl has)")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="further overrides of every job")
     ap.add_argument("--out", type=Path, default=RESULTS / "reach.json")
     args = ap.parse_args(argv)
@@ -271,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.groups:
         tp = args.tp or tps.get(name, 4)
         cfg = load_config(EXAMPLE, [*job_overrides(GROUPS[name], args.gpus, tp), "mode=colocated", *args.set])
-        row = {"name": name, "instance_gpus": tp, **reach(cfg, tuple(args.targets), args.seed)}
-        shiftable = measured.get(name) if not args.set and args.gpus == 128 and tp == tps.get(name) else None
+        row = {"name": name, "instance_gpus": tp, **reach(cfg, tuple(args.targets), args.seed, cohort=args.cohort)}
+        same = not args.set and not args.cohort and args.gpus == 128 and tp == tps.get(name)
+        shiftable = measured.get(name) if same else None
         row["shiftable_seconds"] = shiftable
         rows.append(row)
         best, floor = row["best_seconds"], row["floor_seconds"]
@@ -282,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     print("(steady step seconds; floor judge: the replay on the floor's own terms; batched: its best target batch b;"
           " shiftable: paper.json's run at that size)")  # fmt: skip
     report = {"machine": machine(load), "gpus": args.gpus, "targets": args.targets, "seed": args.seed,
-              "set": args.set, "dt": DT, "wall_s": time.perf_counter() - t0, "groups": rows}  # fmt: skip
+              "cohort": args.cohort, "set": args.set, "dt": DT, "wall_s": time.perf_counter() - t0,
+              "groups": rows}  # fmt: skip
     write_report(args.out, report)
     return 0
 

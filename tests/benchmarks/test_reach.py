@@ -47,6 +47,12 @@ def test_a_lockstep_trainer_trains_nothing_before_the_last_judgment():
     r = reach.replay(step, spec, 32)
     backward = sum(step.group_work) / step.devices  # every instance training, from the last judgment on
     assert r["seconds"] >= r["judging_ends_s"] + backward + step.optimizer_s - 0.1
+    assert r["trained_by_last_judgment"] == 0.0
+    # the what-if of a cohort training in lockstep before the last judgment: some backward goes before it, and
+    # the step pays the group meeting again after it
+    early = reach.replay(step, spec, 32, cohort=2, regroup_s=2.0)
+    assert early["trained_by_last_judgment"] > 0.0
+    assert early["seconds"] >= early["judging_ends_s"] + 2.0 + step.optimizer_s
     zero_cfg = job("dense-7b")  # (ZeRO-1 fits here: each group backpropagated once judged)
     zero_spec = build(zero_cfg, warn=False).spec
     zero = reach.replay(reach.step_of(zero_cfg, zero_spec), zero_spec, 32)
