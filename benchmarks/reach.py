@@ -59,7 +59,7 @@ DT = 0.02  # seconds of a replay's time step
 
 
 @dataclass(frozen=True, slots=True)
-class Step:
+class StepWork:
     """The work of one step as the replay sees it, on the quantile grids the floor prices."""
 
     floor: IdealStep
@@ -75,7 +75,7 @@ class Step:
     lockstep: bool
 
 
-def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> Step:
+def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> StepWork:
     """The step of job ``cfg`` on ``spec``'s cluster: the floor, its rollout, and what each response brings."""
     r = cfg.rollout
     n, size, prompts = r.prompts_per_step * r.group_size, r.group_size, r.prompts_per_step
@@ -108,7 +108,7 @@ def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> Step:
         tokens[g] += length
     train = gs["train"] / spec.tp  # instance-seconds of the step's backward
     costs, tp = spec.costs, spec.tp
-    return Step(
+    return StepWork(
         floor=floor,
         devices=spec.devices,
         rollout_prefill_s=jf.prefill_s,
@@ -126,7 +126,7 @@ def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> Step:
 class _Rollout:
     """The instances the floor's rollout holds at a time (every one during its prefill, none after)."""
 
-    def __init__(self, step: Step) -> None:
+    def __init__(self, step: StepWork) -> None:
         self.edges: list[tuple[float, int]] = []
         t = step.rollout_prefill_s
         for _, _, seconds, instances in step.runs:
@@ -143,7 +143,7 @@ class _Rollout:
 
 
 def replay(
-    step: Step, spec: SimSpec, target: int | None = None, dt: float = DT, cohort: int = 0, regroup_s: float = 0.0
+    step: StepWork, spec: SimSpec, target: int | None = None, dt: float = DT, cohort: int = 0, regroup_s: float = 0.0
 ) -> dict[str, float]:
     """One replay of ``step``: with the batched judge at target batch ``target``, or (None) the floor's judge.
     ``cohort`` (a lockstep trainer only; a what-if, not a trainer pivotrl has): at most that many instances
