@@ -36,6 +36,19 @@ them (:meth:`import_shards`). Shards are cut along dimension 0 the way
 ``torch.chunk`` cuts (what FSDP2 does), so row ranges are pure arithmetic
 (:func:`row_range`).
 
+A backward ahead of the step. :meth:`backward_pending` is the step's first half
+(the all-gather, the split, the passes) on what the ranks hold now: the
+gradient sums stay sharded on the devices until :meth:`step` divides them, so
+a group can backpropagate the groups judged so far while the rollout's tail
+runs. A step begun by one group can be finished by another: the old ranks
+write their shards with the rows of the gradient sums and their loss sums
+(``export_shard(partial=True)``, under ``<model>.partial<r>of<W>``: the
+version is still the step's first, whose whole shards may be in the GPS
+under the plain name), and the new group adds them to its own
+(``import_shards(partial=True)``). The update is the one-device update of the
+whole batch either way. (The worker runs it only inside :meth:`step` so far:
+no command asks a train group for a backward ahead of its step yet.)
+
 Publishing for generation: each parameter is gathered in the rollout dtype,
 one at a time, and rank 0 writes it into the GPS version; no full fp32 copy
 is ever gathered on one rank.
@@ -63,9 +76,11 @@ from pivotrl.train.grpo import GRPOTrainer, _merge
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def shard_name(model_name: str, rank: int, world_size: int) -> str:
-    """GPS name of rank ``rank``'s train-state shard in a group of ``world_size``."""
-    return f"{model_name}.shard{rank}of{world_size}"
+def shard_name(model_name: str, rank: int, world_size: int, partial: bool = False) -> str:
+    """GPS name of rank ``rank``'s train-state shard in a group of ``world_size`` (``partial``: written in the
+    middle of a step, its gradient sums with it, under a name of its own: the version is still the one the
+    step started from, whose whole shards the group before may have written under the plain name)."""
+    return f"{model_name}.{'partial' if partial else 'shard'}{rank}of{world_size}"
 
 
 def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -79,14 +94,16 @@ def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
-def free_shards(store: ParameterStore, model_name: str, imported: tuple[int, int] | None) -> None:
+def free_shards(
+    store: ParameterStore, model_name: str, imported: tuple[int, int] | None, partial: bool = False
+) -> None:
     """Drop the GPS shards of ``imported`` (version, world size) of a sharded train state, those still there."""
     if imported is None:
         return
     version, world_size = imported
     for r in range(world_size):
         try:
-            store.free(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER)
+            store.free(shard_name(model_name, r, world_size, partial), version, Kind.OPTIMIZER)
         except VersionError:
             pass
 
@@ -179,7 +196,9 @@ class ShardedTrainer:
             ref.requires_grad_(False)
         self.trainer = GRPOTrainer(self.model, cfg, temperature, ref_model=ref)
         self.pending: list[tuple[Sample, float]] = []
+        self.partial: dict[str, float] = {}  # this rank's loss sums of the backward done ahead of the step
         self.imported: tuple[int, int] | None = None  # (version, world size) of the GPS shards this state came from
+        self.imported_partial = False  # ... and whether those were written in the middle of a step
         self.exported = False  # this version's shard is in the GPS already
 
     @property
@@ -192,13 +211,29 @@ class ShardedTrainer:
         load_rows(self.model, snap, self.rank, self.group.world_size)
         self.version = snap.version
 
-    def export_shard(self, store: ParameterStore, model_name: str, *, leaving: bool = True) -> int:
+    @property
+    def mid_step(self) -> bool:
+        """Gradient sums of a backward done ahead of the step are held (``backward_pending``)."""
+        return any(p.grad is not None for p in self.model.parameters())
+
+    def export_shard(
+        self, store: ParameterStore, model_name: str, *, leaving: bool = True, partial: bool = False
+    ) -> int:
         """Write this rank's rows of the master weights and AdamW moments to the GPS; returns bytes written.
 
-        ``leaving``: the state leaves the device (a membership change, a release): it is not written twice.
-        False for a copy taken for a checkpoint, under its own ``model_name``."""
-        if self.pending or any(p.grad is not None for p in self.model.parameters()):
-            raise RuntimeError("export_shard with buffered samples or gradients: step() first")
+        ``partial``: in the middle of a step (a backward done ahead of it, ``backward_pending``), the rows of
+        the gradient sums and this rank's loss sums go too, under the partial name (``shard_name``): the next
+        group takes the step up where this one leaves it. Without it, gradients held are refused, as they are
+        after a step broken off (they are not the step's). Buffered samples must go through
+        ``backward_pending`` first. ``leaving``: the state leaves the device (a membership change, a
+        release): it is not written twice. False for a copy taken for a checkpoint, under its own
+        ``model_name``."""
+        if self.pending:
+            raise RuntimeError("export_shard with buffered samples: backward_pending() or step() first")
+        if self.mid_step and not partial:
+            raise RuntimeError("export_shard with gradients held: step() first, or export them with partial=True")
+        if partial and not leaving:
+            raise RuntimeError("a checkpoint copy in the middle of a step: step() first")
         tensors: dict[str, Tensor] = {}
         rows: dict[str, int] = {}
         steps: dict[str, float] = {}
@@ -210,8 +245,12 @@ class ShardedTrainer:
                 steps[name] = float(state[p]["step"])
                 for key in _STATE_KEYS:
                     tensors[f"{key}.{name}"] = _local(state[p][key])
+            if p.grad is not None:
+                tensors[f"grad.{name}"] = _local(p.grad)
         meta = {"rank": self.rank, "world_size": self.group.world_size, "rows": rows, "step": steps}
-        name = shard_name(model_name, self.rank, self.group.world_size)
+        if partial:
+            meta["partial"] = dict(self.partial)
+        name = shard_name(model_name, self.rank, self.group.world_size, partial)
         try:
             info = store.publish(name, self.version, tensors, Kind.OPTIMIZER, meta)
         except VersionError:  # written already (released, then asked again): versions are immutable
@@ -219,10 +258,16 @@ class ShardedTrainer:
         self.exported = self.exported or leaving
         return info.nbytes
 
-    def import_shards(self, store: ParameterStore, model_name: str, version: int, world_size: int) -> int:
+    def import_shards(
+        self, store: ParameterStore, model_name: str, version: int, world_size: int, partial: bool = False
+    ) -> int:
         """Take up the state of ``version`` written by a group of ``world_size``: each local shard is filled from
-        the old shards whose rows overlap it. Returns the bytes read."""
-        snaps = [store.fetch(shard_name(model_name, r, world_size), version, Kind.OPTIMIZER) for r in range(world_size)]
+        the old shards whose rows overlap it. ``partial``: written in the middle of a step, with gradient sums,
+        which this group adds to (and rank 0 the old ranks' loss sums). Returns the bytes read."""
+        if self.pending or self.mid_step:
+            raise RuntimeError("import_shards into a trainer holding samples or gradients")
+        snaps = [store.fetch(shard_name(model_name, r, world_size, partial), version, Kind.OPTIMIZER)
+                 for r in range(world_size)]  # fmt: skip
         if "rows" not in snaps[0].manifest.meta:
             layout = snaps[0].manifest.meta.get("layout")
             raise ValueError(
@@ -241,6 +286,9 @@ class ShardedTrainer:
                 if step is not None:
                     moments = {key: torch.zeros_like(p) for key in _STATE_KEYS}
                     targets |= {key: _local(t) for key, t in moments.items()}
+                if f"grad.{name}" in snaps[0].tensors:  # (every old rank holds every gradient, zero or not)
+                    p.grad = torch.zeros_like(p)
+                    targets["grad"] = _local(p.grad)
                 for snap, ranges in spans:
                     lo, hi = ranges[name]
                     lo, hi = max(lo, a), min(hi, b)
@@ -253,13 +301,18 @@ class ShardedTrainer:
                         nbytes += src.numel() * src.element_size()
                 if step is not None:
                     state[p] = {"step": torch.tensor(step, dtype=torch.float32), **moments}
+        self.partial = {}
+        if partial and self.rank == 0:  # the old ranks' loss sums, each counted once: by the new rank 0
+            for snap in snaps:
+                _merge(self.partial, snap.manifest.meta.get("partial", {}))
         self.version, self.imported, self.exported = version, (version, world_size), False
+        self.imported_partial = partial
         return nbytes
 
     def free_imported(self, store: ParameterStore, model_name: str) -> None:
         """Drop the GPS shards this state was read from (rank 0, once the group has stepped past them)."""
-        free_shards(store, model_name, self.imported)
-        self.imported = None
+        free_shards(store, model_name, self.imported, self.imported_partial)
+        self.imported, self.imported_partial = None, False
 
     def publish_weights(self, store: ParameterStore, model_name: str, dtype: torch.dtype, meta: dict[str, Any]) -> int:
         """Publish the current weights in ``dtype`` as ``self.version``: every rank gathers one parameter at
@@ -301,13 +354,11 @@ class ShardedTrainer:
         self.pending += pairs
         return sum(len(s.response_ids) for s, _ in pairs)
 
-    def step(self, total_tokens: int | None = None) -> tuple[dict[str, float], int, float]:
-        """Backward every rank's buffered samples in lockstep, then the optimizer step on every rank.
-
-        Returns the group's numbers (identical on every rank, plus ``world_size``
-        and the new ``version``), the tokens that went through forward and
-        backward on all ranks (prompts and responses) and the seconds that took.
-        """
+    def backward_pending(self) -> tuple[int, float]:
+        """Backward every rank's buffered samples now, in lockstep, ahead of the step: their gradients add into
+        the sharded sums the step divides, and this rank's loss sums wait in ``partial``. Every rank of the
+        group calls it together (its passes are collectives). Returns the tokens that went through forward
+        and backward on all ranks (prompts and responses) and the seconds that took."""
         group, world = self.group, self.group.world_size
         mine = [(s.prompt_ids, s.response_ids, s.logprobs, a) for s, a in self.pending]
         self.pending = []
@@ -320,6 +371,7 @@ class ShardedTrainer:
         versions = [v for v, _ in shared]
         if len(set(versions)) > 1:
             self.trainer.discard()
+            self.partial = {}
             raise RuntimeError(
                 f"train group {group.address}: ranks hold different policy versions {versions} (by rank); "
                 "a device that newly takes the train role must import the current version's state first"
@@ -340,7 +392,22 @@ class ShardedTrainer:
                 _merge(stats, self.trainer.backward(plans[self.rank][i]))
             else:
                 self.trainer.backward([pairs[0]], weight=0.0)  # nothing left here: match the others' collectives
-        backward_s = time.perf_counter() - start
+        _merge(self.partial, stats)
+        logger.debug("sharded backward of v%d on %d ranks: %d samples, %d passes", self.version, world, len(pairs),
+                     passes)  # fmt: skip
+        return sum(lengths), time.perf_counter() - start
+
+    def step(self, total_tokens: int | None = None) -> tuple[dict[str, float], int, float]:
+        """Backward every rank's buffered samples in lockstep, then the optimizer step on every rank, over the
+        gradient sums of every backward of the step (those done ahead of it, here or by an earlier group).
+
+        Returns the group's numbers (identical on every rank, plus ``world_size``
+        and the new ``version``), the tokens that went through forward and
+        backward on all ranks in this call (prompts and responses) and the seconds that took.
+        """
+        group, world = self.group, self.group.world_size
+        tokens, backward_s = self.backward_pending()
+        stats, self.partial = self.partial, {}
         if world > 1:
             every: list[Any] = [None] * world
             group.mark()
@@ -353,5 +420,5 @@ class ShardedTrainer:
         self.exported = False
         out["world_size"] = float(world)
         out["version"] = float(self.version)
-        logger.debug("sharded step v%d on %d ranks: %d samples, %d passes", self.version, world, len(pairs), passes)
-        return out, sum(lengths), backward_s
+        logger.debug("sharded step v%d on %d ranks", self.version, world)
+        return out, tokens, backward_s

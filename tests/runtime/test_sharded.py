@@ -4,7 +4,9 @@ One spawn of three real processes (gloo on loopback) plays every scenario in
 turn: groups of 1, 2 and 3 ranks, a membership change 2 -> 3 -> 2 with the
 train state moving through the GPS as shards, a tied-embedding model, the KL
 term against a sharded reference, bf16 compute, and a mixture-of-experts
-model (ranks whose tokens leave different experts unchosen). Each rank writes what it
+model (ranks whose tokens leave different experts unchosen), half of each batch
+backpropagated ahead of the step, and a step begun by 2 ranks and finished by
+3 (the gradient sums moving through the GPS). Each rank writes what it
 got to a file; the tests compare with one plain, unsharded trainer in this
 process, within 1e-5 in fp32.
 """
@@ -29,6 +31,7 @@ from tests.runtime.ranks import spawn
 from tests.runtime.test_dist_train import (
     STAT_KEYS,
     Batch,
+    G,
     batch_tokens,
     local_share,
     make_batch,
@@ -70,18 +73,19 @@ class FileStore:
     def export(self, trainer: ShardedTrainer) -> None:
         """Write this rank's shard of the trainer's version (it exists once the next group has met)."""
         local = LocalStore()
-        trainer.export_shard(local, MODEL)
-        name, version = shard_name(MODEL, trainer.rank, trainer.group.world_size), trainer.version
+        partial = getattr(trainer, "mid_step", False)  # (the ZeRO-1 trainer's tests write their shards here too)
+        trainer.export_shard(local, MODEL, **({"partial": True} if partial else {}))
+        name, version = shard_name(MODEL, trainer.rank, trainer.group.world_size, partial), trainer.version
         snap = local.fetch(name, version, Kind.OPTIMIZER)
         tmp = self.root / f"{name}.v{version}.tmp"
         tmp.write_bytes(pickle.dumps((snap.manifest, snap.buffer)))
         tmp.rename(self.root / f"{name}.v{version}")
 
-    def shards(self, world: int, version: int) -> LocalStore:
+    def shards(self, world: int, version: int, partial: bool = False) -> LocalStore:
         """A store holding every shard a group of ``world`` wrote for ``version``."""
         store = LocalStore()
         for r in range(world):
-            name = shard_name(MODEL, r, world)
+            name = shard_name(MODEL, r, world, partial)
             manifest, buffer = pickle.loads((self.root / f"{name}.v{version}").read_bytes())
             snap = Snapshot.of(manifest, buffer)
             store.publish(name, version, snap.tensors, Kind.OPTIMIZER, manifest.meta)
@@ -153,6 +157,39 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
     run("bf16", 2, CFG, bf16=True)
     run("moe", 2, CFG, moe=True)
 
+    # a backward ahead of the step: 2 ranks backpropagate half the batch, buffer the rest, then step
+    if rank < 2:
+        with _group(rank, 2, "ahead", out) as group:
+            trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+            trainer.load_weights(weights(initial()))
+            stats = []
+            for b in batches[:2]:
+                first, second = halves(b)
+                trainer.add(*share(first, 2, rank))
+                tokens, seconds = trainer.backward_pending()
+                assert tokens > 0 and seconds > 0 and trainer.mid_step
+                trainer.add(*share(second, 2, rank))
+                stats.append(trainer.step(batch_tokens(b))[0])
+            save("ahead", trainer, stats)
+
+    # ... and the step finished by another group: 2 ranks backpropagate half the batch and leave (their shards
+    # with the gradient sums, under the partial names), 3 ranks take them up, add the rest and step
+    if rank < 2:
+        with _group(rank, 2, "moved-v0", out) as group:
+            trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+            trainer.load_weights(weights(initial()))
+            first, _ = halves(batches[0])
+            trainer.add(*share(first, 2, rank))
+            trainer.backward_pending()
+            files.export(trainer)
+    with _group(rank, 3, "moved", out) as group:
+        trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+        trainer.import_shards(files.shards(2, 0, partial=True), MODEL, 0, 2, partial=True)
+        assert trainer.mid_step and bool(trainer.partial) == (rank == 0)
+        _, second = halves(batches[0])
+        trainer.add(*share(second, 3, rank))
+        save("moved", trainer, [trainer.step(batch_tokens(batches[0]))[0]])
+
     # membership: 2 ranks step v0 -> v1, write shards; 3 ranks read them and step v1 -> v2; 2 ranks again for v3
     stats: list[dict[str, float]] = []
     if rank < 2:
@@ -172,6 +209,21 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
                 files.export(trainer)
             else:
                 save("member", trainer, stats)
+
+
+def halves(batch: Batch) -> tuple[Batch, Batch]:
+    """The batch's first groups and the rest (whole groups each)."""
+    samples, advantages = batch
+    cut = len(samples) // 2 // G * G
+    return (samples[:cut], advantages[:cut]), (samples[cut:], advantages[cut:])
+
+
+def share(batch: Batch, world: int, rank: int) -> Batch:
+    """A rank's whole groups of ``batch`` (any part of a step's), round-robin."""
+    samples, advantages = batch
+    mine = sorted({s.prompt_index for s in samples})[rank::world]
+    keep = [i for i, s in enumerate(samples) if s.prompt_index in mine]
+    return [samples[i] for i in keep], [advantages[i] for i in keep]
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +283,57 @@ def test_membership_change_moves_the_state_through_shards(runs, batches):
     for got_step, want_step in zip(got["stats"], stats, strict=True):
         assert_same_stats(got_step, want_step)
     assert [s["world_size"] for s in got["stats"]] == [2.0, 3.0, 2.0]
+
+
+def test_a_backward_ahead_of_the_step_gives_the_same_update(runs, batches):
+    """Half of each batch backpropagated before the rest arrives, in lockstep: the step divides the sums of
+    both backwards, so the update is the one-device update of the whole batch, and so are the numbers."""
+    state, stats = one_device(batches[:2])
+    got = load(runs, "ahead")
+    assert max_diff(got["state"], state) < 1e-5
+    for got_step, want_step in zip(got["stats"], stats, strict=True):
+        assert_same_stats(got_step, want_step)
+
+
+def test_a_step_taken_up_by_another_group_gives_the_same_update(runs, batches):
+    """Two ranks backpropagate half the batch and leave; three take their shards up, gradient sums and loss
+    sums with them, add the rest and step: the one-device update of the whole batch."""
+    state, stats = one_device(batches[:1])
+    got = load(runs, "moved")
+    assert max_diff(got["state"], state) < 1e-5
+    assert_same_stats(got["stats"][0], stats[0])
+    assert got["stats"][0]["world_size"] == 3
+
+
+def test_gradients_leave_a_device_only_as_a_step_taken_up_elsewhere():
+    """Gradient sums held (a backward ahead of the step) are written only when asked for as a partial state,
+    under a name of their own; a plain export refuses them, as it does after a step broken off, and so does a
+    checkpoint copy; a trainer holding gradients takes up no other state."""
+    group = TrainGroup.join(0, 1, device="cpu", process_group=True)
+    try:
+        snap = weights(initial())
+        trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+        trainer.load_weights(snap)
+        batch = make_batch(2, 0)
+        trainer.add(*local_share(batch, 1, 0))
+        store = LocalStore()
+        with pytest.raises(RuntimeError, match="buffered samples"):
+            trainer.export_shard(store, MODEL, partial=True)
+        trainer.backward_pending()
+        assert trainer.mid_step and trainer.partial["tokens"] == batch_tokens(batch)
+        with pytest.raises(RuntimeError, match="gradients held"):
+            trainer.export_shard(store, MODEL)
+        with pytest.raises(RuntimeError, match="checkpoint copy"):
+            trainer.export_shard(store, "copy", leaving=False, partial=True)
+        assert trainer.export_shard(store, MODEL, partial=True) > 0
+        written = store.fetch(shard_name(MODEL, 0, 1, partial=True), 0, Kind.OPTIMIZER)
+        assert any(k.startswith("grad.") for k in written.tensors) and written.manifest.meta["partial"]
+        with pytest.raises(VersionError):  # (the whole state of v0 was not written: only the partial one)
+            store.fetch(shard_name(MODEL, 0, 1), 0, Kind.OPTIMIZER)
+        with pytest.raises(RuntimeError, match="holding samples or gradients"):
+            trainer.import_shards(store, MODEL, 0, 1, partial=True)
+    finally:
+        group.leave()
 
 
 def test_kl_against_a_sharded_reference(runs, batches):
