@@ -24,10 +24,17 @@ prices it. Nothing else costs anything: no shift, no migration, no instance wait
 lengths known to nobody but replayed from the same quantile grid as the floor. So the batched replay
 leaves out everything ``benchmarks/gap.py`` measures, and what it loses against the floor is what a
 judge's batch costs in latency or in price. It is a schedule, not a bound: another judge policy might do
-better. Response lengths, judgment lengths and groups are drawn with ``--seed``.
+better. The lengths are the floor's quantile grids; which response is in which group, and which judgment
+length goes with it, are drawn with ``--seed``.
 
     python benchmarks/reach.py                     # the six groups of paper.py, each at shiftable's size
     python benchmarks/reach.py --groups dense-7b --targets 16 32 64
+    python benchmarks/reach.py --groups dense-14b moe-30b --cohort 8 --out /tmp/reach_cohort.json
+
+``--cohort K`` is a what-if for the FSDP2 groups, a trainer pivotrl does not run yet: K instances form a
+train group once the first group is judged and as many are free, backpropagate in lockstep the groups
+judged so far and keep the train role to the step; the others join at the last judgment, after the group
+meets again (the cost model's regroup).
 """
 
 from __future__ import annotations
