@@ -58,8 +58,9 @@ from paper import EXAMPLE, GROUPS, RESULTS, job_overrides
 from pivotrl.config import JobConfig, load_config
 from pivotrl.control.messages import Role
 from pivotrl.sim.driver import SimSpec
-from pivotrl.sim.ideal import IdealStep, ideal_of, joint_floor
+from pivotrl.sim.ideal import IdealStep, ideal_of
 from pivotrl.sim.run import build
+from pivotrl.sim.workload import quantiles
 
 TARGETS = (8, 16, 32, 64, 128, 256)
 DT = 0.02  # seconds of a replay's time step
@@ -87,10 +88,9 @@ def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> StepWork:
     r = cfg.rollout
     n, size, prompts = r.prompts_per_step * r.group_size, r.group_size, r.prompts_per_step
     floor = ideal_of(cfg, spec)
-    gs = floor.gpu_seconds
-    rest = sum(gs.values()) - gs["rollout_decode"]
-    jf = joint_floor(spec, n, r.max_new_tokens, rest, floor.after_s)
-    lengths = sorted(min(spec.lengths.quantile((i + 0.5) / n), r.max_new_tokens) for i in range(n))
+    gs, jf = floor.gpu_seconds, floor.joint
+    assert jf is not None  # (ideal_step always prices it)
+    lengths = quantiles(spec.lengths, n, r.max_new_tokens)
     t, bounds = jf.prefill_s, []
     for start, steps, seconds, _ in jf.runs:
         bounds.append((start, steps, t, seconds))
@@ -107,14 +107,12 @@ def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> StepWork:
     order = list(range(n))
     rng.shuffle(order)
     groups = tuple(order[i] // size for i in range(n))
-    cap = cfg.judge.max_new_tokens
-    judged = [min(spec.judge_lengths.quantile((i + 0.5) / n), cap) for i in range(n)]
+    judged = quantiles(spec.judge_lengths, n, cfg.judge.max_new_tokens)
     rng.shuffle(judged)
     tokens = [size * spec.prompt_len] * prompts
     for g, length in zip(groups, lengths, strict=True):
         tokens[g] += length
     train = gs["train"] / spec.tp  # instance-seconds of the step's backward
-    costs, tp = spec.costs, spec.tp
     return StepWork(
         floor=floor,
         devices=spec.devices,
@@ -125,7 +123,7 @@ def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> StepWork:
         judgments=tuple(judged),
         groups=groups,
         group_work=tuple(train * k / sum(tokens) for k in tokens),
-        optimizer_s=min(costs.optimizer_step(spec.policy, tp * k) for k in range(1, spec.devices + 1)),
+        optimizer_s=floor.optimizer_s,
         lockstep=spec.lockstep_train,
     )
 
@@ -302,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if min(args.targets) < 1:
         ap.error(f"--targets: batches of at least 1, got {min(args.targets)}")
+    if args.cohort < 0:
+        ap.error(f"--cohort: instances, 0 (none) or more, got {args.cohort}")
     load, t0 = list(os.getloadavg()), time.perf_counter()
     tps, measured = paper_tps(), paper_shiftable("step_seconds")
     rows = []

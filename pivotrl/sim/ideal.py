@@ -114,7 +114,7 @@ from pivotrl.errors import UserError
 from pivotrl.sim.costs import span_of
 from pivotrl.sim.driver import SimSpec
 from pivotrl.sim.run import build
-from pivotrl.sim.workload import GRID, decode_context, length_moments
+from pivotrl.sim.workload import GRID, decode_context, length_moments, quantiles
 
 MERGE = 0.98  # the joint floor prices runs of decode steps whose alive count stays within 2% as one
 GOLDEN = (5**0.5 - 1) / 2
@@ -138,6 +138,8 @@ class IdealStep:
     after_s: float = 0.0  # what the joint floor counts after the last token: its judgment, backward, the update
     joint_rollout_s: float = 0.0  # the rollout the joint floor prices: its generation (a floor for it, no more) ...
     joint_rollout_gpu_s: float = 0.0  # ... and its decode's GPU-seconds, in the smaller batches of its tail
+    joint: JointFloor | None = None  # the joint floor as priced, its rollout run by run (not in ``to_dict``)
+    optimizer_s: float = 0.0  # the update's optimizer step, on the group of instances that makes it shortest
 
     @property
     def total(self) -> float:
@@ -274,7 +276,7 @@ def ideal_step(
     after = max(judged_alone(last, k_last) + update - optimizer, groups_trained(last, k_last)) + optimizer
     joint = joint_floor(spec, n, rollout_tokens, rest, after)
     return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint.seconds, group, after,
-                     joint.rollout_s, joint.rollout_gpu_s)  # fmt: skip
+                     joint.rollout_s, joint.rollout_gpu_s, joint, optimizer)  # fmt: skip
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:
@@ -288,7 +290,7 @@ def spread_ends(spec: SimSpec, samples: int, rollout_tokens: int) -> list[tuple[
     responses are at least that long, and when those of that length have ended."""
     costs, tp, p, d = spec.role_costs(Role.ROLLOUT), spec.tp, spec.prompt_len, spec.devices
     b = spec.capacity(Role.ROLLOUT)
-    lengths = sorted(min(spec.lengths.quantile((i + 0.5) / samples), rollout_tokens) for i in range(samples))
+    lengths = quantiles(spec.lengths, samples, rollout_tokens)
     seconds = costs.prefill(spec.policy, tp, min(b, -(-samples // d)) * p, p)
     x = 1  # the decode step at hand: the first token came from the prefill
     ends: list[tuple[int, int, float]] = []
@@ -361,7 +363,7 @@ def joint_floor(spec: SimSpec, samples: int, rollout_tokens: int, rest_gpu_s: fl
     costs, tp, p, d = spec.role_costs(Role.ROLLOUT), spec.tp, spec.prompt_len, spec.devices
     b_max, gpus = spec.capacity(Role.ROLLOUT), spec.devices * spec.tp
     span = span_of(costs, spec.policy, tp)
-    lengths = sorted(min(spec.lengths.quantile((i + 0.5) / samples), rollout_tokens) for i in range(samples))
+    lengths = quantiles(spec.lengths, samples, rollout_tokens)
     # runs of decode steps: [alive at the run's first step, alive at its last, first step, steps]
     segments: list[list[int]] = []
     x = 1

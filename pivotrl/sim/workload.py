@@ -362,11 +362,17 @@ class SimWorkload:
 GRID = 4096  # quantiles of the length distribution the expectations are taken over
 
 
+def quantiles(dist: LengthDist, n: int, cap: int) -> list[int]:
+    """``n`` evenly spaced quantiles of ``min(L, cap)``, shortest first: the lengths of ``n`` draws as a step
+    of ``n`` responses spreads them, the grid every expectation and floor here is taken over."""
+    return [min(dist.quantile((i + 0.5) / n), cap) for i in range(n)]
+
+
 def length_moments(dist: LengthDist, cap: int, grid: int = GRID) -> tuple[float, float]:
     """``E[L]`` and ``E[L (L - 1) / 2]`` of ``min(L, cap)``, over ``grid`` evenly spaced quantiles."""
     if grid < 1:
         raise ValueError(f"grid: got {grid!r}, must be >= 1")
-    lengths = [min(dist.quantile((i + 0.5) / grid), cap) for i in range(grid)]
+    lengths = quantiles(dist, grid, cap)
     return sum(lengths) / grid, sum(n * (n - 1) / 2 for n in lengths) / grid
 
 
