@@ -213,7 +213,8 @@ class ShardedTrainer:
 
     @property
     def mid_step(self) -> bool:
-        """Gradient sums of a backward done ahead of the step are held (``backward_pending``)."""
+        """Gradient sums are held: of a backward done ahead of the step (``backward_pending``), or of a step
+        broken off (which only ``partial`` export would write, and nothing should ask it to)."""
         return any(p.grad is not None for p in self.model.parameters())
 
     def export_shard(
