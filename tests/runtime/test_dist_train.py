@@ -81,8 +81,9 @@ def make_batch(num_groups: int, seed: int) -> Batch:
 
 
 def local_share(batch: Batch, world_size: int, rank: int) -> Batch:
+    """A rank's whole groups of ``batch`` (a whole batch or any part of one), round-robin."""
     samples, advantages = batch
-    mine = set(range(rank, len(samples) // G, world_size))  # whole groups, round-robin
+    mine = set(sorted({s.prompt_index for s in samples})[rank::world_size])
     keep = [i for i, s in enumerate(samples) if s.prompt_index in mine]
     return [samples[i] for i in keep], [advantages[i] for i in keep]
 

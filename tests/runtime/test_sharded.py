@@ -165,10 +165,10 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
             stats = []
             for b in batches[:2]:
                 first, second = halves(b)
-                trainer.add(*share(first, 2, rank))
+                trainer.add(*local_share(first, 2, rank))
                 tokens, seconds = trainer.backward_pending()
                 assert tokens > 0 and seconds > 0 and trainer.mid_step
-                trainer.add(*share(second, 2, rank))
+                trainer.add(*local_share(second, 2, rank))
                 stats.append(trainer.step(batch_tokens(b))[0])
             save("ahead", trainer, stats)
 
@@ -179,7 +179,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
             trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
             trainer.load_weights(weights(initial()))
             first, _ = halves(batches[0])
-            trainer.add(*share(first, 2, rank))
+            trainer.add(*local_share(first, 2, rank))
             trainer.backward_pending()
             files.export(trainer)
     with _group(rank, 3, "moved", out) as group:
@@ -187,7 +187,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         trainer.import_shards(files.shards(2, 0, partial=True), MODEL, 0, 2, partial=True)
         assert trainer.mid_step and bool(trainer.partial) == (rank == 0)
         _, second = halves(batches[0])
-        trainer.add(*share(second, 3, rank))
+        trainer.add(*local_share(second, 3, rank))
         save("moved", trainer, [trainer.step(batch_tokens(batches[0]))[0]])
 
     # membership: 2 ranks step v0 -> v1, write shards; 3 ranks read them and step v1 -> v2; 2 ranks again for v3
@@ -216,14 +216,6 @@ def halves(batch: Batch) -> tuple[Batch, Batch]:
     samples, advantages = batch
     cut = len(samples) // 2 // G * G
     return (samples[:cut], advantages[:cut]), (samples[cut:], advantages[cut:])
-
-
-def share(batch: Batch, world: int, rank: int) -> Batch:
-    """A rank's whole groups of ``batch`` (any part of a step's), round-robin."""
-    samples, advantages = batch
-    mine = sorted({s.prompt_index for s in samples})[rank::world]
-    keep = [i for i, s in enumerate(samples) if s.prompt_index in mine]
-    return [samples[i] for i in keep], [advantages[i] for i in keep]
 
 
 @pytest.fixture(scope="module")
