@@ -485,8 +485,14 @@ def derive(g: dict[str, Any]) -> dict[str, Any]:
     def over(baseline: str) -> float | None:
         return ceiling / rate[baseline] if rate.get(baseline) else None
 
+    held = lockstep_bound(g)
+    lockstep = {}
+    if held:  # a trainer that backpropagates at the step (FSDP2): the most any schedule of it reaches
+        lockstep = {"lockstep_bound": held, "lockstep_of_floor": held / ceiling,
+                    "lockstep_floor_fraction": {m: rate[m] / held for m in rate}}  # fmt: skip
     return {
         **g,
+        **lockstep,
         "ideal_fraction": {m: rate[m] / g["ideal"]["samples_per_s"] for m in rate},
         # each mode's throughput as a share of the floor's (the step floor at its best instance size)
         "floor_fraction": {m: rate[m] / ceiling for m in rate},
@@ -592,6 +598,22 @@ def speedups(g: dict[str, Any]) -> str:
         f"{i.get('joint_floor_s', 0):.0f} s: no schedule gains more "
         f"than {_times(g.get('bound_vs_colocated'))} / {_times(g.get('bound_vs_disaggregated'))}"
         + (f" ({_times(g.get('bound_vs_deployed_colocated'))} over the deployed colocated)" if deployed else "")
+        + lockstep_text(g)
+    )
+
+
+def lockstep_text(g: dict[str, Any]) -> str:
+    """For a trainer that backpropagates at the step: the most of the floor any schedule of it reaches."""
+    held = g.get("lockstep_bound")
+    if not held:
+        return ""
+    found = {tp: i for tp, i in ideals(g).items() if i.get("lockstep_floor_s")}
+    tp = min(found, key=lambda tp: found[tp]["lockstep_floor_s"])
+    share = g.get("lockstep_floor_fraction", {}).get("shiftable")
+    return (
+        f"; its trainer backpropagates at the step (FSDP2): no schedule of it is shorter than "
+        f"{found[tp]['lockstep_floor_s']:.0f} s (TP{tp}), {g['lockstep_of_floor']:.0%} of the floor's throughput"
+        + (f", shiftable at {share:.0%} of that" if share else "")
     )
 
 
@@ -631,6 +653,14 @@ def bound(g: dict[str, Any]) -> float:
     """Samples/s if a step took its floor (the longest of the ideal step and the spread, group and joint paths)
     at the instance size whose floor is lowest."""
     return max(floor_rate(i) for i in ideals(g).values())
+
+
+def lockstep_bound(g: dict[str, Any]) -> float | None:
+    """Samples/s if a step took the floor of its trainer where that trainer backpropagates at the step (FSDP2:
+    ``IdealStep.lockstep_floor_s``), at the instance size where it is lowest; None for any other trainer."""
+    rates = [i["samples_per_s"] * i["step_seconds"] / i["lockstep_floor_s"]
+             for i in ideals(g).values() if i.get("lockstep_floor_s")]  # fmt: skip
+    return max(rates) if rates else None
 
 
 def ideals(g: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -702,7 +732,9 @@ ASSUMPTIONS = """\
   (full batches, the tail slows); the best trade over the whole rollout, bounded from below by its Lagrangian
   dual. No on-policy step that cannot tell the longest response in advance is shorter than the longest of
   the four (the black mark on the chart; `pivotrl/sim/ideal.py`). The critical path is the same response
-  generated at batch 1, a looser floor."""
+  generated at batch 1, a looser floor. Where the trainer backpropagates every group at the step (FSDP2:
+  the groups whose ZeRO-1 state fits no GPU), its own floor is the joint floor with every group's backward
+  after the last judgment, on every GPU: no schedule of that trainer beats it."""
 
 
 SPENT_NOTE = """\

@@ -275,6 +275,7 @@ def reach(
     return {
         "floor_seconds": step.floor.floor_seconds,
         "joint_floor_seconds": step.floor.joint_floor_s,
+        "lockstep_floor_seconds": step.floor.lockstep_floor_s,  # (0: the trainer backpropagates each group judged)
         "floors_judge": check,
         "batched": {str(b): r for b, r in tried.items()},
         "best_target": best,

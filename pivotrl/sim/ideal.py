@@ -101,6 +101,15 @@ one is long does not shorten the rest). The joint floor's ``after`` is the
 larger of the spread path's (the last response judged, its backward) and this
 path's from the last token on: the responses that run longest end together
 there, and the groups that hold them all train after.
+
+A trainer that backpropagates every group at the step (FSDP2, ``lockstep_train``:
+under FSDP every forward and backward is a collective of the whole train
+group, so it buffers the step's groups and runs them after the last
+judgment) adds a floor of its own, ``lockstep_floor_s``: the joint floor with
+``after`` at least the last response judged alone, then every group's
+backward on every GPU, then the update. It bounds every schedule of that
+trainer, not every schedule: a trainer that backpropagates each group once
+judged is held only by the joint floor.
 """
 
 from __future__ import annotations
@@ -140,6 +149,7 @@ class IdealStep:
     joint_rollout_gpu_s: float = 0.0  # ... and its decode's GPU-seconds, in the smaller batches of its tail
     joint: JointFloor | None = None  # the joint floor as priced, its rollout run by run (not in ``to_dict``)
     optimizer_s: float = 0.0  # the update's optimizer step, on the group of instances that makes it shortest
+    lockstep_floor_s: float = 0.0  # a trainer that backpropagates at the step: no schedule of it beats this (0: none)
 
     @property
     def total(self) -> float:
@@ -199,6 +209,7 @@ class IdealStep:
             "joint_rollout_s": self.joint_rollout_s,
             "joint_rollout_gpu_s": self.joint_rollout_gpu_s,
             "floor_seconds": self.floor_seconds,
+            "lockstep_floor_s": self.lockstep_floor_s,
         }
 
 
@@ -275,8 +286,12 @@ def ideal_step(
     last, k_last, _ = ends[-1]
     after = max(judged_alone(last, k_last) + update - optimizer, groups_trained(last, k_last)) + optimizer
     joint = joint_floor(spec, n, rollout_tokens, rest, after)
+    lockstep = 0.0
+    if spec.lockstep_train:  # every backward after the last judgment, on every GPU
+        held = judged_alone(last, k_last) + gpu_seconds["train"] / gpus + optimizer
+        lockstep = max(joint.seconds, joint_floor(spec, n, rollout_tokens, rest, max(after, held)).seconds)
     return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint.seconds, group, after,
-                     joint.rollout_s, joint.rollout_gpu_s, joint, optimizer)  # fmt: skip
+                     joint.rollout_s, joint.rollout_gpu_s, joint, optimizer, lockstep)  # fmt: skip
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:

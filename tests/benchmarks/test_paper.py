@@ -243,6 +243,22 @@ def test_the_bound_is_the_best_floor_over_the_sizes_and_spent_uses_each_modes_ow
     x = paper.spent(g, "colocated")  # at TP4: the work is half of the time, a quarter of it rollout
     want = {"work": 0.5, "rollout": 0.375, "genrm": 0.075, "train": -0.1, "shift": 0.05, "idle": 0.1}
     assert x == pytest.approx(want) and paper.mode_tp(g, "colocated") == 4
+    assert "lockstep_bound" not in g and paper.lockstep_text(g) == ""  # (a trainer that backpropagates when judged)
+
+
+def test_a_trainer_that_backpropagates_at_the_step_is_held_to_its_own_floor():
+    # FSDP2's floor at each size: 8192 samples in 102.4 s at TP2 (80/s), 81.92 s at TP4 (100/s)
+    at2 = {**fake_ideal(100.0, 200.0), "lockstep_floor_s": 102.4}
+    at4 = {**fake_ideal(120.0, 160.0), "lockstep_floor_s": 81.92}
+    g = {"instance_gpus": 4, "ideal": at4, "ideals": {"2": at2, "4": at4},
+         "modes": {m: {"samples_per_s": 90.0} for m in paper.MODES}}  # fmt: skip
+    g = paper.derive(g)
+    assert paper.lockstep_bound(g) == pytest.approx(100.0) == g["lockstep_bound"]
+    assert g["lockstep_of_floor"] == pytest.approx(100.0 / 120.0)  # no schedule of it reaches the floor
+    assert g["lockstep_floor_fraction"]["shiftable"] == pytest.approx(0.9)
+    assert g["floor_fraction"]["shiftable"] == pytest.approx(0.75)  # (the joint floor's fraction as before)
+    text = paper.lockstep_text(g)
+    assert "shorter than 82 s (TP4)" in text and "83% of the floor" in text and "shiftable at 90%" in text
 
 
 def test_gap_says_when_shiftables_rollout_ends_and_how_long_after_it_the_update_comes():

@@ -47,6 +47,9 @@ def test_a_lockstep_trainer_trains_nothing_before_the_last_judgment():
     backward = sum(step.group_work) / step.devices  # every instance training, from the last judgment on
     assert r["seconds"] >= r["judging_ends_s"] + backward + step.optimizer_s - 0.1
     assert r["trained_by_last_judgment"] == 0.0
+    # the floor of a trainer that backpropagates at the step holds the replay of the floor's own terms too
+    check = reach.replay(step, spec, None)
+    assert check["seconds"] >= step.floor.lockstep_floor_s - 0.1 > step.floor.joint_floor_s
     # the what-if of a cohort training in lockstep before the last judgment: some backward goes before it, and
     # the step pays the group meeting again after it
     early = reach.replay(step, spec, 32, cohort=2, regroup_s=2.0)

@@ -178,6 +178,33 @@ def test_the_joint_floor_waits_for_the_last_groups_to_train():
     assert step.group_path_s == pytest.approx(step.spread_rollout_s + 0.001 * 19 + 3 * 0.101 + backward + 2.0 / 8)
 
 
+def test_a_trainer_that_backpropagates_at_the_step_has_a_floor_of_its_own():
+    # every response of one length ends at the last token; a lockstep trainer (FSDP2) then judges the last
+    # alone and backpropagates every group after it, on every GPU, before the update
+    costs = LinearCosts()
+    costs.train_tokens = lambda model, tokens, n_gpus, seq_len=0: 0.01 * tokens / n_gpus  # training weighs
+    sim = spec(costs, LengthDist.fixed(11))
+    free = ideal_step(sim, samples=64, rollout_tokens=100, judge_tokens=100, group_size=4)
+    held = ideal_step(dataclasses.replace(sim, lockstep_train=True), samples=64, rollout_tokens=100, judge_tokens=100,
+                      group_size=4)  # fmt: skip
+    assert free.lockstep_floor_s == 0.0 and free.to_dict()["lockstep_floor_s"] == 0.0
+    judged = 0.001 * (5 + 11 + 3) + 3 * 0.101  # the last response's judge prefill, then 3 judge steps alone
+    backward = 0.01 * 64 * (5 + 11) / 8  # every group's, on all 8 GPUs
+    assert held.lockstep_floor_s >= held.spread_rollout_s + judged + backward + 2.0 / 8 - 1e-9
+    # here every group is whole at the last token, so the joint floor trains them all after it too
+    assert held.lockstep_floor_s == pytest.approx(held.joint_floor_s)
+    # lengths that spread: the joint floor trains the groups whole early before the last token, the trainer cannot
+    # (few enough responses that the tail, not the work, sets the step)
+    sim = spec(costs, LengthDist.lognormal(20, 0.8, 90))
+    free = ideal_step(sim, 64, rollout_tokens=90, judge_tokens=100, group_size=4)
+    held = ideal_step(dataclasses.replace(sim, lockstep_train=True), 64, rollout_tokens=90, judge_tokens=100,
+                      group_size=4)  # fmt: skip
+    assert held.lockstep_floor_s > held.joint_floor_s * 1.1
+    # the rest of the ideal is not the trainer's: the same joint floor either way
+    assert held.joint_floor_s == pytest.approx(free.joint_floor_s)
+    assert held.floor_seconds == pytest.approx(free.floor_seconds)
+
+
 @pytest.mark.parametrize("group_size", [0, 17, 2.0, True])
 def test_a_group_size_outside_the_step_is_refused(group_size):
     with pytest.raises(ValueError, match="group_size"):
