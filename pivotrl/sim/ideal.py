@@ -289,7 +289,8 @@ def ideal_step(
     lockstep = 0.0
     if spec.lockstep_train:  # every backward after the last judgment, on every GPU
         held = judged_alone(last, k_last) + gpu_seconds["train"] / gpus + optimizer
-        lockstep = max(joint.seconds, joint_floor(spec, n, rollout_tokens, rest, max(after, held)).seconds)
+        floors = (sum(gpu_seconds.values()) / gpus, spread, group, joint.seconds)  # (every schedule's, its too)
+        lockstep = max(*floors, joint_floor(spec, n, rollout_tokens, rest, max(after, held)).seconds)
     return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint.seconds, group, after,
                      joint.rollout_s, joint.rollout_gpu_s, joint, optimizer, lockstep)  # fmt: skip
 
