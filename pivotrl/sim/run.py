@@ -396,8 +396,13 @@ def _bounds(job: JobConfig, spec: SimSpec, summary: dict[str, Any]) -> dict[str,
 
     ideal = ideal_of(job, spec)
     floor = ideal.floor_samples_per_s
-    return {"samples_per_s": ideal.samples_per_s, "floor_seconds": ideal.floor_seconds,
-            "floor_samples_per_s": floor, "steady_of_floor": summary["steady_samples_per_s"] / floor}  # fmt: skip
+    out = {"samples_per_s": ideal.samples_per_s, "floor_seconds": ideal.floor_seconds,
+           "floor_samples_per_s": floor, "steady_of_floor": summary["steady_samples_per_s"] / floor}  # fmt: skip
+    if ideal.lockstep_floor_s:  # a trainer that backpropagates at the step: the floor of its schedules
+        held = ideal.samples / ideal.lockstep_floor_s
+        out |= {"lockstep_floor_seconds": ideal.lockstep_floor_s, "steady_of_lockstep_floor":
+                summary["steady_samples_per_s"] / held}  # fmt: skip
+    return out
 
 
 def format_sizes(job: JobConfig) -> str | None:
@@ -482,5 +487,15 @@ def format_sim(summary: dict[str, Any]) -> str:
         f"{summary['wall_seconds']:.1f} s of wall time\n"
         f"ideal {ideal['samples_per_s']:.1f} samples/s; no schedule's step is shorter than "
         f"{ideal['floor_seconds']:.1f} s ({ideal['floor_samples_per_s']:.1f} samples/s): the steady steps "
-        f"reach {100 * ideal['steady_of_floor']:.0f}% of that"
+        f"reach {100 * ideal['steady_of_floor']:.0f}% of that" + _lockstep_text(ideal)
+    )
+
+
+def _lockstep_text(ideal: dict[str, Any]) -> str:
+    """The floor of a trainer that backpropagates at the step (FSDP2), where the run's has one."""
+    if not ideal.get("lockstep_floor_seconds"):
+        return ""
+    return (
+        f"; with a trainer that backpropagates at the step (train.backend=fsdp) none is shorter than "
+        f"{ideal['lockstep_floor_seconds']:.1f} s, {100 * ideal['steady_of_lockstep_floor']:.0f}% reached"
     )
