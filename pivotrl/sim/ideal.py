@@ -286,13 +286,13 @@ def ideal_step(
     last, k_last, _ = ends[-1]
     after = max(judged_alone(last, k_last) + update - optimizer, groups_trained(last, k_last)) + optimizer
     joint = joint_floor(spec, n, rollout_tokens, rest, after)
-    lockstep = 0.0
-    if spec.lockstep_train:  # every backward after the last judgment, on every GPU
-        held = judged_alone(last, k_last) + gpu_seconds["train"] / gpus + optimizer
-        floors = (sum(gpu_seconds.values()) / gpus, spread, group, joint.seconds)  # (every schedule's, its too)
-        lockstep = max(*floors, joint_floor(spec, n, rollout_tokens, rest, max(after, held)).seconds)
-    return IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint.seconds, group, after,
-                     joint.rollout_s, joint.rollout_gpu_s, joint, optimizer, lockstep)  # fmt: skip
+    step = IdealStep(n, gpus, b, bj, mean_len, gpu_seconds, critical, spread, rollout, joint.seconds, group, after,
+                     joint.rollout_s, joint.rollout_gpu_s, joint, optimizer)  # fmt: skip
+    if not spec.lockstep_train:
+        return step
+    held = judged_alone(last, k_last) + gpu_seconds["train"] / gpus + optimizer  # every backward, on every GPU
+    lockstep = joint_floor(spec, n, rollout_tokens, rest, max(after, held)).seconds
+    return dataclasses.replace(step, lockstep_floor_s=max(step.floor_seconds, lockstep))  # (every schedule's holds)
 
 
 def spread_rollout_s(spec: SimSpec, samples: int, rollout_tokens: int) -> float:

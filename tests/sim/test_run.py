@@ -255,11 +255,9 @@ def test_a_simulated_fsdp2_run_says_how_far_it_is_from_its_trainers_floor(tmp_pa
     bounds = summary["sim"]["ideal"]
     ideal = ideal_for_job(load_config(EXAMPLE, [*SMALL, "mode=shiftable", "train.backend=fsdp"]))
     assert bounds["lockstep_floor_seconds"] == pytest.approx(ideal.lockstep_floor_s)
-    assert bounds["lockstep_floor_seconds"] >= bounds["floor_seconds"]
     held = ideal.samples / ideal.lockstep_floor_s
     assert bounds["steady_of_lockstep_floor"] == pytest.approx(summary["steady_samples_per_s"] / held)
     assert 0 < bounds["steady_of_lockstep_floor"] < 1  # no run of that trainer beats its floor
-    assert bounds["steady_of_lockstep_floor"] >= bounds["steady_of_floor"]
     assert "with a trainer that backpropagates at the step (train.backend=fsdp) none is shorter than" in format_sim(
         summary
     )
