@@ -76,6 +76,7 @@ class StepWork:
     runs: tuple[tuple[int, int, float, int], ...]  # the floor's rollout: (first step, steps, seconds, instances)
     ends: tuple[float, ...]  # per response: when the floor's rollout passes its length
     contexts: tuple[int, ...]  # per response: its judge prompt's tokens
+    shared: int  # of which its group's judgments share (read once a group where the judge's cache is paged)
     judgments: tuple[int, ...]  # per response: its judgment's tokens
     groups: tuple[int, ...]  # per response: its group
     group_work: tuple[float, ...]  # per group: its backward, instance-seconds
@@ -120,6 +121,7 @@ def step_of(cfg: JobConfig, spec: SimSpec, seed: int = 0) -> StepWork:
         runs=jf.runs,
         ends=tuple(end(length) for length in lengths),
         contexts=tuple(spec.prompt_len + length + spec.judge_template_len for length in lengths),
+        shared=spec.prompt_len + spec.judge_template_len if spec.kv_tokens(Role.GENRM) is not None and size > 1 else 0,
         judgments=tuple(judged),
         groups=groups,
         group_work=tuple(train * k / sum(tokens) for k in tokens),
@@ -175,11 +177,19 @@ def replay(
     judge_held = judge_end = 0.0
     total_work = sum(step.group_work)
     stalled, formed, trained_early = 0.0, False, 0.0
+    read: set[int] = set()  # the groups a judgment of which was read: the others read only their responses
+
+    def cached(i: int) -> int:
+        """The tokens of judgment ``i``'s prompt its judge reads from its cache (noting its group as read)."""
+        g = step.groups[i]
+        hit = step.shared if g in read else 0
+        read.add(g)
+        return hit
 
     def alone(i: int) -> float:
         """Judgment ``i`` by itself: its prompt read, its verdict written at batch 1."""
-        c, o = step.contexts[i], step.judgments[i]
-        return jc.prefill(model, tp, c, c) + max(0, o - 1) * jc.decode_step(model, tp, 1, c + o / 2)
+        c, o, s = step.contexts[i], step.judgments[i], cached(i)
+        return jc.prefill(model, tp, c - s, c + s) + max(0, o - 1) * jc.decode_step(model, tp, 1, c + o / 2)
 
     def finish(i: int) -> None:
         nonlocal finished, groups_done, released, judge_end, trained_early
@@ -224,8 +234,8 @@ def replay(
             judges = min(free, max(1, math.ceil(want / target))) if want else 0
             while queue and len(reading) + len(decoding) < judges * capacity:
                 i = queue.popleft()
-                c = step.contexts[i]
-                reading.append([i, jc.prefill(model, tp, capacity * c, c) / capacity])
+                c, s = step.contexts[i], cached(i)
+                reading.append([i, jc.prefill(model, tp, capacity * (c - s), c + s) / capacity])
             budget = judges * dt
             judge_held += budget if want else 0.0
             while reading and budget > 0:

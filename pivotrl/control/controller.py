@@ -577,7 +577,9 @@ class Controller:
             if d.role is Role.GENRM:
                 s = self.by_uid[uid]
                 redo_judge.append(
-                    JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge)
+                    JudgeRequest(
+                        s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge, group=s.prompt_index
+                    )
                 )
             else:
                 redo_gen.append(self._gen_request(uid))
@@ -679,7 +681,11 @@ class Controller:
                 self.step.rollout_end = self.clock()
                 g = self.spec.group_size
                 self.step.groups_judged_at_rollout_end = sum(n == g for n in self.step.group_judged.values())
-            judge_reqs.append(JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge))
+            judge_reqs.append(
+                JudgeRequest(
+                    s.uid, s.question, s.reference, s.response_text, s.seed, self.spec.judge, group=s.prompt_index
+                )
+            )
             if generated == self.spec.group_size:
                 whole.append(s.prompt_index)
                 self.step.group_whole_at[s.prompt_index] = self.clock()

@@ -23,6 +23,13 @@ not the fewest requests: a group's judgments, queued together, hold its
 shortest and its longest response side by side, and handed out by count in
 turn they would load a few devices with every group's longest.
 
+A group's judgments begin alike (the judge's template, the question and the
+reference come before the response), and an engine with a prefix cache reads
+such a beginning once while it stays cached. So a judgment goes where its group
+was last sent (``JudgeRequest.group``) while that device has room below the
+even share of the work; only otherwise to the least loaded. The share bounds
+what the preference costs the balance.
+
 Where the judge's KV cache is paged (``judge_kv``, tokens per device), a device
 is handed no more than its cache holds: the count cap fits judgments of the
 mean length, but the last of a step judge the longest responses, and a device
@@ -114,6 +121,7 @@ class Scheduler:
         self._weights: dict[int, float] = {}  # judgment uid in flight -> its weight
         self._work: dict[int, float] = {}  # device -> weight of the judgments it runs
         self._queued_work = 0.0  # weight of the judgments queued
+        self._home: dict[int, int] = {}  # a judgment group -> the device its last judgment was sent to
         self.gen_queue: deque[GenRequest] = deque()
         self.judge_queue = JudgeQueue()
         # device -> uids it is working on; a list, not a dict: the loads of a thousand devices are
@@ -230,19 +238,22 @@ class Scheduler:
         if weighed:
             limit = (self._queued_work + sum(work.get(d, 0.0) for d in devices)) / (len(devices) + joining)
             limit = min(limit, self.judge_kv)
-        # least loaded first, ties to the lowest id; a device with no room leaves the heap
+        # least loaded first, ties to the lowest id; a device with no room leaves the heap. ``room``: the load of
+        # each device with room, which its heap entry must match (an entry is left behind when a judgment goes
+        # to its group's device, out of heap order)
         heap = [
             (w, n, d)
             for n, d in zip(loads, devices, strict=True)
             if n < cap and (w := work.get(d, 0.0) if weighed else n) < limit
         ]
         heapq.heapify(heap)
+        room = {d: (w, n) for w, n, d in heap}
         if weighed:  # the requests that go now, in queue order; placed heaviest first (longest processing time)
-            room, room_work = sum(cap - n for _, n, _ in heap), sum(limit - w for w, _, _ in heap)
+            slots, room_work = sum(cap - n for _, n, _ in heap), sum(limit - w for w, _, _ in heap)
             going: list[JudgeRequest] = []
             weights: dict[int, float] = {}
             taken = 0.0
-            while queue and len(going) < room and taken < room_work:
+            while queue and len(going) < slots and taken < room_work:
                 r = queue.popleft()
                 going.append(r)
                 weights[r.uid] = weight = self.judge_weight(r.uid)
@@ -253,20 +264,27 @@ class Scheduler:
             pending: deque | JudgeQueue = deque(going)
         else:
             pending = queue
-        while pending and heap:
-            w, n, d = heap[0]
+        home = self._home
+        while pending and room:
             req = pending.popleft()
+            d = home.get(req.group, -1) if weighed and req.group >= 0 else -1
+            if d not in room:
+                while room.get(heap[0][2]) != heap[0][:2]:  # (an entry left behind)
+                    heapq.heappop(heap)
+                d = heap[0][2]
+            w, n = room.pop(d)
             batches.setdefault(d, []).append(req)
             self._holding(d).add(req.uid)
             if weighed:
                 weight = self._weights[req.uid] = weights[req.uid]
                 work[d] = w = work.get(d, 0.0) + weight
+                if req.group >= 0:
+                    home[req.group] = d
             else:
                 w += 1
             if n + 1 < cap and w < limit:
-                heapq.heapreplace(heap, (w, n + 1, d))
-            else:
-                heapq.heappop(heap)
+                room[d] = (w, n + 1)
+                heapq.heappush(heap, (w, n + 1, d))
         if weighed and pending:  # past every device's share: back to the queue's front, in their order
             left = {r.uid for r in pending}
             back = [r for r in order if r.uid in left]

@@ -436,7 +436,11 @@ class SimDriver:
         else:
             prompt = spec.prompt_len + synthetic.response_tokens(r.response) + spec.judge_template_len
         u = synthetic.unit(spec.seed, r.seed, r.uid, synthetic.JUDGE_LENGTH)
-        return SimSeq(r.uid, prompt, len(r.output_ids), min(spec.judge_lengths.quantile(u), r.params.max_new_tokens), r)
+        target = min(spec.judge_lengths.quantile(u), r.params.max_new_tokens)
+        # a group's judgments begin alike: the template and the question (and its reference) come before the
+        # response, as the default judge template has them
+        shared = spec.prompt_len + spec.judge_template_len if r.group >= 0 else 0
+        return SimSeq(r.uid, prompt, len(r.output_ids), target, r, group=r.group, shared=shared)
 
     def _add(self, dev: _Device, seqs: list[SimSeq]) -> None:
         engine = dev.engine

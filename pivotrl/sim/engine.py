@@ -7,8 +7,16 @@ that many tokens as they grow, a waiting one is admitted when its context fits
 beside the others' (less a small watermark), and when a decode step would not
 fit, the sequence admitted last is preempted: it goes back to the head of the
 queue with its tokens so far and re-prefills them when admitted again
-(recompute preemption). Without it every sequence holds one of ``capacity``
-fixed slots (the runtime's CPU engine). A step is
+(recompute preemption). A paged cache keeps what it has read, as vLLM's and
+SGLang's prefix caches do: a sequence of a ``group`` whose beginning
+(``shared`` tokens: a judgment's template, question and reference) a sequence
+of its group read here before, and still cached, prefills only the rest. A
+beginning stays cached while a sequence of its group runs here, and after in
+the cache's free room, the least recently read given up first for new
+sequences. In a prefill pass the first of a group reads its beginning for the
+others (vLLM caches a block as it allocates it).
+Without a paged cache every sequence holds one of ``capacity`` fixed slots,
+and nothing is cached (the runtime's CPU engine). A step is
 either a prefill of newly admitted sequences (each samples its first token) or
 a decode step of every running sequence, as in ``pivotrl.engine``. Between two
 things that change the batch (a sequence finishing, waiting ones admitted) the
@@ -25,7 +33,7 @@ something arrives earlier than planned.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +52,8 @@ class SimSeq:
     target: int
     request: Any  # the request it answers, handed back on abort
     k0: int = 0  # the engine's decode-step count when its prefill completed (running sequences)
+    group: int = -1  # sequences of one group (>= 0) begin with the same ``shared`` tokens of their prompts
+    shared: int = 0
 
 
 KV_WATERMARK = 0.01  # share of a paged cache kept free when admitting (vLLM's default), so that a
@@ -73,6 +83,10 @@ class ModeledEngine:
         self.waiting: deque[SimSeq] = deque()
         self._finish: list[tuple[int, int]] = []  # heap of (decode step count at which it ends, uid)
         self._ctx = 0  # sum over running of prompt + base + 1 - k0: their mean context is _ctx / n + k
+        # paged: the groups whose beginnings are cached (group -> tokens), least recently read first, and how many
+        # sequences of each run here (a beginning a running sequence holds is not given up)
+        self._cached: OrderedDict[int, int] = OrderedDict()
+        self._holding: Counter[int] = Counter()
 
     @property
     def load(self) -> int:
@@ -101,6 +115,7 @@ class ModeledEngine:
         """Every sequence with its tokens so far (running first, then waiting), leaving the engine empty."""
         out = [(s, self.generated(s)) for s in self.running.values()] + [(s, s.base) for s in self.waiting]
         self.running, self.waiting, self._finish, self._ctx = {}, deque(), [], 0
+        self._holding.clear()
         return out
 
     def take(self, uids: set[int]) -> list[tuple[SimSeq, int]]:
@@ -109,6 +124,7 @@ class ModeledEngine:
         for s, _ in out:
             del self.running[s.uid]
             self._ctx -= s.prompt + s.base + 1 - s.k0
+            self._release(s)
         if out:
             self._finish = [f for f in self._finish if f[1] in self.running]
             heapq.heapify(self._finish)
@@ -123,12 +139,14 @@ class ModeledEngine:
 
     def snapshot(self) -> tuple:
         return (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.kv_read, self.peak,
-                self._ctx, self.preempted, dict(self.running), deque(self.waiting), list(self._finish))  # fmt: skip
+                self._ctx, self.preempted, dict(self.running), deque(self.waiting), list(self._finish),
+                OrderedDict(self._cached), Counter(self._holding))  # fmt: skip
 
     def restore(self, snap: tuple) -> None:
         (self.t, self.k, self.tokens, self.prefill_tokens, self.prefill_seconds, self.kv_read, self.peak,
-         self._ctx, self.preempted, running, waiting, finish) = snap  # fmt: skip
+         self._ctx, self.preempted, running, waiting, finish, cached, holding) = snap  # fmt: skip
         self.running, self.waiting, self._finish = dict(running), deque(waiting), list(finish)
+        self._cached, self._holding = OrderedDict(cached), Counter(holding)
 
     def advance(self, until: float) -> list[SimSeq]:
         """Run the steps that complete by ``until``; the sequences that finished in them."""
@@ -140,20 +158,26 @@ class ModeledEngine:
                 free = self._fits(free)
             if free > 0:  # a prefill step admits as many as there are free slots
                 batch = [self.waiting[i] for i in range(free)]
-                seconds = self._prefill_seconds(batch)
+                cached = self._cached_of(batch)
+                seconds = self._prefill_seconds(batch, cached)
                 if self.t + seconds > until:
                     break
                 for _ in batch:
                     self.waiting.popleft()
                 self.t += seconds
                 self.tokens += len(batch)
-                self.prefill_tokens += sum(s.prompt + s.base for s in batch)
+                self.prefill_tokens += sum(s.prompt + s.base for s in batch) - sum(cached)
                 self.prefill_seconds += seconds
                 for s in batch:
+                    if self._caches(s) and not s.base:  # its beginning, read now or before, is the most recent
+                        self._cached[s.group] = s.shared
+                        self._cached.move_to_end(s.group)
                     if s.base + 1 >= s.target:
                         finished.append(s)
                         continue
-                    r = SimSeq(s.uid, s.prompt, s.base, s.target, s.request, self.k)
+                    r = SimSeq(s.uid, s.prompt, s.base, s.target, s.request, self.k, s.group, s.shared)
+                    if self._caches(r):
+                        self._holding[r.group] += 1
                     self.running[r.uid] = r
                     heapq.heappush(self._finish, (self.k + r.target - r.base - 1, r.uid))
                     self._ctx += r.prompt + r.base + 1 - self.k
@@ -191,8 +215,44 @@ class ModeledEngine:
             while self._finish and self._finish[0][0] == self.k:
                 s = self.running.pop(heapq.heappop(self._finish)[1])
                 self._ctx -= s.prompt + s.base + 1 - s.k0
+                self._release(s)
                 finished.append(s)
         return finished
+
+    def _caches(self, s: SimSeq) -> bool:
+        """Whether the prefix cache keeps ``s``'s beginning: a paged cache, a sequence of a group."""
+        return self.kv_tokens is not None and s.group >= 0 and s.shared > 0
+
+    def _release(self, s: SimSeq) -> None:
+        """``s`` no longer runs here: its group's beginning stays cached, held no more by it."""
+        if self._caches(s):
+            self._holding[s.group] -= 1
+            if not self._holding[s.group]:
+                del self._holding[s.group]
+
+    def _cached_of(self, batch: list[SimSeq]) -> list[int]:
+        """Tokens each of ``batch`` (about to be admitted) reads from the prefix cache. First the beginnings no
+        running sequence holds are given up, least recently read first, until the rest fit in the cache's
+        free room."""
+        if self.kv_tokens is None:
+            return [0] * len(batch)
+        cached, holding = self._cached, self._holding
+        if cached:
+            free = self.kv_tokens - (self._ctx + len(self.running) * self.k)
+            unheld = [g for g in cached if g not in holding]
+            spare = sum(cached[g] for g in unheld)
+            for g in unheld:  # (in the order they were last read)
+                if spare <= free:
+                    break
+                spare -= cached.pop(g)
+        out, read = [], set(cached)
+        for s in batch:  # (the first of a group in the pass reads its beginning for the others: its blocks are
+            # cached as they are allocated, and the pass writes every layer's keys before it attends to them)
+            hit = not s.base and self._caches(s)
+            out.append(s.shared if hit and s.group in read else 0)
+            if hit:
+                read.add(s.group)
+        return out
 
     def _fits(self, most: int) -> int:
         """How many of the first ``most`` waiting sequences the paged cache admits now: their contexts
@@ -213,17 +273,22 @@ class ModeledEngine:
         uid = next(reversed(self.running))
         s = self.running.pop(uid)
         self._ctx -= s.prompt + s.base + 1 - s.k0
+        self._release(s)
         self._finish = [f for f in self._finish if f[1] != uid]
         heapq.heapify(self._finish)
-        self.waiting.appendleft(SimSeq(uid, s.prompt, self.generated(s), s.target, s.request))
+        self.waiting.appendleft(SimSeq(uid, s.prompt, self.generated(s), s.target, s.request, 0, s.group, s.shared))
         self.preempted += 1
 
-    def _prefill_seconds(self, batch: list[SimSeq]) -> float:
-        """New prompts in one prefill pass; a migrated sequence re-prefills its prompt and tokens so far."""
-        fresh = [s.prompt for s in batch if s.base == 0]
+    def _prefill_seconds(self, batch: list[SimSeq], cached: list[int]) -> float:
+        """New prompts in one prefill pass, less the ``cached`` beginning of each (its tokens still attend to it);
+        a migrated sequence re-prefills its prompt and tokens so far."""
+        # (the pass's attention priced at its token-weighted length: p for a prompt of p, p + c for its last
+        # p - c tokens after c cached, each seeing c and half the rest on average)
+        fresh = [(s.prompt - c, s.prompt + c) for s, c in zip(batch, cached, strict=True) if s.base == 0]
         seconds = 0.0
-        if fresh:
-            seconds += self.costs.prefill(self.model, self.tp, sum(fresh), round(sum(fresh) / len(fresh)))
+        if tokens := sum(n for n, _ in fresh):
+            seq = round(sum(n * length for n, length in fresh) / tokens)
+            seconds += self.costs.prefill(self.model, self.tp, tokens, seq)
         for s in batch:
             if s.base:
                 seconds += self.costs.migration(self.model, self.tp, s.prompt + s.base)

@@ -14,10 +14,14 @@ tokens (``sim.judge_output_len``, lognormal about it with
 ``sim.judge_output_sigma``, capped at ``judge.max_new_tokens``), on
 instances of ``tp`` GPUs holding at most B (policy) and Bj (judge) sequences
 (``SimSpec.capacity``: ``rollout.max_batch`` or fewer if the KV cache says so; a
-paged cache is counted at the role's mean decode context):
+paged cache is counted at the role's mean decode context). The judge prompts of
+a group of G responses begin with the same S = P + T tokens (the template and
+the question come before the response): a paged cache, a prefix cache, reads
+them once a group (S = 0 without one; their attention is priced at the whole
+prompt, which only lowers it):
 
     W_rollout = tp * N * [prefill(B prompts of P) / B + E[L - 1] * decode_step(B, c) / B]
-    W_genrm   = tp * N * [prefill(Bj prompts of E[J]) / Bj + E[O - 1] * decode_step(Bj, cj) / Bj]
+    W_genrm   = tp * N * [prefill(Bj prompts of E[J] - S (G - 1) / G) / Bj + E[O - 1] * decode_step(Bj, cj) / Bj]
     W_train   = train_tokens(N * (P + E[L]) tokens on 1 GPU, sequences of P + E[L])
                 + tp * optimizer_step(tp GPUs)
 
@@ -232,13 +236,17 @@ def ideal_step(
     decode_steps = mean_len - 1  # E[L - 1]: the first token comes from the prefill
     context = decode_context(p, spec.lengths, rollout_tokens, grid)
     judge_prompt = p + mean_len + spec.judge_template_len
+    # a group's judgments begin alike (the template and the question before the response): a paged cache reads
+    # that beginning once a group, the others' only their responses (their attention still reaches back to it)
+    shared = p + spec.judge_template_len if spec.kv_tokens(Role.GENRM) is not None and group_size > 1 else 0
+    judge_read = judge_prompt - shared * (group_size - 1) / group_size
     out_len, _ = length_moments(spec.judge_lengths, judge_tokens, grid)  # E[O]
     judge_context = decode_context(judge_prompt, spec.judge_lengths, judge_tokens, grid)
     n = samples
     gpu_seconds = {
         "rollout_prefill": tp * n * rc.prefill(spec.policy, tp, b * p, p) / b,
         "rollout_decode": tp * n * decode_steps * rc.decode_step(spec.policy, tp, b, context) / b,
-        "genrm_prefill": tp * n * jc.prefill(spec.genrm, tp, round(bj * judge_prompt), round(judge_prompt)) / bj,
+        "genrm_prefill": tp * n * jc.prefill(spec.genrm, tp, round(bj * judge_read), round(judge_prompt)) / bj,
         "genrm_decode": tp * n * (out_len - 1) * jc.decode_step(spec.genrm, tp, bj, judge_context) / bj,
         "train": costs.train_tokens(spec.policy, round(n * (p + mean_len)), 1, round(p + mean_len)),
         "optimizer": tp * costs.optimizer_step(spec.policy, tp),
@@ -251,7 +259,8 @@ def ideal_step(
         judged = p + length + spec.judge_template_len
         out = spec.judge_lengths.quantile(1 / (2 * company) if first else 1 - 1 / (2 * company))
         decode = jc.decode_span(spec.genrm, tp, 1, judged + 1, max(0, min(out, judge_tokens) - 1))
-        return jc.prefill(spec.genrm, tp, judged, judged) + decode
+        # (its group's beginning cached by another's judgment: its response read after it, attending to it)
+        return jc.prefill(spec.genrm, tp, judged - shared, judged + shared) + decode
 
     # for every length x, the k responses at least x long end no earlier than x on the path and the
     # longest of their k judgments follows; with judgments of one length the longest response binds

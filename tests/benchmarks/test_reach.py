@@ -34,8 +34,11 @@ def test_the_floors_own_terms_replay_to_the_floor_and_a_batched_judge_does_not_b
     for b, r in out["batched"].items():  # a judge's batch costs latency or price: never shorter
         assert r["seconds"] >= check - 0.1, (b, r["seconds"], check)
         assert r["judge_instance_s"] >= out["judge_price_instance_s"] * 0.99, (b, r)  # never under the floor's price
-    # a full batch's latency leaves the groups waiting: the biggest target is not the best here
-    assert out["best_target"] < 256
+    # a judge's batch is a trade: a batch of 8 pays for its latency in price, and neither end is the best for a
+    # judge that reasons (a full batch's latency leaves the groups waiting for its longest judgments)
+    assert out["best_target"] > 8
+    if name == "reasoning-judge":
+        assert out["best_target"] < 256
 
 
 def test_a_lockstep_trainer_trains_nothing_before_the_last_judgment():

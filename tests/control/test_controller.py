@@ -144,6 +144,7 @@ class FakeCluster:
             d = cmd.device
             assert self.role[d] is G, f"judge requests to device {d} holding {self.role[d]}"
             for r in cmd.requests:
+                assert r.group == r.uid // GROUP, f"judgment {r.uid} names group {r.group}"  # (its prompt's index)
                 self.requests[r.uid] = r
                 verdict = "yes" if r.response == f"the answer is {r.reference}" else "no"
                 self.work[d].append(JudgeResult(r.uid, f"looks {verdict}. VERDICT: {verdict}", False, 5))

@@ -220,6 +220,25 @@ def test_judgments_stop_at_an_even_share_of_the_work_so_late_devices_get_some():
     assert placed(s.dispatch_judge([0, 1, 2, 3])) == {3: [106, 107]}
 
 
+def test_a_judgment_goes_where_its_group_was_sent_while_that_device_is_below_an_even_share():
+    def of(group: int, *uids: int) -> list[JudgeRequest]:
+        return [JudgeRequest(u, "q", "r", "a", seed=u, params=P, group=group) for u in uids]
+
+    s = Scheduler(per_device=8)
+    s.submit_judge(of(5, 0) + of(6, 1))
+    assert placed(s.dispatch_judge([0, 1])) == {0: [0], 1: [1]}
+    # device 1 is the least loaded once 1 is done, but 2 goes where its group's first went: device 0 reads the
+    # group's beginning from its cache; 3, of no group, goes to the least loaded
+    s.finished(1, 1)
+    s.submit_judge(of(5, 2) + judge(3))
+    assert placed(s.dispatch_judge([0, 1])) == {0: [2], 1: [3]}
+    # past its share of the work a device takes no more of its groups: 7 judgments for 2 devices, 3.5 each
+    # (device 0 holds 2, takes 4 and 5; 6 and 7 go to device 1, which becomes the group's device)
+    s.submit_judge(of(5, 4, 5, 6, 7))
+    assert placed(s.dispatch_judge([0, 1])) == {0: [4, 5], 1: [6, 7]}
+    assert s._home == {5: 1, 6: 1}
+
+
 def test_a_paged_judge_cache_bounds_what_a_device_is_handed():
     """With ``judge_kv`` a device takes judgments while what they read fits its cache (the last one
     may cross it): the long ones left wait in the queue for the devices that free up next."""

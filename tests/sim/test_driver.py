@@ -327,6 +327,62 @@ def test_paged_snapshot_and_restore_replay_preemptions():
     assert a == b and a[3] > 0
 
 
+def test_a_paged_cache_reads_a_groups_beginning_once_while_it_stays_cached():
+    # judgments of 1,000-token prompts whose first 700 tokens their group shares
+    def judgment(uid: int, group: int) -> SimSeq:
+        return SimSeq(uid, 1000, 0, 50, None, group=group, shared=700)
+
+    e = ModeledEngine(H100, QWEN7, 1, capacity=8, kv_tokens=100_000)
+    e.add(judgment(0, 7), 0.0)
+    e.advance(1e9)
+    alone = e.prefill_seconds
+    assert e.prefill_tokens == 1000
+    e.add(judgment(1, 7), e.t)  # its group's beginning read before: only its own 300 tokens
+    e.add(judgment(2, 8), e.t)  # another group's: all of it
+    e.advance(1e9)
+    assert e.prefill_tokens == 1000 + 300 + 1000
+    # the rest still attends to the beginning: dearer than a prompt of 300, cheaper than one of 1,000
+    rest = e.prefill_seconds - alone
+    assert H100.prefill(QWEN7, 1, 1300, 1000) < rest < H100.prefill(QWEN7, 1, 2000, 1000)
+    # in one prefill pass the first of a group reads the beginning for the others
+    e.add(judgment(3, 9), e.t)
+    e.add(judgment(4, 9), e.t)
+    e.advance(1e9)
+    assert e.prefill_tokens == 2300 + 1000 + 300
+    # without a paged cache nothing is kept
+    fixed = ModeledEngine(H100, QWEN7, 1, capacity=8)
+    for uid in range(3):
+        fixed.add(judgment(uid, 7), 0.0)
+        fixed.advance(1e9)
+    assert fixed.prefill_tokens == 3000
+
+
+def test_a_beginning_no_sequence_holds_gives_way_to_new_ones_least_recently_read_first():
+    # 2,400 tokens of cache: two groups' beginnings (700 each) do not fit beside a running sequence of 1,000
+    # and more, one does
+    e = ModeledEngine(H100, QWEN7, 1, capacity=8, kv_tokens=2_400)
+    for uid, group in ((0, 1), (1, 2)):
+        e.add(SimSeq(uid, 1000, 0, 50, None, group=group, shared=700), e.t)
+        e.advance(1e9)
+    assert list(e._cached) == [1, 2]  # (read in that order, none running)
+    e.add(SimSeq(2, 1000, 0, 900, None), e.t)  # a sequence of no group, running long
+    e.advance(e.t + 0.5)
+    e.add(SimSeq(3, 1000, 0, 50, None, group=2, shared=700), e.t)
+    e.advance(1e9)
+    assert e.prefill_tokens == 1000 + 1000 + 1000 + 300  # group 2 kept (read last), group 1 given up first
+    assert list(e._cached) == [2]
+    # a beginning a running sequence holds is never given up, and a snapshot keeps what is cached
+    e = ModeledEngine(H100, QWEN7, 1, capacity=8, kv_tokens=2_500)
+    e.add(SimSeq(0, 1000, 0, 400, None, group=1, shared=700), 0.0)
+    e.advance(0.2)
+    snap = e.snapshot()
+    e.add(SimSeq(1, 1000, 0, 50, None, group=1, shared=700), e.t)
+    e.advance(e.t + 1)
+    assert e.prefill_tokens == 1000 + 300
+    e.restore(snap)
+    assert list(e._cached) == [1] and e._holding[1] == 1 and e.prefill_tokens == 1000
+
+
 def test_paged_capacity_counts_the_mean_context_not_the_longest():
     job = ("sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "rollout.max_new_tokens=8192", "rollout.max_batch=64")
     paged, reserved = driver(*job), driver(*job, "sim.kv_cache=reserved")

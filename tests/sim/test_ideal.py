@@ -48,6 +48,9 @@ class LinearCosts:
     def max_batch(self, model, tp, context_len):
         return 10
 
+    def kv_tokens(self, model, tp):  # (a paged cache: ample)
+        return 10**6
+
     def train_tokens(self, model, tokens, n_gpus, seq_len=0):
         return 1e-4 * tokens / n_gpus
 
@@ -86,6 +89,21 @@ def test_a_hand_computed_step():
     assert step.by_role["rollout"] == pytest.approx(expected["rollout_prefill"] + expected["rollout_decode"])
     # the longest response alone: its prefill, 10 decode steps at batch 1, its judge prefill, 3 judge steps
     assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 3 * 0.101)
+
+
+def test_a_paged_judge_reads_a_groups_beginning_once():
+    """Judge prompts of 19 tokens begin with the 8 of the template and the question, alike in a group: with a
+    paged cache (a prefix cache) a group of 4 reads them once, the other 3 only their responses, and the
+    critical path's judgment finds its group's beginning cached."""
+    costs = LinearCosts()
+    base = spec(costs, LengthDist.fixed(11))
+    plain = ideal_step(base, samples=16, rollout_tokens=100, judge_tokens=100, group_size=4)
+    assert plain.gpu_seconds["genrm_prefill"] == pytest.approx(2 * 16 * 0.001 * 19)  # no cache kept
+    paged = ideal_step(dataclasses.replace(base, paged=True), 16, 100, 100, group_size=4)
+    assert paged.gpu_seconds["genrm_prefill"] == pytest.approx(2 * 16 * 0.001 * (19 - 8 * 3 / 4))
+    assert paged.critical_path_s == pytest.approx(plain.critical_path_s - 0.001 * 8)
+    alone = ideal_step(dataclasses.replace(base, paged=True), 16, 100, 100, group_size=1)
+    assert alone.gpu_seconds["genrm_prefill"] == pytest.approx(2 * 16 * 0.001 * 19)  # groups of one share nothing
 
 
 def test_judgments_of_spread_lengths_are_priced_at_their_mean():
