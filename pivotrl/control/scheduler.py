@@ -26,9 +26,11 @@ turn they would load a few devices with every group's longest.
 A group's judgments begin alike (the judge's template, the question and the
 reference come before the response), and an engine with a prefix cache reads
 such a beginning once while it stays cached. So a judgment goes where its group
-was last sent (``JudgeRequest.group``) while that device has room below the
-even share of the work; only otherwise to the least loaded. The share bounds
-what the preference costs the balance.
+was last sent (``JudgeRequest.group``) if that device has room and holds at
+most the judgment's own work more than the least loaded; otherwise to the least
+loaded. Sent wherever their group went, a group's judgments would fill devices
+group by group and leave the heaviest unspread: a simulated colocated step of
+judge-32b at 128 GPUs ran 8% slower so, and 2.5% faster with the bound.
 
 Where the judge's KV cache is paged (``judge_kv``, tokens per device), a device
 is handed no more than its cache holds: the count cap fits judgments of the
@@ -267,11 +269,12 @@ class Scheduler:
         home = self._home
         while pending and room:
             req = pending.popleft()
-            d = home.get(req.group, -1) if weighed and req.group >= 0 else -1
-            if d not in room:
-                while room.get(heap[0][2]) != heap[0][:2]:  # (an entry left behind)
-                    heapq.heappop(heap)
-                d = heap[0][2]
+            while room.get(heap[0][2]) != heap[0][:2]:  # (an entry left behind)
+                heapq.heappop(heap)
+            d = heap[0][2]
+            h = home.get(req.group, -1) if weighed and req.group >= 0 else -1
+            if h in room and room[h][0] <= room[d][0] + weights[req.uid]:  # its group's, a judgment's work more at most
+                d = h
             w, n = room.pop(d)
             batches.setdefault(d, []).append(req)
             self._holding(d).add(req.uid)

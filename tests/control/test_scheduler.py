@@ -220,7 +220,7 @@ def test_judgments_stop_at_an_even_share_of_the_work_so_late_devices_get_some():
     assert placed(s.dispatch_judge([0, 1, 2, 3])) == {3: [106, 107]}
 
 
-def test_a_judgment_goes_where_its_group_was_sent_while_that_device_is_below_an_even_share():
+def test_a_judgment_goes_where_its_group_was_sent_unless_that_device_holds_more_than_it_above_the_least():
     def of(group: int, *uids: int) -> list[JudgeRequest]:
         return [JudgeRequest(u, "q", "r", "a", seed=u, params=P, group=group) for u in uids]
 
@@ -232,10 +232,11 @@ def test_a_judgment_goes_where_its_group_was_sent_while_that_device_is_below_an_
     s.finished(1, 1)
     s.submit_judge(of(5, 2) + judge(3))
     assert placed(s.dispatch_judge([0, 1])) == {0: [2], 1: [3]}
-    # past its share of the work a device takes no more of its groups: 7 judgments for 2 devices, 3.5 each
-    # (device 0 holds 2, takes 4 and 5; 6 and 7 go to device 1, which becomes the group's device)
+    # the group's device takes a judgment only while it holds at most that judgment's work more than the least
+    # loaded: device 0 (2) takes 4 beside device 1 (1), not 5 (3 against 1); 5 goes to device 1, which becomes
+    # the group's device and takes 6 and 7 (3 beside 3)
     s.submit_judge(of(5, 4, 5, 6, 7))
-    assert placed(s.dispatch_judge([0, 1])) == {0: [4, 5], 1: [6, 7]}
+    assert placed(s.dispatch_judge([0, 1])) == {0: [4], 1: [5, 6, 7]}
     assert s._home == {5: 1, 6: 1}
 
 

@@ -129,6 +129,27 @@ def test_a_slice_reports_what_it_did(make, backend):
     engine.abort_all()
 
 
+def test_vllm_reads_a_beginning_it_read_before_from_its_prefix_cache(make):
+    """Two judgments of a group begin alike: the second reads only what its cache does not hold (whole blocks of
+    128 tokens on the CPU), and the slice reports what was read, which the planner prices the judge by."""
+    engine = make("vllm")
+    eos = tuple(char_tokenizer().eos_token_ids)
+    shared = [1] + [3 + (j * 5) % 60 for j in range(129)]
+
+    def judgment(uid: int) -> SeqState:
+        prompt = shared + [3 + (uid * 11 + j) % 60 for j in range(10)]
+        return SeqState(uid, prompt, seed=uid, params=SamplingParams(8, 0.0, stop_token_ids=eos))
+
+    reads = []
+    for uid in (0, 1):
+        engine.add(judgment(uid))
+        read = 0
+        while engine.has_work:
+            read += engine.run(10.0, time.perf_counter).prefill_tokens
+        reads.append(read)
+    assert reads == [140, 140 - 128]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_new_version_swapped_in_place_generates_as_transformers_does(make, backend, tmp_path):
     from transformers import AutoModelForCausalLM
