@@ -72,7 +72,8 @@ class JudgeRequest:
     output_ids: tuple[int, ...] = ()  # ... and the judgment written so far
     # the GRPO group (prompt index) of the response, -1 for none: a group's judgments begin alike (the template,
     # the question, the reference before the response), so a judge device with a prefix cache that judged one
-    # of them reads the rest's beginnings from its cache (the scheduler sends them to the same device)
+    # of them reads the rest's beginnings from its cache (the scheduler sends them to one device where the
+    # balance allows)
     group: int = -1
 
 

@@ -153,6 +153,13 @@ class SimSpec:
             return None
         return self.role_costs(role).kv_tokens(self.policy if role is Role.ROLLOUT else self.genrm, self.tp)
 
+    @property
+    def judge_shared_len(self) -> int:
+        """Tokens a group's judge prompts begin with alike, which a paged judge cache (a prefix cache) reads once
+        a group: the template and the question (and its reference) come before the response, as the default
+        judge template has them. 0 where the cache is not paged."""
+        return self.prompt_len + self.judge_template_len if self.kv_tokens(Role.GENRM) is not None else 0
+
     def capacity(self, role: Role) -> int:
         """Sequences one instance of ``role`` runs at once: its engines' slots, or fewer if KV memory says
         so (elastic engines: the most of any of their layouts)."""
@@ -437,10 +444,8 @@ class SimDriver:
             prompt = spec.prompt_len + synthetic.response_tokens(r.response) + spec.judge_template_len
         u = synthetic.unit(spec.seed, r.seed, r.uid, synthetic.JUDGE_LENGTH)
         target = min(spec.judge_lengths.quantile(u), r.params.max_new_tokens)
-        # a group's judgments begin alike: the template and the question (and its reference) come before the
-        # response, as the default judge template has them
-        shared = spec.prompt_len + spec.judge_template_len if r.group >= 0 else 0
-        return SimSeq(r.uid, prompt, len(r.output_ids), target, r, group=r.group, shared=shared)
+        return SimSeq(r.uid, prompt, len(r.output_ids), target, r, group=r.group,
+                      shared=spec.judge_shared_len if r.group >= 0 else 0)  # fmt: skip
 
     def _add(self, dev: _Device, seqs: list[SimSeq]) -> None:
         engine = dev.engine

@@ -158,10 +158,12 @@ class ModeledEngine:
                 free = self._fits(free)
             if free > 0:  # a prefill step admits as many as there are free slots
                 batch = [self.waiting[i] for i in range(free)]
-                cached = self._cached_of(batch)
+                cached, gone = self._cached_of(batch)
                 seconds = self._prefill_seconds(batch, cached)
                 if self.t + seconds > until:
                     break
+                for g in gone:
+                    del self._cached[g]
                 for _ in batch:
                     self.waiting.popleft()
                 self.t += seconds
@@ -230,29 +232,29 @@ class ModeledEngine:
             if not self._holding[s.group]:
                 del self._holding[s.group]
 
-    def _cached_of(self, batch: list[SimSeq]) -> list[int]:
-        """Tokens each of ``batch`` (about to be admitted) reads from the prefix cache. First the beginnings no
-        running sequence holds are given up, least recently read first, until the rest fit in the cache's
-        free room."""
+    def _cached_of(self, batch: list[SimSeq]) -> tuple[list[int], list[int]]:
+        """Tokens each of ``batch`` (about to be admitted) reads from the prefix cache, and the beginnings given
+        up first, once the pass completes: those no running sequence holds, least recently read first, until
+        the rest fit in the cache's free room."""
         if self.kv_tokens is None:
-            return [0] * len(batch)
-        cached, holding = self._cached, self._holding
-        if cached:
-            free = self.kv_tokens - (self._ctx + len(self.running) * self.k)
-            unheld = [g for g in cached if g not in holding]
-            spare = sum(cached[g] for g in unheld)
-            for g in unheld:  # (in the order they were last read)
-                if spare <= free:
-                    break
-                spare -= cached.pop(g)
-        out, read = [], set(cached)
+            return [0] * len(batch), []
+        cached, gone = self._cached, []
+        unheld = [g for g in cached if g not in self._holding]
+        spare = sum(cached[g] for g in unheld)
+        free = self.kv_tokens - (self._ctx + len(self.running) * self.k)
+        for g in unheld:  # (in the order they were last read)
+            if spare <= free:
+                break
+            spare -= cached[g]
+            gone.append(g)
+        out, read = [], set(cached).difference(gone)
         for s in batch:  # (the first of a group in the pass reads its beginning for the others: its blocks are
             # cached as they are allocated, and the pass writes every layer's keys before it attends to them)
             hit = not s.base and self._caches(s)
             out.append(s.shared if hit and s.group in read else 0)
             if hit:
                 read.add(s.group)
-        return out
+        return out, gone
 
     def _fits(self, most: int) -> int:
         """How many of the first ``most`` waiting sequences the paged cache admits now: their contexts

@@ -236,9 +236,9 @@ def ideal_step(
     decode_steps = mean_len - 1  # E[L - 1]: the first token comes from the prefill
     context = decode_context(p, spec.lengths, rollout_tokens, grid)
     judge_prompt = p + mean_len + spec.judge_template_len
-    # a group's judgments begin alike (the template and the question before the response): a paged cache reads
-    # that beginning once a group, the others' only their responses (their attention still reaches back to it)
-    shared = p + spec.judge_template_len if spec.kv_tokens(Role.GENRM) is not None and group_size > 1 else 0
+    # a group's judgments begin alike: a paged cache reads that beginning once a group, the others' only their
+    # responses (their attention still reaches back to it)
+    shared = spec.judge_shared_len if group_size > 1 else 0
     judge_read = judge_prompt - shared * (group_size - 1) / group_size
     out_len, _ = length_moments(spec.judge_lengths, judge_tokens, grid)  # E[O]
     judge_context = decode_context(judge_prompt, spec.judge_lengths, judge_tokens, grid)

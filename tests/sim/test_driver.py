@@ -368,6 +368,8 @@ def test_a_beginning_no_sequence_holds_gives_way_to_new_ones_least_recently_read
     e.add(SimSeq(2, 1000, 0, 900, None), e.t)  # a sequence of no group, running long
     e.advance(e.t + 0.5)
     e.add(SimSeq(3, 1000, 0, 50, None, group=2, shared=700), e.t)
+    e.advance(e.t + 1e-6)  # (a pass that does not complete gives nothing up)
+    assert list(e._cached) == [1, 2]
     e.advance(1e9)
     assert e.prefill_tokens == 1000 + 1000 + 1000 + 300  # group 2 kept (read last), group 1 given up first
     assert list(e._cached) == [2]
