@@ -117,7 +117,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import math
 import os
@@ -137,21 +136,13 @@ from pivotrl.config import load_config
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.ideal import INSTANCE_SIZES, IdealStep, ideal_for_job, ideals_by_size
 from pivotrl.sim.models import MODELS
+from pivotrl.sim.versus import LABELS, MODES, ROLES, Split, best_size, mode_overrides, search_split, split_text
 from pivotrl.sim.workload import LengthDist
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples/sim128.yaml"
 RESULTS = ROOT / "benchmarks/results"
-MODES = ("deployed", "colocated", "disaggregated", "shiftable")
-# the colocated baseline as today's frameworks run it: each phase switch at its published cost (engines put
-# to sleep and woken, the policy's weights synced into the rollout engine, the trainer's state offloaded:
-# ``DeployedCosts``, every number with its source), no sequence moved between engines within a step
-DEPLOYED = ("mode=colocated", "sim.costs=deployed", "rollout.rebalance=false")
-LABELS = {"deployed": "colocated, deployed", "colocated": "colocated, strong", "disaggregated": "disaggregated",
-          "shiftable": "shiftable"}  # fmt: skip
-ROLES = ("rollout", "genrm", "train")
 TPS = INSTANCE_SIZES
-Split = tuple[int, int, int]  # rollout, genrm, train devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +162,7 @@ GROUPS = {
         Group("judge-32b", "Qwen2.5-7B", "Qwen2.5-32B", "judge larger than the policy"),
         Group("dense-14b", "Qwen2.5-14B", "Qwen2.5-14B", "larger dense pair"),
         # a judge that thinks before its verdict: judgments of varying length with a long tail. Public GenRM
-        # recipes cap them at 4k-16k tokens (DEPLOYED's sources); no length distribution is published, so
+        # recipes cap them at 4k-16k tokens (DeployedCosts' sources); no length distribution is published, so
         # this is an assumption: lognormal, median 1024, sigma 0.8 (about 0.5% reach the 8192 cap)
         Group(
             "reasoning-judge",
@@ -236,80 +227,6 @@ def with_tp(overrides: list[str], tp: int) -> list[str]:
 def floor_rate(i: dict[str, Any]) -> float:
     """``IdealStep.floor_samples_per_s`` of a report's ideal (older reports do not have it)."""
     return i["samples_per_s"] * i["step_seconds"] / i["floor_seconds"]
-
-
-def best_size(caps: dict[int, float], run: Callable[[int], float]) -> tuple[int | None, list[dict[str, Any]]]:
-    """The instance size where ``run`` (a mode at that size: its samples/s, 0 when it failed) is fastest.
-    Sizes are tried from the highest floor bound (``caps``, samples/s) down; one whose bound is no better
-    than the best run so far is skipped (no run there can beat it). Every size, run or skipped, in the list."""
-    best, best_rate, tried = None, 0.0, []
-    for tp in sorted(caps, key=lambda tp: -caps[tp]):
-        cap = caps[tp]
-        if best is not None and cap <= best_rate:
-            tried.append({"tp": tp, "skipped": f"floor bound {cap:.1f} samples/s <= {best_rate:.1f}"})
-            continue
-        rate = run(tp)
-        tried.append({"tp": tp, "samples_per_s": rate})
-        if rate > best_rate:
-            best, best_rate = tp, rate
-    return best, tried
-
-
-# -- the split search -----------------------------------------------------------------------
-
-
-def _valid(split: Split, devices: int) -> bool:
-    return min(split) >= 1 and sum(split) == devices
-
-
-def _move(split: Split, src: int, dst: int, n: int) -> Split:
-    r, g, t = (k - n * (i == src) + n * (i == dst) for i, k in enumerate(split))
-    return r, g, t
-
-
-def search_split(
-    evaluate: Callable[[Split], float], devices: int, seed: Split, levels: int = 3, budget: int = 24
-) -> tuple[Split, list[tuple[Split, float]]]:
-    """The split with the lowest ``evaluate`` (a steady step time; ``inf`` when a run failed) found by
-    a coarse grid then a compass search (module docstring); every split evaluated, in order."""
-    if not _valid(seed, devices):
-        raise ValueError(f"seed: {seed} is not a split of {devices} devices with one per role")
-    tried: dict[Split, float] = {}
-
-    def run(split: Split) -> float:
-        if split not in tried and len(tried) < budget:
-            tried[split] = evaluate(split)
-        return tried.get(split, math.inf)
-
-    def best_of(points: list[Split], best: Split) -> Split:
-        for p in points:
-            if _valid(p, devices) and run(p) < run(best):
-                best = p
-        return best
-
-    best, spacing = seed, max(1, round(devices / 8))
-    run(best)
-    while True:  # coarse: the 3x3 grid of (genrm, train) counts, re-centred while the best moves
-        _, g, t = best
-        grid = [(devices - g - t - (i + j) * spacing, g + i * spacing, t + j * spacing)
-                for i in (-1, 0, 1) for j in (-1, 0, 1)]  # fmt: skip
-        before, best = best, best_of(grid, best)
-        if best == before or len(tried) >= budget:
-            break
-    for _ in range(levels):  # refine: move `spacing` devices from one role to another
-        spacing //= 2
-        if spacing < 1:
-            break
-        while len(tried) < budget:
-            moves = [_move(best, src, dst, spacing) for src, dst in itertools.permutations(range(3), 2)]
-            before, best = best, best_of(moves, best)
-            if best == before:
-                break
-    return best, list(tried.items())
-
-
-def split_text(split: Split) -> str:
-    return ",".join(f"{r}:{n}" for r, n in zip(ROLES, split, strict=True))
 
 
 # -- one run --------------------------------------------------------------------------------
@@ -399,7 +316,7 @@ def bench(group: Group, gpus: int, args: argparse.Namespace, kept: dict[str, Any
 
         def run(tp: int, mode: str = mode, runs: dict[int, dict[str, Any]] = runs) -> float:
             kept = keep(f"{mode}-tp{tp}")  # (each size's run kept apart; the chosen one is renamed below)
-            how = list(DEPLOYED) if mode == "deployed" else [f"mode={mode}"]
+            how = mode_overrides(mode)
             r = runs[tp] = simulate([*job_overrides(group, gpus, tp), *how, f"steps={args.steps}"], args.timeout,
                                     kept)  # fmt: skip
             print(f"  {mode} TP{tp}: {_rate(r)} ({r['wall_s']:.0f} s)", flush=True)

@@ -146,6 +146,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pivotrl.sim.run import format_sim, format_sizes, run_simulation
 
+    if args.versus is None and (args.sizes or args.search_budget is not None):
+        raise UserError("--sizes and --search-budget go with --versus (the job in several modes, side by side)")
+    if args.versus is not None:
+        return _simulate_versus(args)
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out)
     check_run_dir(out, resumable=False)
@@ -157,6 +161,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if hint:
             print(hint)
     return 0
+
+
+def _simulate_versus(args: argparse.Namespace) -> int:
+    from pivotrl.sim.versus import MODES, SEARCH_BUDGET, format_versus, versus
+
+    out = Path(args.out)
+    check_run_dir(out, resumable=False)
+    say = (lambda _: None) if args.quiet else (lambda line: print(line, flush=True))  # noqa: E731
+    report = versus(args.config, args.overrides, out, args.versus or MODES, args.sizes or (),
+                    SEARCH_BUDGET if args.search_budget is None else args.search_budget, say=say)  # fmt: skip
+    print(format_versus(report))
+    print(f"runs written to {out}/<mode>, the table to {out / 'versus.json'}")
+    return 2 if any("error" in r for r in report["modes"].values()) else 0  # (a mode asked for did not run)
 
 
 def format_summary(s: dict, out: Path) -> str:
@@ -302,6 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sim.gpus=1024 steps=20")
     si.add_argument("--out", required=True, help="run directory to write")
     si.add_argument("--quiet", action="store_true", help="no progress bar")
+    si.add_argument("--versus", nargs="*", metavar="MODE", choices=("deployed", "colocated", "disaggregated",
+                    "shiftable"), help="run the job in each of these modes (none named: deployed colocated "
+                    "disaggregated shiftable) and print them side by side, with shiftable's speedups")  # fmt: skip
+    si.add_argument("--sizes", nargs="+", type=int, metavar="GPUS",
+                    help="with --versus: GPUs an instance to try, each mode kept at its fastest")  # fmt: skip
+    si.add_argument("--search-budget", type=int, metavar="RUNS",
+                    help="with --versus: runs of the static split's search per size (default 12), where the "
+                    "job names no split")  # fmt: skip
     si.set_defaults(func=cmd_simulate)
     pr = sub.add_parser("prepare", help="build the bundled task data, policy and judge (CPU, minutes)")
     pr.add_argument("--models", default="models", help="where to write the model directories")

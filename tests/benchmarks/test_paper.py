@@ -1,10 +1,8 @@
-"""The paper benchmark's helpers: the split search on a fake evaluator, the steady window of a run."""
+"""The paper benchmark's helpers: the steady window of a run, the reports."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -15,56 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # s
 import paper  # noqa: E402
 
 from pivotrl.config import load_config  # noqa: E402
-
-
-def pipeline(work: tuple[float, float, float]):
-    """A static split's step time if the slowest role sets it: work / devices, the max over roles."""
-
-    def evaluate(split):
-        return max(w / n for w, n in zip(work, split, strict=True))
-
-    return evaluate
-
-
-def every_split(devices):
-    return [(r, g, devices - r - g) for r, g in itertools.product(range(1, devices), repeat=2) if devices - r - g >= 1]
-
-
-@pytest.mark.parametrize(
-    ("devices", "work", "seed"),
-    [
-        (128, (5.0, 2.0, 3.0), (64, 32, 32)),  # near the optimum
-        (128, (5.0, 2.0, 3.0), (8, 100, 20)),  # far from it: the coarse grid walks
-        (64, (1.0, 1.0, 8.0), (30, 30, 4)),
-        (32, (8.0, 1.0, 1.0), (10, 11, 11)),
-    ],
-)
-def test_search_lands_near_the_best_split(devices, work, seed):
-    calls = []
-    evaluate = pipeline(work)
-
-    def counted(split):
-        calls.append(split)
-        return evaluate(split)
-
-    best, tried = paper.search_split(counted, devices, seed, levels=4, budget=60)
-    optimum = min(evaluate(s) for s in every_split(devices))
-    assert evaluate(best) <= optimum * 1.06
-    assert len(calls) == len(set(calls)) == len(tried)  # no split run twice
-    assert all(min(s) >= 1 and sum(s) == devices for s in calls)
-    assert tried[0][0] == seed and best == min(tried, key=lambda t: t[1])[0]
-
-
-def test_search_stops_at_its_budget_and_skips_failed_runs():
-    evaluate = pipeline((5.0, 2.0, 3.0))
-    best, tried = paper.search_split(lambda s: math.inf if s[1] > 30 else evaluate(s), 128, (40, 40, 48), budget=7)
-    assert len(tried) == 7
-    assert best[1] <= 30
-
-
-def test_search_refuses_a_bad_seed():
-    with pytest.raises(ValueError, match="not a split"):
-        paper.search_split(lambda s: 1.0, 8, (8, 0, 0))
 
 
 def write_run(path: Path) -> None:
@@ -196,22 +144,6 @@ def test_spent_splits_a_modes_time_into_the_work_and_what_is_beyond_it():
 def fake_ideal(floor_rate: float, samples_per_s: float = 200.0) -> dict[str, float]:
     """An ideal of 8192 samples a step whose floor allows ``floor_rate`` samples/s."""
     return {"samples_per_s": samples_per_s, "step_seconds": 8192 / samples_per_s, "floor_seconds": 8192 / floor_rate}
-
-
-def test_best_size_tries_the_highest_bound_first_and_skips_sizes_that_cannot_win():
-    caps = {1: 90.0, 2: 110.0, 4: 120.0, 8: 70.0}
-    measured = {1: 75.0, 2: 85.0, 4: 80.0, 8: 60.0}
-    ran = []
-
-    def run(tp):
-        ran.append(tp)
-        return measured[tp]
-
-    tp, tried = paper.best_size(caps, run)
-    assert tp == 2 and ran == [4, 2, 1]  # TP8's bound (70) is below the best run (85): not run
-    assert [t["tp"] for t in tried] == [4, 2, 1, 8] and "skipped" in tried[-1]
-    # every run failing: no size
-    assert paper.best_size({1: 90.0}, lambda tp: 0.0) == (None, [{"tp": 1, "samples_per_s": 0.0}])
 
 
 def test_with_tp_replaces_the_instance_size():

@@ -1,0 +1,188 @@
+"""``pivotrl simulate --versus``: the job in every mode side by side, and the split search behind its static split."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pivotrl.cli import main
+from pivotrl.config import ConfigError
+from pivotrl.errors import UserError
+from pivotrl.sim.versus import MODES, best_size, search_split, versus
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples/sim128.yaml")
+# 16 GPUs, 64 prompts of 16 responses a step: each run a second or two
+JOB = ["sim.gpus=16", "rollout.prompts_per_step=64", "steps=3", "eval.size=16"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("versus") / "run"
+    said: list[str] = []
+    return versus(EXAMPLE, JOB, out, MODES, search_budget=4, say=said.append), out, said
+
+
+def test_every_mode_runs_the_same_job_and_shiftable_is_compared_with_each(report):
+    r, out, said = report
+    assert list(r["modes"]) == list(MODES)
+    for mode, row in r["modes"].items():
+        summary = json.loads((out / mode / "summary.json").read_text())
+        config = json.loads((out / mode / "config.json").read_text())
+        assert row["samples_per_s"] == summary["steady_samples_per_s"] > 0
+        assert config["sim"]["gpus"] == 16 and config["rollout"]["prompts_per_step"] == 64 and config["steps"] == 3
+        # no mode passes the floor: it bounds every on-policy schedule
+        assert 0 < row["floor_fraction"] <= 1 and row["floor_fraction"] == pytest.approx(
+            row["samples_per_s"] / r["floor_samples_per_s"]
+        )
+        assert not (out / f"{mode}-tp1").exists()  # the kept run is renamed to the mode
+    assert json.loads((out / "deployed" / "config.json").read_text())["sim"]["costs"] == "deployed"
+    assert json.loads((out / "deployed" / "config.json").read_text())["rollout"]["rebalance"] is False
+    assert json.loads((out / "colocated" / "config.json").read_text())["mode"] == "colocated"
+    rates = {m: row["samples_per_s"] for m, row in r["modes"].items()}
+    assert r["speedup"] == pytest.approx({m: rates["shiftable"] / rates[m] for m in MODES if m != "shiftable"})
+    assert json.loads((out / "versus.json").read_text())["speedup"] == pytest.approx(r["speedup"])
+    assert rates["deployed"] < rates["colocated"]  # the same schedule, its switches at their published cost
+    assert any("shiftable TP1" in line for line in said)
+
+
+def test_the_static_split_is_searched_within_its_budget_and_the_best_is_run(report):
+    r, out, _ = report
+    row = r["modes"]["disaggregated"]
+    split = tuple(int(x.split(":")[1]) for x in row["split"].split(","))
+    assert min(split) >= 1 and sum(split) == 16
+    assert 1 <= len(row["search"]) <= 4
+    best = min((s for s in row["search"] if "step_seconds" in s), key=lambda s: s["step_seconds"])
+    assert best["split"] == row["split"]
+    assert json.loads((out / "disaggregated" / "config.json").read_text())["split"] == row["split"]
+
+
+def test_a_split_the_job_names_is_run_as_it_is(tmp_path):
+    r = versus(EXAMPLE, [*JOB, "split=rollout:6,genrm:3,train:7"], tmp_path / "run", ["disaggregated"],
+               say=lambda _: None)  # fmt: skip
+    row = r["modes"]["disaggregated"]
+    assert row["split"] == "rollout:6,genrm:3,train:7" and "search" not in row
+    assert r["speedup"] == {}  # (no shiftable run to compare)
+
+
+def test_each_mode_is_kept_at_its_fastest_size(tmp_path):
+    r = versus(EXAMPLE, JOB, tmp_path / "run", ["colocated", "shiftable"], sizes=[1, 2], say=lambda _: None)
+    for mode in ("colocated", "shiftable"):
+        row = r["modes"][mode]
+        ran = {t["tp"]: t["samples_per_s"] for t in row["sizes"] if "samples_per_s" in t}
+        assert row["instance_gpus"] == max(ran, key=ran.get)
+        assert (
+            json.loads((tmp_path / "run" / mode / "summary.json").read_text())["sim"]["instance_gpus"]
+            == (row["instance_gpus"])
+        )
+        assert {t["tp"] for t in row["sizes"]} == {1, 2}
+    assert r["sizes"] == [1, 2] and r["floor_samples_per_s"] >= max(
+        row["floor_samples_per_s"] for row in r["modes"].values()
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kwargs", "message"),
+    [
+        (["mode=colocated"], {}, "leave 'mode=colocated' out of the overrides"),
+        ([], {"modes": ["colocated", "static"]}, "--versus: got static, expected some of deployed"),
+        ([], {"search_budget": 0}, "--search-budget must be >= 1 (got 0)"),
+        (["sim.gpsu=8"], {}, "unknown key 'sim.gpsu'"),
+    ],
+)
+def test_bad_requests_stop_before_any_run(tmp_path, overrides, kwargs, message):
+    with pytest.raises((UserError, ConfigError)) as e:
+        versus(EXAMPLE, [*JOB, *overrides], tmp_path / "run", **{"modes": MODES, **kwargs})
+    assert message in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_cli_prints_the_table_and_exits_2_when_a_mode_cannot_run(tmp_path, capsys):
+    assert main(["simulate", EXAMPLE, *JOB, "--out", str(tmp_path / "a"), "--versus", "colocated", "shiftable",
+                 "--quiet"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "colocated, strong" in out and "shiftable vs it" in out and "no on-policy schedule passes" in out
+    assert (tmp_path / "a" / "versus.json").exists()
+    # two instances cannot hold a static split (one a role): the other mode still runs, the exit says so
+    small = ["sim.gpus=2", "rollout.prompts_per_step=8", "steps=2", "eval.size=16"]
+    assert main(["simulate", EXAMPLE, *small, "--out", str(tmp_path / "b"), "--versus", "disaggregated",
+                 "shiftable", "--quiet"]) == 2  # fmt: skip
+    out = capsys.readouterr().out
+    assert "disaggregated: 2 instance(s) of 1 GPU(s) cannot hold one a role" in out
+    assert (tmp_path / "b" / "shiftable" / "summary.json").exists()
+    # the options that go with --versus, without it
+    assert main(["simulate", EXAMPLE, *JOB, "--out", str(tmp_path / "c"), "--sizes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--sizes and --search-budget go with --versus" in err and "Traceback" not in err
+
+
+# -- the split search, on a fake evaluator ---------------------------------------------------
+
+
+def pipeline(work: tuple[float, float, float]):
+    """A static split's step time if the slowest role sets it: work / devices, the max over roles."""
+
+    def evaluate(split):
+        return max(w / n for w, n in zip(work, split, strict=True))
+
+    return evaluate
+
+
+def every_split(devices):
+    return [(r, g, devices - r - g) for r, g in itertools.product(range(1, devices), repeat=2) if devices - r - g >= 1]
+
+
+@pytest.mark.parametrize(
+    ("devices", "work", "seed"),
+    [
+        (128, (5.0, 2.0, 3.0), (64, 32, 32)),  # near the optimum
+        (128, (5.0, 2.0, 3.0), (8, 100, 20)),  # far from it: the coarse grid walks
+        (64, (1.0, 1.0, 8.0), (30, 30, 4)),
+        (32, (8.0, 1.0, 1.0), (10, 11, 11)),
+    ],
+)
+def test_search_lands_near_the_best_split(devices, work, seed):
+    calls = []
+    evaluate = pipeline(work)
+
+    def counted(split):
+        calls.append(split)
+        return evaluate(split)
+
+    best, tried = search_split(counted, devices, seed, levels=4, budget=60)
+    optimum = min(evaluate(s) for s in every_split(devices))
+    assert evaluate(best) <= optimum * 1.06
+    assert len(calls) == len(set(calls)) == len(tried)  # no split run twice
+    assert all(min(s) >= 1 and sum(s) == devices for s in calls)
+    assert tried[0][0] == seed and best == min(tried, key=lambda t: t[1])[0]
+
+
+def test_search_stops_at_its_budget_and_skips_failed_runs():
+    evaluate = pipeline((5.0, 2.0, 3.0))
+    best, tried = search_split(lambda s: math.inf if s[1] > 30 else evaluate(s), 128, (40, 40, 48), budget=7)
+    assert len(tried) == 7
+    assert best[1] <= 30
+
+
+def test_search_refuses_a_bad_seed():
+    with pytest.raises(ValueError, match="not a split"):
+        search_split(lambda s: 1.0, 8, (8, 0, 0))
+
+
+def test_best_size_tries_the_highest_bound_first_and_skips_sizes_that_cannot_win():
+    caps = {1: 90.0, 2: 110.0, 4: 120.0, 8: 70.0}
+    measured = {1: 75.0, 2: 85.0, 4: 80.0, 8: 60.0}
+    ran = []
+
+    def run(tp):
+        ran.append(tp)
+        return measured[tp]
+
+    tp, tried = best_size(caps, run)
+    assert tp == 2 and ran == [4, 2, 1]  # TP8's bound (70) is below the best run (85): not run
+    assert [t["tp"] for t in tried] == [4, 2, 1, 8] and "skipped" in tried[-1]
+    # every run failing: no size
+    assert best_size({1: 90.0}, lambda tp: 0.0) == (None, [{"tp": 1, "samples_per_s": 0.0}])
