@@ -170,6 +170,9 @@ class Versus:
             raise UserError(f"--versus runs the job in each mode it names: leave {named[0]!r} out of the overrides")
         self.config, self.overrides, self.out, self.say = config, list(overrides), out, say
         self.job = load_config(config, self.overrides)  # (a bad override stops here, before any run)
+        if self.job.sim.costs == "deployed":
+            raise UserError("--versus prices the deployed baseline itself (sim.costs=deployed for that mode only): "
+                            "leave sim.costs at roofline, the default, or a measured-costs file")  # fmt: skip
 
     def cfg(self, mode: str, tp: int, *extra: str) -> JobConfig:
         split = [] if mode == "disaggregated" else ["split="]  # (a split names devices of one size)
@@ -240,6 +243,10 @@ def versus(
                         f"(got {search_steps}: the first step is left out of a run's step time)")  # fmt: skip
     out = Path(out)
     v = Versus(config, overrides, out, say)
+    if "deployed" in modes and v.job.sim.costs != "roofline":
+        raise UserError(f"--versus deployed: the deployed baseline is priced on the modeled GPUs, this job's costs "
+                        f"are measured (sim.costs={v.job.sim.costs}); leave deployed out, or compare on the "
+                        "modeled GPUs (sim.costs=roofline)")  # fmt: skip
     sizes = list(dict.fromkeys(sizes)) or [v.job.sim.instance_gpus]
     floors: dict[int, float] = {}  # samples/s no schedule passes, per size the job fits at
     for tp in sizes:

@@ -91,6 +91,7 @@ def test_each_mode_is_kept_at_its_fastest_size(tmp_path):
         ([], {"modes": ["colocated", "static"]}, "--versus: got static, expected some of deployed"),
         ([], {"search_budget": 0}, "--search-budget must be >= 1 (got 0)"),
         (["sim.gpsu=8"], {}, "unknown key 'sim.gpsu'"),
+        (["sim.costs=deployed"], {}, "--versus prices the deployed baseline itself"),
     ],
 )
 def test_bad_requests_stop_before_any_run(tmp_path, overrides, kwargs, message):
@@ -98,6 +99,14 @@ def test_bad_requests_stop_before_any_run(tmp_path, overrides, kwargs, message):
         versus(EXAMPLE, [*JOB, *overrides], tmp_path / "run", **{"modes": MODES, **kwargs})
     assert message in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_deployed_baseline_is_not_set_beside_measured_costs(tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text("{}")  # (read when a run starts: the request stops before)
+    with pytest.raises(UserError, match="the deployed baseline is priced on the modeled GPUs") as e:
+        versus(EXAMPLE, [*JOB, f"sim.costs={costs}"], tmp_path / "run", ["deployed", "shiftable"])
+    assert f"sim.costs={costs}" in str(e.value) and not (tmp_path / "run").exists()
 
 
 def test_the_cli_prints_the_table_and_exits_2_when_a_mode_cannot_run(tmp_path, capsys):
