@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pivotrl.config import JobConfig, load_config
+from pivotrl.config import ConfigError, JobConfig, load_config
 from pivotrl.errors import UserError
 
 MODES = ("deployed", "colocated", "disaggregated", "shiftable")
@@ -162,13 +162,13 @@ def _steady(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 class Versus:
-    """The runs of one ``--versus``: the job's config and overrides, where they go, and what to say."""
+    """The runs of one ``--versus``: the job's config and overrides, and where to say what ran."""
 
-    def __init__(self, config: str | Path, overrides: Sequence[str], out: Path, say: Callable[[str], None]) -> None:
+    def __init__(self, config: str | Path, overrides: Sequence[str], say: Callable[[str], None]) -> None:
         named = [o for o in overrides if o.split("=", 1)[0].strip() == "mode"]
         if named:
             raise UserError(f"--versus runs the job in each mode it names: leave {named[0]!r} out of the overrides")
-        self.config, self.overrides, self.out, self.say = config, list(overrides), out, say
+        self.config, self.overrides, self.say = config, list(overrides), say
         self.job = load_config(config, self.overrides)  # (a bad override stops here, before any run)
         if self.job.sim.costs == "deployed":
             raise UserError("--versus prices the deployed baseline itself (sim.costs=deployed for that mode only): "
@@ -242,7 +242,7 @@ def versus(
         raise UserError(f"--search-budget must be >= 1 (got {search_budget}) and --search-steps >= 2 "
                         f"(got {search_steps}: the first step is left out of a run's step time)")  # fmt: skip
     out = Path(out)
-    v = Versus(config, overrides, out, say)
+    v = Versus(config, overrides, say)
     if "deployed" in modes and v.job.sim.costs != "roofline":
         raise UserError(f"--versus deployed: the deployed baseline is priced on the modeled GPUs, this job's costs "
                         f"are measured (sim.costs={v.job.sim.costs}); leave deployed out, or compare on the "
@@ -251,8 +251,12 @@ def versus(
     floors: dict[int, float] = {}  # samples/s no schedule passes, per size the job fits at
     for tp in sizes:
         try:
-            floors[tp] = ideal_for_job(v.cfg("colocated", tp)).floor_samples_per_s
-        except UserError as e:
+            cfg = v.cfg("colocated", tp)
+        except ConfigError as e:  # (a size the cluster does not divide into, say)
+            raise UserError(f"--sizes {tp}: {e}") from None
+        try:
+            floors[tp] = ideal_for_job(cfg).floor_samples_per_s
+        except UserError as e:  # (the models do not fit on instances of this size)
             if len(sizes) == 1:
                 raise
             say(f"  TP{tp}: {e}")
