@@ -324,17 +324,19 @@ def _speedups(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def format_versus(report: dict[str, Any]) -> str:
     """The table a person reads: each mode's throughput, share of the floor, and shiftable's speedup over it."""
-    head = ("mode", "GPUs an instance", "trainer", "samples/s", "step s", "of floor", "shiftable vs it")
+    head = ("mode", "GPUs an instance", "trainer", "samples/s", "step s", "of floor", "shiftable vs it",
+            "any schedule vs it")  # fmt: skip
     table = []
     for mode, r in report["modes"].items():
         label = LABELS[mode] if not r.get("split") else "static split " + "/".join(
             x.split(":")[1] for x in r["split"].split(","))  # fmt: skip
         if "error" in r:
-            table.append([label, "", "", "failed", "", "", ""])
+            table.append([label, "", "", "failed", "", "", "", ""])
             continue
         x = report["speedup"].get(mode)
         table.append([label, str(r["instance_gpus"]), str(r.get("train_backend") or ""), f"{r['samples_per_s']:.1f}",
-                      f"{r['step_seconds']:.1f}", f"{r['floor_fraction']:.0%}", f"{x:.2f}x" if x else ""])  # fmt: skip
+                      f"{r['step_seconds']:.1f}", f"{r['floor_fraction']:.0%}", f"{x:.2f}x" if x else "",
+                      f"<= {1 / r['floor_fraction']:.2f}x"])  # fmt: skip
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths, strict=True)))]
     for row in table:

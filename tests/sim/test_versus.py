@@ -115,6 +115,9 @@ def test_the_cli_prints_the_table_and_exits_2_when_a_mode_cannot_run(tmp_path, c
                  "--quiet"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "colocated, strong" in out and "shiftable vs it" in out and "no on-policy schedule passes" in out
+    report = json.loads((tmp_path / "a" / "versus.json").read_text())
+    row = next(line for line in out.splitlines() if line.startswith("colocated, strong"))
+    assert row.split()[-1] == f"{1 / report['modes']['colocated']['floor_fraction']:.2f}x"  # any schedule's most
     assert (tmp_path / "a" / "versus.json").exists()
     # two instances cannot hold a static split (one a role): the other mode still runs, the exit says so
     small = ["sim.gpus=2", "rollout.prompts_per_step=8", "steps=2", "eval.size=16"]
