@@ -164,12 +164,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _simulate_versus(args: argparse.Namespace) -> int:
-    from pivotrl.sim.versus import MODES, SEARCH_BUDGET, format_versus, versus
+    from pivotrl.sim.versus import SEARCH_BUDGET, format_versus, versus
 
     out = Path(args.out)
     check_run_dir(out, resumable=False)
     say = (lambda _: None) if args.quiet else (lambda line: print(line, flush=True))  # noqa: E731
-    report = versus(args.config, args.overrides, out, args.versus or MODES, args.sizes or (),
+    report = versus(args.config, args.overrides, out, args.versus, args.sizes or (),
                     SEARCH_BUDGET if args.search_budget is None else args.search_budget, say=say)  # fmt: skip
     print(format_versus(report))
     print(f"runs written to {out}/<mode>, the table to {out / 'versus.json'}")
@@ -281,6 +281,35 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _versus_modes(value: str) -> tuple[str, ...]:
+    """``--versus``'s modes, from the comma-separated form ``_versus_argv`` gives them (empty: every mode)."""
+    from pivotrl.sim.versus import MODES
+
+    modes = tuple(m for m in value.split(",") if m)
+    for m in modes:
+        if m not in MODES:
+            raise argparse.ArgumentTypeError(f"invalid mode {m!r} (choose from {', '.join(MODES)})")
+    return modes or MODES
+
+
+def _versus_argv(argv: list[str]) -> list[str]:
+    """``simulate --versus`` takes the bare words after it (its modes) and nothing else, so that overrides
+    and the config may follow: ``--versus colocated shiftable sim.gpus=16`` is read as
+    ``--versus=colocated,shiftable sim.gpus=16``, ``--versus job.yaml`` as ``--versus= job.yaml``."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] != "--versus":
+            out.append(argv[i])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(argv) and argv[j].replace("_", "").isalpha():  # (a path or an override is not a bare word)
+            j += 1
+        out.append("--versus=" + ",".join(argv[i + 1 : j]))
+        i = j
+    return out
+
+
 class _CommandParser(argparse.ArgumentParser):
     """A command's parser: its positional arguments (a config, ``key=value`` overrides) may come before, between
     or after its options, as in ``pivotrl train CONFIG --out DIR steps=1``."""
@@ -319,9 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sim.gpus=1024 steps=20")
     si.add_argument("--out", required=True, help="run directory to write")
     si.add_argument("--quiet", action="store_true", help="no progress bar")
-    si.add_argument("--versus", nargs="*", metavar="MODE", choices=("deployed", "colocated", "disaggregated",
-                    "shiftable"), help="run the job in each of these modes (none named: deployed colocated "
-                    "disaggregated shiftable) and print them side by side, with shiftable's speedups")  # fmt: skip
+    si.add_argument("--versus", type=_versus_modes, metavar="MODE ...",
+                    help="run the job in each of these modes (none named: deployed colocated disaggregated "
+                    "shiftable) and print them side by side, with shiftable's speedups")  # fmt: skip
     si.add_argument("--sizes", nargs="+", type=int, metavar="GPUS",
                     help="with --versus: GPUs an instance to try, each mode kept at its fastest")  # fmt: skip
     si.add_argument("--search-budget", type=int, metavar="RUNS",
@@ -428,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = None
     try:
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if argv[:1] == ["simulate"]:
+            argv = _versus_argv(argv)
         try:
             args = build_parser().parse_args(argv)
         except SystemExit:  # (--help, a usage error: what it printed is flushed here, a closed pipe seen)

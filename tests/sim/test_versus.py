@@ -132,6 +132,23 @@ def test_the_cli_prints_the_table_and_exits_2_when_a_mode_cannot_run(tmp_path, c
     assert "--sizes and --search-budget go with --versus" in err and "Traceback" not in err
 
 
+def test_versus_takes_only_mode_names_so_the_config_and_overrides_may_follow_it(tmp_path, capsys):
+    small = ["sim.gpus=8", "rollout.prompts_per_step=8", "steps=2", "eval.size=16"]
+    assert main(["simulate", "--versus", "shiftable", EXAMPLE, *small, "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    assert list(json.loads((tmp_path / "a" / "versus.json").read_text())["modes"]) == ["shiftable"]
+    assert json.loads((tmp_path / "a" / "shiftable" / "config.json").read_text())["sim"]["gpus"] == 8
+    assert main(["simulate", EXAMPLE, "--versus=colocated,shiftable", *small, "--out", str(tmp_path / "b"),
+                 "--quiet"]) == 0  # fmt: skip
+    assert list(json.loads((tmp_path / "b" / "versus.json").read_text())["modes"]) == ["colocated", "shiftable"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # (argparse's usage error)
+        main(["simulate", EXAMPLE, "--versus", "shiftabel", *small, "--out", str(tmp_path / "c")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid mode 'shiftabel' (choose from deployed, colocated, disaggregated, shiftable)" in err
+    assert not (tmp_path / "c").exists()
+
+
 # -- the split search, on a fake evaluator ---------------------------------------------------
 
 
