@@ -203,7 +203,7 @@ class Versus:
             try:
                 r = self.simulate(self.cfg("disaggregated", tp, f"split={split_text(split)}", f"steps={steps}"),
                                   run_dir)  # fmt: skip
-            except UserError as e:  # (a split whose train devices cannot hold the trainer, say)
+            except (UserError, ConfigError) as e:  # (a split whose train devices cannot hold the trainer, say)
                 runs.append({"split": split_text(split), "error": str(e)})
                 self.say(f"  search TP{tp} {split_text(split)}: {e}")
                 return math.inf
@@ -283,7 +283,7 @@ def versus(
                         searched[tp] = v.search(tp, search_budget, search_steps)
                         extra = [f"split={split_text(searched[tp][0])}"]
                 r = runs[tp] = v.simulate(v.cfg(mode, tp, *extra), run_dir)
-            except UserError as e:  # (this mode at this size: the others may still run)
+            except (UserError, ConfigError) as e:  # (this mode at this size: the others may still run)
                 runs[tp] = {"error": str(e)}
                 shutil.rmtree(run_dir, ignore_errors=True)
                 say(f"  {LABELS[mode]} TP{tp}: {e}")
@@ -310,6 +310,7 @@ def versus(
         report["modes"][mode] = row
     report["speedup"] = _speedups(report["modes"])
     report["wall_s"] = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)  # (where no mode ran, no run made it)
     (out / "versus.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

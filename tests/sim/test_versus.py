@@ -68,6 +68,19 @@ def test_a_split_the_job_names_is_run_as_it_is(tmp_path):
     assert r["speedup"] == {}  # (no shiftable run to compare)
 
 
+def test_a_split_the_job_names_fails_at_other_sizes_alone_and_a_mode_that_never_ran_is_reported(tmp_path):
+    # the job's split names 16 instances: at 2 GPUs an instance there are 8, and that size fails by itself
+    r = versus(EXAMPLE, [*JOB, "split=rollout:6,genrm:3,train:7"], tmp_path / "run", ["disaggregated"], sizes=[1, 2],
+               say=lambda _: None)  # fmt: skip
+    row = r["modes"]["disaggregated"]
+    assert row["instance_gpus"] == 1 and {t["tp"]: t["samples_per_s"] for t in row["sizes"]}[2] == 0.0
+    # on 2 GPUs no static split fits (one instance a role): nothing ran, the report still says why
+    r = versus(EXAMPLE, ["sim.gpus=2", "rollout.prompts_per_step=8", "steps=2", "eval.size=16"], tmp_path / "none",
+               ["disaggregated"], say=lambda _: None)  # fmt: skip
+    assert "cannot hold one a role" in r["modes"]["disaggregated"]["error"]
+    assert json.loads((tmp_path / "none" / "versus.json").read_text())["modes"]["disaggregated"]["error"]
+
+
 def test_each_mode_is_kept_at_its_fastest_size(tmp_path):
     r = versus(EXAMPLE, JOB, tmp_path / "run", ["colocated", "shiftable"], sizes=[1, 2], say=lambda _: None)
     for mode in ("colocated", "shiftable"):
