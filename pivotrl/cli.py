@@ -146,8 +146,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pivotrl.sim.run import format_sim, format_sizes, run_simulation
 
-    if args.versus is None and (args.sizes or args.search_budget is not None):
-        raise UserError("--sizes and --search-budget go with --versus (the job in several modes, side by side)")
+    if args.versus is None and (args.sizes or args.search_budget is not None or args.seeds is not None):
+        raise UserError("--sizes, --search-budget and --seeds go with --versus (the job in several modes side by side)")
     if args.versus is not None:
         return _simulate_versus(args)
     cfg = load_config(args.config, args.overrides)
@@ -170,7 +170,8 @@ def _simulate_versus(args: argparse.Namespace) -> int:
     check_run_dir(out, resumable=False)
     say = (lambda _: None) if args.quiet else (lambda line: print(line, flush=True))  # noqa: E731
     report = versus(args.config, args.overrides, out, args.versus, args.sizes or (),
-                    SEARCH_BUDGET if args.search_budget is None else args.search_budget, say=say)  # fmt: skip
+                    SEARCH_BUDGET if args.search_budget is None else args.search_budget,
+                    seeds=1 if args.seeds is None else args.seeds, say=say)  # fmt: skip
     print(format_versus(report))
     print(f"runs written to {out}/<mode>, the table to {out / 'versus.json'}")
     return 2 if any("error" in r for r in report["modes"].values()) else 0  # (a mode asked for did not run)
@@ -356,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--search-budget", type=int, metavar="RUNS",
                     help="with --versus: runs of the static split's search per size (default 12), where the "
                     "job names no split")  # fmt: skip
+    si.add_argument(
+        "--seeds",
+        type=int,
+        metavar="N",
+        help="with --versus: runs of each mode (the job's seed and the N - 1 after it), averaged",
+    )
     si.set_defaults(func=cmd_simulate)
     pr = sub.add_parser("prepare", help="build the bundled task data, policy and judge (CPU, minutes)")
     pr.add_argument("--models", default="models", help="where to write the model directories")

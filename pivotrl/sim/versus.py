@@ -228,16 +228,20 @@ def versus(
     sizes: Sequence[int] = (),
     search_budget: int = SEARCH_BUDGET,
     search_steps: int = SEARCH_STEPS,
+    seeds: int = 1,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Simulate the job of ``config`` and ``overrides`` in each of ``modes``, each at its fastest of ``sizes``
     (GPUs an instance; empty: the job's own), into ``out/<mode>``; the report, also written to
-    ``out/versus.json``."""
+    ``out/versus.json``. With ``seeds`` above 1 each mode runs again at its size (and split) with the
+    job's seed + 1, + 2, ... (``out/<mode>-seed<N>``), and its figures are the runs' means."""
     from pivotrl.sim.ideal import ideal_for_job
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise UserError(f"--versus: got {' '.join(unknown) or 'no mode'}, expected some of {', '.join(MODES)}")
+    if seeds < 1:
+        raise UserError(f"--seeds must be >= 1 (runs of each mode, one a seed), got {seeds}")
     if search_budget < 1 or search_steps < 2:
         raise UserError(f"--search-budget must be >= 1 (got {search_budget}) and --search-steps >= 2 "
                         f"(got {search_steps}: the first step is left out of a run's step time)")  # fmt: skip
@@ -307,12 +311,39 @@ def versus(
                "floor_fraction": runs[tp]["samples_per_s"] / report["floor_samples_per_s"]}  # fmt: skip
         if tp in searched:
             row["search"] = searched[tp][1]
+        if seeds > 1:
+            _reseed(v, mode, tp, row, seeds, out, report["floor_samples_per_s"])
         report["modes"][mode] = row
     report["speedup"] = _speedups(report["modes"])
     report["wall_s"] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)  # (where no mode ran, no run made it)
     (out / "versus.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _reseed(v: Versus, mode: str, tp: int, row: dict[str, Any], seeds: int, out: Path, floor: float) -> None:
+    """``mode`` at ``tp`` (and its split) again with ``seeds - 1`` more seeds; ``row`` takes their means (its
+    share of ``floor``, samples/s, too)."""
+    extra = [f"split={row['split']}"] if row.get("split") else []
+    runs = [{"seed": v.job.seed, "samples_per_s": row["samples_per_s"], "step_seconds": row["step_seconds"]}]
+    for seed in range(v.job.seed + 1, v.job.seed + seeds):
+        run_dir = out / f"{mode}-seed{seed}"
+        try:
+            r = v.simulate(v.cfg(mode, tp, *extra, f"seed={seed}"), run_dir)
+        except (UserError, ConfigError) as e:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            runs.append({"seed": seed, "error": str(e)})
+            v.say(f"  {LABELS[mode]} TP{tp} seed {seed}: {e}")
+            continue
+        runs.append({"seed": seed, "samples_per_s": r["samples_per_s"], "step_seconds": r["step_seconds"]})
+        v.say(f"  {LABELS[mode]} TP{tp} seed {seed}: {r['samples_per_s']:.1f} samples/s ({r['wall_s']:.0f} s)")
+    ran = [r for r in runs if "error" not in r]
+    rates = [r["samples_per_s"] for r in ran]
+    row["seeds"] = runs
+    row["samples_per_s_range"] = [min(rates), max(rates)]
+    row["samples_per_s"] = sum(rates) / len(rates)
+    row["step_seconds"] = sum(r["step_seconds"] for r in ran) / len(ran)
+    row["floor_fraction"] = row["samples_per_s"] / floor
 
 
 def _speedups(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -335,7 +366,11 @@ def format_versus(report: dict[str, Any]) -> str:
             table.append([label, "", "", "failed", "", "", "", ""])
             continue
         x = report["speedup"].get(mode)
-        table.append([label, str(r["instance_gpus"]), str(r.get("train_backend") or ""), f"{r['samples_per_s']:.1f}",
+        rate = f"{r['samples_per_s']:.1f}"
+        if r.get("samples_per_s_range"):
+            lo, hi = r["samples_per_s_range"]
+            rate += f" ({lo:.1f}-{hi:.1f})"
+        table.append([label, str(r["instance_gpus"]), str(r.get("train_backend") or ""), rate,
                       f"{r['step_seconds']:.1f}", f"{r['floor_fraction']:.0%}", f"{x:.2f}x" if x else "",
                       f"<= {1 / r['floor_fraction']:.2f}x"])  # fmt: skip
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]

@@ -81,6 +81,32 @@ def test_a_split_the_job_names_fails_at_other_sizes_alone_and_a_mode_that_never_
     assert json.loads((tmp_path / "none" / "versus.json").read_text())["modes"]["disaggregated"]["error"]
 
 
+def test_more_seeds_average_each_mode_at_its_size_and_split(tmp_path):
+    r = versus(EXAMPLE, JOB, tmp_path / "run", ["disaggregated", "shiftable"], search_budget=2, seeds=3,
+               say=lambda _: None)  # fmt: skip
+    for mode, row in r["modes"].items():
+        assert [s["seed"] for s in row["seeds"]] == [0, 1, 2]
+        rates = [s["samples_per_s"] for s in row["seeds"]]
+        assert row["samples_per_s"] == pytest.approx(sum(rates) / 3) and row["samples_per_s_range"] == [
+            min(rates),
+            max(rates),
+        ]
+        assert rates[0] == json.loads((tmp_path / "run" / mode / "summary.json").read_text())["steady_samples_per_s"]
+        for seed, rate in ((1, rates[1]), (2, rates[2])):
+            run = tmp_path / "run" / f"{mode}-seed{seed}"
+            assert json.loads((run / "config.json").read_text())["seed"] == seed
+            assert json.loads((run / "summary.json").read_text())["steady_samples_per_s"] == rate
+            if mode == "disaggregated":  # (the split the first seed's search found)
+                assert json.loads((run / "config.json").read_text())["split"] == row["split"]
+        assert row["floor_fraction"] == pytest.approx(row["samples_per_s"] / r["floor_samples_per_s"])
+    assert len(set(s["samples_per_s"] for s in r["modes"]["shiftable"]["seeds"])) > 1  # (the seed draws the lengths)
+    assert r["speedup"]["disaggregated"] == pytest.approx(
+        r["modes"]["shiftable"]["samples_per_s"] / r["modes"]["disaggregated"]["samples_per_s"]
+    )
+    with pytest.raises(UserError, match="--seeds must be >= 1"):
+        versus(EXAMPLE, JOB, tmp_path / "zero", ["shiftable"], seeds=0)
+
+
 def test_each_mode_is_kept_at_its_fastest_size(tmp_path):
     r = versus(EXAMPLE, JOB, tmp_path / "run", ["colocated", "shiftable"], sizes=[1, 2], say=lambda _: None)
     for mode in ("colocated", "shiftable"):
@@ -142,7 +168,7 @@ def test_the_cli_prints_the_table_and_exits_2_when_a_mode_cannot_run(tmp_path, c
     # the options that go with --versus, without it
     assert main(["simulate", EXAMPLE, *JOB, "--out", str(tmp_path / "c"), "--sizes", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--sizes and --search-budget go with --versus" in err and "Traceback" not in err
+    assert "--sizes, --search-budget and --seeds go with --versus" in err and "Traceback" not in err
 
 
 def test_versus_takes_only_mode_names_so_the_config_and_overrides_may_follow_it(tmp_path, capsys):
