@@ -164,14 +164,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _simulate_versus(args: argparse.Namespace) -> int:
-    from pivotrl.sim.versus import SEARCH_BUDGET, format_versus, versus
+    from pivotrl.sim.versus import format_versus, versus
 
     out = Path(args.out)
     check_run_dir(out, resumable=False)
     say = (lambda _: None) if args.quiet else (lambda line: print(line, flush=True))  # noqa: E731
-    report = versus(args.config, args.overrides, out, args.versus, args.sizes or (),
-                    SEARCH_BUDGET if args.search_budget is None else args.search_budget,
-                    seeds=1 if args.seeds is None else args.seeds, say=say)  # fmt: skip
+    given = {k: v for k, v in (("search_budget", args.search_budget), ("seeds", args.seeds)) if v is not None}
+    report = versus(args.config, args.overrides, out, args.versus, args.sizes or (), say=say, **given)
     print(format_versus(report))
     print(f"runs written to {out}/<mode>, the table to {out / 'versus.json'}")
     return 2 if any("error" in r for r in report["modes"].values()) else 0  # (a mode asked for did not run)

@@ -146,14 +146,13 @@ def _ideal_split(cfg: JobConfig) -> Split:
 # -- the runs -------------------------------------------------------------------------------
 
 
-def _steady(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def _steady(summary: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
     """A run's steady numbers: throughput and step time after its first step, and its floor."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    later = rows[1:] or rows
-    ideal = summary["sim"]["ideal"]
+    rate, ideal = summary["steady_samples_per_s"], summary["sim"]["ideal"]
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size  # (the rate is a step's samples over its time)
     return {
-        "samples_per_s": summary["steady_samples_per_s"],
-        "step_seconds": sum(m["step_seconds"] for m in later) / len(later),
+        "samples_per_s": rate,
+        "step_seconds": samples / rate if rate > 0 else math.inf,
         "instance_gpus": summary["sim"]["instance_gpus"],
         "train_backend": summary.get("train_backend"),
         "floor_samples_per_s": ideal["floor_samples_per_s"],
@@ -190,7 +189,7 @@ class Versus:
             summary = run_simulation(cfg, run_dir)
         finally:
             quiet.setLevel(level)
-        return {**_steady(summary, run_dir), "wall_s": time.perf_counter() - t0}
+        return {**_steady(summary, cfg), "wall_s": time.perf_counter() - t0}
 
     def search(self, tp: int, budget: int, steps: int) -> tuple[Split, list[dict[str, Any]]]:
         """The best static split at ``tp`` GPUs an instance, each candidate a run of ``steps`` steps."""

@@ -33,6 +33,8 @@ def test_every_mode_runs_the_same_job_and_shiftable_is_compared_with_each(report
         summary = json.loads((out / mode / "summary.json").read_text())
         config = json.loads((out / mode / "config.json").read_text())
         assert row["samples_per_s"] == summary["steady_samples_per_s"] > 0
+        steps = [json.loads(x)["step_seconds"] for x in (out / mode / "metrics.jsonl").read_text().splitlines()]
+        assert row["step_seconds"] == pytest.approx(sum(steps[1:]) / len(steps[1:]))  # (the first step left out)
         assert config["sim"]["gpus"] == 16 and config["rollout"]["prompts_per_step"] == 64 and config["steps"] == 3
         # no mode passes the floor: it bounds every on-policy schedule
         assert 0 < row["floor_fraction"] <= 1 and row["floor_fraction"] == pytest.approx(
