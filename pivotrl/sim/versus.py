@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.config import ConfigError, JobConfig, load_config
+from pivotrl.control import messages
 from pivotrl.errors import UserError
 
 MODES = ("deployed", "colocated", "disaggregated", "shiftable")
@@ -44,7 +45,7 @@ MODES = ("deployed", "colocated", "disaggregated", "shiftable")
 DEPLOYED = ("mode=colocated", "sim.costs=deployed", "rollout.rebalance=false")
 LABELS = {"deployed": "colocated, deployed", "colocated": "colocated, strong", "disaggregated": "disaggregated",
           "shiftable": "shiftable"}  # fmt: skip
-ROLES = ("rollout", "genrm", "train")
+ROLES = tuple(r.value for r in messages.ROLES)  # the split's order, and the config's names
 Split = tuple[int, int, int]  # rollout, genrm, train devices
 SEARCH_BUDGET = 12  # runs of the split search per instance size
 SEARCH_STEPS = 3  # steps of each (the first is left out of its step time)
