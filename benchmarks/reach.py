@@ -62,7 +62,7 @@ from pivotrl.sim.ideal import IdealStep, ideal_of
 from pivotrl.sim.run import build
 from pivotrl.sim.workload import quantiles
 
-TARGETS = (8, 16, 32, 64, 128, 256)
+TARGETS = (4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 DT = 0.02  # seconds of a replay's time step
 
 
