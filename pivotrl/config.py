@@ -27,16 +27,13 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 from pivotrl.sim.config import SimConfig
 from pivotrl.task.checkers import CHECKERS
 from pivotrl.train.config import TrainConfig
-
-if TYPE_CHECKING:
-    from pivotrl.model.config import ModelConfig
 
 ROLES = ("rollout", "genrm", "train")
 Mode = Literal["colocated", "disaggregated", "shiftable"]
@@ -136,17 +133,6 @@ class ModelRef:
     path: str = "models/policy"  # checkpoint directory (config.json, safetensors, tokenizer)
     dtype: Dtype = "float32"  # parameter dtype on device
     rollout_dtype: RolloutDtype = "auto"  # dtype of the rollout copy; auto = bfloat16 on CUDA, else `dtype`
-
-    def resolved_rollout_dtype(self, device: str) -> Dtype:
-        """The dtype rollout devices run the policy in on ``device`` ("cpu" or "cuda").
-
-        Generation is bound by memory bandwidth, so on a GPU it runs in bf16
-        whatever the trainer keeps (fp32 master weights are for the update, not
-        for sampling); on a CPU bf16 matmuls are slow, so auto follows ``dtype``.
-        """
-        if self.rollout_dtype != "auto":
-            return self.rollout_dtype
-        return "bfloat16" if device == "cuda" else self.dtype
 
 
 @dataclass(slots=True)
@@ -313,29 +299,6 @@ class JobConfig:
         if self.fault.step > self.steps:
             raise ValueError(f"fault.step: {self.fault.step} is after the last step ({self.steps})")
         parse_split(self.split)
-
-    def train_backend(self, model: ModelConfig, kind: str, shared: bool, device_bytes: float | None) -> str:
-        """``train.backend`` made concrete for a job of ``model`` on devices of ``kind`` ("cuda" or "cpu") with
-        ``device_bytes`` of memory each (None: not known); ``shared``: devices share a GPU.
-
-        ``auto`` is ZeRO-1 on GPUs in shiftable mode where its state fits (6 bytes a parameter whole and 12 over
-        the step's devices, with a micro batch's activations: ``pivotrl.train.memory``) on the job's devices, or
-        on ``train.min_devices`` where given, and where the rollout's weights are as wide as its compute dtype
-        (it computes from them): it backpropagates each group as soon as it is judged, while the rollout's tail
-        runs, where FSDP2 waits for the step. Otherwise ``TrainConfig.resolved_backend``'s: FSDP2 on GPUs
-        (ZeRO-1 where devices share one), the replicated trainer on CPUs. The job decides it once, for every
-        device; ``pivotrl plan`` and the simulator by the same rule."""
-        t = self.train
-        base = t.resolved_backend(kind, shared)
-        if t.backend != "auto" or base != "fsdp" or self.mode != "shiftable" or device_bytes is None:
-            return base
-        rollout_bytes = 2 if self.policy.resolved_rollout_dtype(kind) == "bfloat16" else 4
-        if t.compute_bytes(kind) > rollout_bytes:
-            return base
-        # (ZeRO-1's share only shrinks with more devices: it fits on min_devices where it fits on as few)
-        most = max(self.devices, t.min_devices)
-        fewest = t.fewest_devices(model, "zero", most, device_bytes, kind)
-        return "zero" if fewest is not None and fewest <= (t.min_devices or most) else base
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; dumped as YAML it loads back to an equal config."""

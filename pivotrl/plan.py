@@ -30,9 +30,11 @@ from pivotrl.control.planner import Estimate, Profiles, ShiftCosts, Workload, es
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.model.config import ModelConfig, UnsupportedModelError
-from pivotrl.runtime.devices import CUDA, shares_gpu
+from pivotrl.resolve import Hardware, describe, resolve
+from pivotrl.runtime.devices import CUDA
 from pivotrl.telemetry import read_jsonl
 from pivotrl.train import memory
+from pivotrl.train.traits import NAMES
 
 _METRICS = ("response_tokens", "response_length", "judge_tokens", "time_s/train")  # (nested keys by "/")
 
@@ -86,11 +88,10 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
         config = ModelConfig.from_hf(json.loads(file.read_text()))
     except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
         return {"error": f"policy.path: cannot read {str(file)!r} ({e})"}
-    c, tokens = cfg.train.compute_bytes(CUDA), cfg.train.planned_tokens
-    shared = shares_gpu(CUDA, cfg.gpus_per_device, cfg.devices)  # (then ZeRO-1, each device on its share)
-    device_bytes = None if device_gb is None else device_gb * 1e9 * min(1.0, cfg.gpus_per_device)
-    backend = cfg.train_backend(config, CUDA, shared, device_bytes)
-    checkpointed = cfg.train.resolved_checkpointing(config, backend, cfg.devices, device_bytes, CUDA)
+    hw = Hardware.of(cfg, CUDA, None if device_gb is None else device_gb * 1e9)
+    plan = resolve(cfg, hw, config)
+    c, tokens, checkpointed = plan.compute_bytes, cfg.train.planned_tokens, plan.activation_checkpointing
+    backend = plan.trainer.value
     worlds = sorted({2**i for i in range(cfg.devices.bit_length()) if 2**i <= cfg.devices} | {cfg.devices})
     out: dict[str, Any] = {
         "parameters": config.num_parameters(),
@@ -102,17 +103,18 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
         "backend_auto": cfg.train.backend == "auto",
         "worlds": worlds,
         "per_device_gb": {
-            t: [memory.per_device(config, t, w, tokens, c, checkpointed) / 1e9 for w in worlds] for t in memory.TRAINERS
+            t: [memory.per_device(config, t, w, tokens, c, checkpointed) / 1e9 for w in worlds] for t in NAMES
         },
+        "plan": plan.to_dict(),
     }
     if device_gb is not None:
+        assert hw.device_bytes is not None
         out["device_gb"] = device_gb
         out["fewest_devices"] = {
-            t: memory.fewest_devices(config, t, device_bytes, cfg.devices, tokens, c, checkpointed)
-            for t in memory.TRAINERS
+            t: memory.fewest_devices(config, t, hw.device_bytes, cfg.devices, tokens, c, checkpointed) for t in NAMES
         }
-        if out["fewest_devices"][backend] is None:  # (train.min_devices=auto then stops a run: why)
-            out["too_big"] = cfg.train.too_big(config, backend, cfg.devices, device_bytes, CUDA)
+        if plan.too_big:  # (train.min_devices=auto then stops a run: why)
+            out["too_big"] = plan.too_big
     return out
 
 
@@ -123,12 +125,9 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
     colocated, every device in every phase. A layout the mode refuses is refused here as ``train`` does."""
     r = cfg.rollout
     memory_report = train_memory(cfg, device_gb)
-    min_train = max(1, cfg.train.min_devices)
-    if not cfg.train.min_devices and "fewest_devices" in memory_report:  # auto, as a run on such GPUs takes it
-        fewest = memory_report["fewest_devices"][memory_report["backend"]]
-        if fewest is None:
-            raise UserError(f"train.min_devices=auto: {memory_report['too_big']}")
-        min_train = fewest
+    min_train = memory_report["plan"]["min_train_devices"] if "plan" in memory_report else max(1, cfg.train.min_devices)
+    if not cfg.train.min_devices and "too_big" in memory_report:  # (auto, as a run on such GPUs takes it)
+        raise UserError(f"train.min_devices=auto: {memory_report['too_big']}")
     try:
         layout = make_policy(cfg.mode, cfg.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                              cfg.judge.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip
@@ -242,6 +241,8 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         lines += [f"  {e['timeline']}" for e in report["estimates"]]
     lines += _memory_lines(report["train_memory"])
+    if "plan" in report["train_memory"]:
+        lines += describe(report["train_memory"]["plan"])
     return "\n".join(lines)
 
 

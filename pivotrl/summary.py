@@ -8,17 +8,24 @@ run write files with the same keys. Pure Python: no torch, no Ray.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pivotrl.config import JobConfig
 from pivotrl.control.controller import Controller, LoopSpec, StepRecord
 from pivotrl.control.messages import GenParams
+from pivotrl.resolve import Plan
 from pivotrl.task.checkers import get_checker
+from pivotrl.task.rules import exact_match
 from pivotrl.telemetry import Slice
 
 
-def loop_spec(cfg: JobConfig) -> LoopSpec:
+def loop_spec(cfg: JobConfig, plan: Plan, chat: Callable[[str], str] | None = None, simulated: bool = False
+              ) -> LoopSpec:  # fmt: skip
+    """The loop's spec, for either driver: the job's settings, the plan's answers to its ``auto`` keys.
+    ``chat``: the policy's chat template (a run reads it from the checkpoint). ``simulated``: no checkpoints, and
+    the synthetic responses are judged correct by the exact checker, whatever ``task.checker`` says (no text is
+    real there)."""
     r, j, e = cfg.rollout, cfg.judge, cfg.eval
     return LoopSpec(
         seed=cfg.seed,
@@ -32,10 +39,15 @@ def loop_spec(cfg: JobConfig) -> LoopSpec:
         eval_every=e.every,
         scale_by_std=cfg.train.scale_by_std,
         per_device=r.max_batch,
-        check=get_checker(cfg.task.checker),
+        check=exact_match if simulated else get_checker(cfg.task.checker),
+        judge_per_device=plan.judge_per_device,
+        judge_kv=plan.judge_kv,
         rebalance=r.rebalance,
-        min_train_devices=max(1, cfg.train.min_devices),  # (auto: the job resolves it once it knows its devices)
-        checkpoint_every=cfg.checkpoint.every,
+        sharded_train=plan.traits.unique_state,
+        lockstep_train=plan.traits.lockstep,
+        min_train_devices=plan.min_train_devices,
+        checkpoint_every=0 if simulated else cfg.checkpoint.every,
+        chat=chat,
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pivotrl.model import Decoder, ModelConfig, char_tokenizer, save_model
+from pivotrl.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,3 +137,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status)
+
+
+def planned(train: TrainConfig | None = None, kind: str = "cpu") -> TrainConfig:
+    """A train config as a job's plan makes it concrete for devices of ``kind`` whose memory is not known: what
+    a driver configures every train device with (pivotrl.resolve)."""
+    from pivotrl.config import JobConfig
+    from pivotrl.resolve import Hardware, resolve
+
+    return resolve(JobConfig(train=train or TrainConfig()), Hardware(kind)).train  # type: ignore[arg-type]

@@ -315,21 +315,6 @@ def test_round_trip_through_yaml(tmp_path):
     assert load_config(None) == load_config(write(tmp_path, yaml.safe_dump(JobConfig().to_dict()), "d.yaml"))
 
 
-@pytest.mark.parametrize(
-    ("rollout_dtype", "dtype", "device", "expected"),
-    [
-        ("auto", "float32", "cuda", "bfloat16"),  # generation on a GPU is bandwidth-bound: bf16
-        ("auto", "float32", "cpu", "float32"),  # on a CPU the trainer's dtype
-        ("auto", "bfloat16", "cpu", "bfloat16"),
-        ("float32", "float32", "cuda", "float32"),  # asked for: kept
-        ("bfloat16", "float32", "cpu", "bfloat16"),
-    ],
-)
-def test_rollout_dtype_resolution(rollout_dtype, dtype, device, expected):
-    cfg = load_config(None, [f"policy.rollout_dtype={rollout_dtype}", f"policy.dtype={dtype}"])
-    assert cfg.policy.resolved_rollout_dtype(device) == expected
-
-
 def test_chat_templates_are_off_by_default_and_take_a_system_message():
     cfg = load_config(None)
     assert not cfg.task.chat_template.enabled and cfg.task.chat_template.system is None

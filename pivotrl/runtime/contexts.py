@@ -31,7 +31,7 @@ see :mod:`pivotrl.engine.kv_budget`), once the weights are on the device.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +45,6 @@ from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
 from pivotrl.model.chat import ChatTemplate
 from pivotrl.model.loader import DTYPES
-from pivotrl.runtime.devices import gpu_memory
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 
@@ -256,8 +255,10 @@ class GenerationContext:
         return Skeleton(self.name, model.to("meta"), tokenizer)
 
 
-def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if cfg.resolved_precision(device.type) == "bf16" else torch.float32
+def compute_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The trainer's compute dtype, as the job's plan resolved ``train.precision``."""
+    assert cfg.precision != "auto", "a train device is configured with the job's plan (pivotrl.resolve)"
+    return torch.bfloat16 if cfg.precision == "bf16" else torch.float32
 
 
 class TrainContext:
@@ -288,15 +289,15 @@ class TrainContext:
 
         device = torch.device(spec.device)
         self.version, self.temperature = version, temperature
-        self.backend = cfg.resolved_backend(device.type, spec.shared_gpu)
-        self.compute = compute_dtype(cfg, device)
+        # the trainer, its compute dtype and activation checkpointing: as the job's plan resolved them for every
+        # device (pivotrl.resolve), never decided again here
+        assert cfg.backend != "auto" and isinstance(cfg.activation_checkpointing, bool), "configured by the plan"
+        self.backend = cfg.backend
+        self.compute = compute_dtype(cfg)
+        self.cfg = cfg
         snap = store.fetch(POLICY, version)
         self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version
-        # activation checkpointing where this device's memory needs it (train.activation_checkpointing=auto)
-        memory = gpu_memory() * spec.memory_share if device.type == "cuda" else None
         self.config = ModelConfig.from_hf(self.meta["config"])  # the policy's architecture
-        checkpointing = cfg.resolved_checkpointing(self.config, self.backend, spec.devices, memory, device.type)
-        self.cfg = cfg = replace(cfg, activation_checkpointing=checkpointing)
         self.nbytes = 0
         self.pending: list[tuple[list[Sample], list[float]]] = []
         self.sharded: Any = None  # ShardedTrainer, once the worker built it for a group; ZeroTrainer, built here

@@ -21,7 +21,8 @@ from pivotrl import checkpoint as ckpt
 from pivotrl import tracking
 from pivotrl.config import FaultConfig, JobConfig, config_from_dict, parse_split
 from pivotrl.control.controller import Controller, DeviceLostError
-from pivotrl.control.messages import Step
+from pivotrl.control.drive import drive
+from pivotrl.control.messages import Command, Step
 from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.engine.kv_budget import GB
 from pivotrl.engine.vllm_engine import INSTALL as VLLM_INSTALL
@@ -32,6 +33,7 @@ from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
 from pivotrl.model.chat import ChatTemplate, copy_chat_template, load_chat_template
 from pivotrl.model.loader import DTYPES, read_config
+from pivotrl.resolve import Hardware, Plan, base_trainer, changed, precision_for, resolve, rollout_dtype_for
 from pivotrl.reward import GenRM
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import devices as dev
@@ -42,7 +44,6 @@ from pivotrl.runtime.contexts import (
     REFERENCE,
     ContextSpec,
     build_model,
-    compute_dtype,
     publish_checkpoint,
 )
 from pivotrl.runtime.local import LocalDriver
@@ -53,6 +54,7 @@ from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
 from pivotrl.telemetry import RunWriter, missing_rows
+from pivotrl.train.traits import TrainerKind, traits
 
 
 def chat_templates(cfg: JobConfig) -> tuple[ChatTemplate | None, ChatTemplate | None]:
@@ -79,17 +81,18 @@ def context_spec(
     response re-tokenized by its own tokenizer: twice the policy's token limit is its budget.
     Prompts are measured as the models read them, in their chat templates (``*_chat``) if any.
     Smaller caches make every shift into a generation role cheaper (they are allocated then)."""
-    rollout_dtype = cfg.policy.resolved_rollout_dtype(device)
+    rollout_dtype = rollout_dtype_for(cfg, device)
     shared = dev.shares_gpu(device, cfg.gpus_per_device, cfg.devices)
-    if shared and cfg.train.backend == "fsdp":
+    if shared and not traits(base_trainer(cfg.train, device, shared)).host_collectives:
         raise UserError(
             f"train.backend=fsdp cannot train on devices that share a GPU (gpus_per_device="
             f"{cfg.gpus_per_device}): NCCL takes one rank per GPU and FSDP2's collectives need it; use "
             "train.backend=zero or replicated, whose few collectives go through host memory there"
         )
-    if cfg.train.resolved_backend(device, shared) == "zero":
+    if base_trainer(cfg.train, device, shared) is TrainerKind.ZERO:  # (it computes from the rollout's weights)
+        compute = torch.bfloat16 if precision_for(cfg.train, device) == "bf16" else torch.float32
         try:
-            check_dtypes(compute_dtype(cfg.train, torch.device(device)), DTYPES[rollout_dtype])
+            check_dtypes(compute, DTYPES[rollout_dtype])
         except ValueError as e:
             raise UserError(str(e)) from None
     if problems:
@@ -245,7 +248,7 @@ def save_checkpoint(
     copies: list[ckpt.Entry],
     metrics_rows: int,
     samples_rows: int,
-    train_backend: str = "",
+    plan: Plan | None = None,
 ) -> None:
     """Write the checkpoint of the step just finished (``ctl.checkpoint_due``) from the GPS: the weights, and the
     optimizer state (the sharded trainer's ``copies``, or the replicated trainer's, which rank 0 publishes every
@@ -257,8 +260,8 @@ def save_checkpoint(
         entries.append(ckpt.Entry(POLICY, POLICY, version, Kind.OPTIMIZER))
     meta = {"step": state["step"], "config": cfg.to_dict(), "controller": state, "train_state_world": len(copies)}
     meta |= {"metrics_rows": metrics_rows, "samples_rows": samples_rows}
-    if train_backend:  # (what train.backend=auto chose: a resumed run reads the state this trainer wrote)
-        meta["train_backend"] = train_backend
+    if plan is not None:  # (what the job resolved to: a resumed run reads the state this trainer wrote)
+        meta["train_backend"], meta["plan"] = plan.trainer.value, plan.to_dict()
     ckpt.write(out, store, entries, meta, cfg.checkpoint.keep)
 
 
@@ -315,29 +318,72 @@ def _device_memory(cfg: JobConfig, kind: str, driver: Any) -> float | None:
     return min(b.memory_bytes for b in driver.bindings) * min(1.0, cfg.gpus_per_device)
 
 
-def train_backend(cfg: JobConfig, kind: str, shared: bool, device_bytes: float | None) -> str:
-    """``train.backend`` made concrete for the run (``JobConfig.train_backend``, with the policy's architecture
-    read from its checkpoint where the rule needs it), decided once by the driver and handed to every device."""
-    if cfg.train.backend != "auto" or device_bytes is None:
-        return cfg.train.resolved_backend(kind, shared)
-    return cfg.train_backend(read_config(cfg.policy.path), kind, shared, device_bytes)
+def resolve_run(
+    cfg: JobConfig, kind: str, device_bytes: float | None, spec: ContextSpec, start: ckpt.Checkpoint | None = None
+) -> Plan:
+    """The job resolved against its devices (``pivotrl.resolve``), the architectures read from the checkpoints
+    where the memory rules need them. A resumed run keeps the trainer that wrote its state (a checkpoint from
+    before the plan was kept: its ``train_backend``, or auto's rule by the devices' kind), and says what else
+    resolved differently on these devices."""
+    shared = dev.shares_gpu(kind, cfg.gpus_per_device, cfg.devices)
+    hw = Hardware(kind, device_bytes, shared)  # type: ignore[arg-type]
+    needs_models = device_bytes is not None or cfg.rollout.kv_cache_gb > 0
+    policy = read_config(cfg.policy.path) if needs_models else None
+    judge = read_config(cfg.judge.path) if needs_models else None
+    trainer = None
+    if start is not None:
+        trainer = start.state.get("train_backend") or base_trainer(cfg.train, kind, shared).value
+    plan = resolve(cfg, hw, policy, judge, spec.judge_max_len, trainer)
+    if plan.too_big and not cfg.train.min_devices:
+        raise UserError(f"train.min_devices=auto: {plan.too_big}, or set train.min_devices to run anyway")
+    if start is not None and (differs := changed(start.state.get("plan", {}), plan)):
+        logger.info("resumed on devices that resolve the job differently: %s", "; ".join(differs))
+    return plan
 
 
-def train_min_devices(cfg: JobConfig, kind: str, shared: bool, device_bytes: float | None) -> int:
-    """``train.min_devices`` made concrete: as given, or (0, auto) the fewest train devices whose memory holds the
-    trainer's state and a micro batch's activations (``pivotrl.train.memory``), 1 where memory is not known (CPUs).
-    None of the job's devices enough is an error naming what would help."""
-    if cfg.train.min_devices:
-        return cfg.train.min_devices
-    if device_bytes is None:
-        return 1
-    config = read_config(cfg.policy.path)
-    backend = cfg.train.resolved_backend(kind, shared)
-    fewest = cfg.train.fewest_devices(config, backend, cfg.devices, device_bytes, kind)
-    if fewest is None:
-        why = cfg.train.too_big(config, backend, cfg.devices, device_bytes, kind)
-        raise UserError(f"train.min_devices=auto: {why}, or set train.min_devices to run anyway")
-    return fewest
+class _Recorder:
+    """What a run does between two batches of events: the finished steps' rows and metrics written (and sent
+    to the trackers), a diverged run stopped, and at a step boundary that is due one, a checkpoint written
+    before the next commands go out."""
+
+    def __init__(self, cfg: JobConfig, out: str | Path, store: ParameterStore, ctl: Controller, writer: RunWriter,
+                 tracker: tracking.Tracker, bar: Any, plan: Plan) -> None:  # fmt: skip
+        self.cfg, self.out, self.store, self.ctl, self.plan = cfg, out, store, ctl, plan
+        self.writer, self.tracker, self.bar = writer, tracker, bar
+        self.written, self.samples_rows = len(ctl.metrics), writer.rows("samples.jsonl")
+        self.copied: tuple[int, int] | None = None  # (version, train devices) of a step that copies its state
+
+    def submitted(self, c: Command) -> None:
+        if isinstance(c, Step) and c.checkpoint:
+            self.copied = (c.version + 1, len(c.devices))
+
+    def after(self) -> None:
+        ctl = self.ctl
+        self.samples_rows += self.writer.samples(sample_rows(ctl.finished_steps))
+        ctl.finished_steps.clear()
+        while self.written < len(ctl.metrics):
+            m = ctl.metrics[self.written]
+            self.writer.step(m)
+            self.tracker.step(m)
+            self.written += 1
+            acc = ctl.accuracy.get(max(ctl.accuracy), 0.0)
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
+            if why := diverged(ctl.metrics[: self.written], self.cfg.train.lr):
+                raise TrainingDiverged(why)
+        copied = self.copied
+        stepped = copied is not None and ctl.version >= copied[0]
+        if ctl.checkpoint_due is None and not stepped:
+            return
+        # before the next commands: this step boundary's state
+        copies = shard_copies(self.store, *copied) if stepped and copied is not None else []
+        try:
+            if ctl.checkpoint_due is not None:
+                save_checkpoint(self.cfg, self.out, self.store, ctl, copies, self.written, self.samples_rows,
+                                self.plan)  # fmt: skip
+        finally:  # written, or not due after all (an older evaluation still ran): the copies go
+            ckpt.free(self.store, copies)
+        ctl.checkpoint_due, self.copied = None, None if stepped else copied
 
 
 def _run_once(
@@ -394,18 +440,11 @@ def _run_once(
         cspec = context_spec(cfg, train_set + heldout, kind, policy_chat, judge_chat)
         threads = dev.thread_shares(["local"] * cfg.devices, {"local": dev.machine_cores()}, cfg.threads_per_device)
         driver = LocalDriver([Worker(d, store, cspec, spec, origin, threads=threads[d]) for d in range(cfg.devices)])
-    try:  # the devices are known: how many the optimizer step needs, and so the layout
+    try:  # the devices are known: the job is resolved against them once, and so the layout
         kind = kind if in_process else driver.kind
-        shared = dev.shares_gpu(kind, cfg.gpus_per_device, cfg.devices)
-        device_bytes = _device_memory(cfg, kind, driver if not in_process else None)
-        # the trainer, decided here once for every device (a resumed run keeps the one that wrote its state)
-        if start is not None:  # (a checkpoint from before the choice was kept: auto's rule of then)
-            backend = start.state.get("train_backend") or cfg.train.resolved_backend(kind, shared)
-        else:
-            backend = train_backend(cfg, kind, shared, device_bytes)
-        run_cfg = replace(cfg, train=replace(cfg.train, backend=backend))
-        driver.configure_train(run_cfg.train)
-        min_train = train_min_devices(run_cfg, kind, shared, device_bytes)
+        cspec = cspec if in_process else driver.spec
+        plan = resolve_run(cfg, kind, _device_memory(cfg, kind, driver if not in_process else None), cspec, start)
+        driver.configure(plan)
         try:
             policy = policy or make_policy(
                 cfg.mode,
@@ -415,7 +454,7 @@ def _run_once(
                 cfg.rollout.max_new_tokens,
                 cfg.judge.max_new_tokens,
                 cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-                min_train,
+                plan.min_train_devices,
             )
         except ValueError as e:
             auto = "" if cfg.train.min_devices else " (train.min_devices=auto found it)"
@@ -440,46 +479,17 @@ def _run_once(
         genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward, judge_chat)
         clock = lambda: time.time() - origin
         resume_state = None if start is None else start.state["controller"]
-        loop = replace(loop_spec(cfg), sharded_train=backend in ("fsdp", "zero"), lockstep_train=backend == "fsdp",
-                       chat=policy_chat, min_train_devices=min_train)  # fmt: skip
+        loop = loop_spec(cfg, plan, chat=policy_chat)
         ctl = Controller(loop, policy, genrm, train_set, heldout, clock, resume_state)
         ctl.metrics = writer.read_metrics()  # a resumed run's earlier steps count in its summary
         bar = tqdm(total=cfg.steps, desc=f"train ({cfg.mode}, {cfg.devices} dev)", unit="step", disable=not progress)
         bar.update(ctl.first_step - 1)
         started = clock()
-        commands = ctl.start()
-        written, samples_rows = len(ctl.metrics), writer.rows("samples.jsonl")
-        copied: tuple[int, int] | None = None  # (version, train devices) of a step that copies its state
-        while not ctl.done:
-            for c in commands:
-                driver.submit(c)
-                if isinstance(c, Step) and c.checkpoint:
-                    copied = (c.version + 1, len(c.devices))
-            try:
-                commands = ctl.handle_all(driver.next_events())
-            except DeviceLostError as e:
-                raise RunInterrupted(f"{e}; {resume_hint(out)}") from e
-            samples_rows += writer.samples(sample_rows(ctl.finished_steps))
-            ctl.finished_steps.clear()
-            while written < len(ctl.metrics):
-                m = ctl.metrics[written]
-                writer.step(m)
-                tracker.step(m)
-                written += 1
-                acc = ctl.accuracy.get(max(ctl.accuracy), 0.0)
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
-                if why := diverged(ctl.metrics[:written], cfg.train.lr):
-                    raise TrainingDiverged(why)
-            stepped = copied is not None and ctl.version >= copied[0]
-            if ctl.checkpoint_due is not None or stepped:  # before the next commands: this step boundary's state
-                copies = shard_copies(store, *copied) if stepped else []
-                try:
-                    if ctl.checkpoint_due is not None:
-                        save_checkpoint(cfg, out, store, ctl, copies, written, samples_rows, backend)
-                finally:  # written, or not due after all (an older evaluation still ran): the copies go
-                    ckpt.free(store, copies)
-                ctl.checkpoint_due, copied = None, None if stepped else copied
+        recorder = _Recorder(cfg, out, store, ctl, writer, tracker, bar, plan)
+        try:
+            drive(ctl, driver, recorder.after, recorder.submitted)
+        except DeviceLostError as e:
+            raise RunInterrupted(f"{e}; {resume_hint(out)}") from e
         bar.close()
         wall = clock() - started
         slices = driver.slices()
@@ -498,8 +508,9 @@ def _run_once(
         summary["resumed_from_step"] = start.step
     summary["policy_checkpoint"] = str(Path(out) / "policy")
     summary["gps_bytes"] = gps_memory
-    summary["train_backend"] = backend  # (train.backend=auto's choice for these devices)
-    summary["train_min_devices"] = min_train
+    summary["train_backend"] = plan.trainer.value  # (train.backend=auto's choice for these devices)
+    summary["train_min_devices"] = plan.min_train_devices
+    summary["plan"] = plan.to_dict()
     writer.write_json("summary.json", summary)
     writer.write_events(slices, title=f"{cfg.mode}, {cfg.devices} device(s), {cfg.steps} steps")
     planner = getattr(policy, "planner", None)

@@ -8,17 +8,14 @@ separate processes and is refused here.
 
 from __future__ import annotations
 
+from pivotrl.control.drive import StallError
 from pivotrl.control.messages import Abort, Accumulate, Command, Event, Generate, Judge, Shift, Step
+from pivotrl.resolve import Plan
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import Worker
 from pivotrl.telemetry import Slice
-from pivotrl.train.config import TrainConfig
 
 SLICE_SECONDS = 0.05  # generation time between two looks at the control plane
-
-
-class StallError(RuntimeError):
-    """The controller waits for events but no device has work: a control-plane bug."""
 
 
 class LocalDriver:
@@ -28,10 +25,10 @@ class LocalDriver:
         self.events: list[Event] = []
         self.groups = TrainGroups()
 
-    def configure_train(self, cfg: TrainConfig) -> None:
-        """Every device's train config, as the job made it concrete once the devices were known."""
+    def configure(self, plan: Plan) -> None:
+        """Every device's train config, as the job resolved it once the devices were known."""
         for w in self.workers:
-            w.configure_train(cfg)
+            w.configure_train(plan.train)
 
     def submit(self, cmd: Command) -> None:
         if isinstance(cmd, Shift):

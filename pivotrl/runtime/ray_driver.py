@@ -27,6 +27,7 @@ from typing import Any
 
 from pivotrl.config import JobConfig
 from pivotrl.control.controller import DeviceLostError
+from pivotrl.control.drive import StallError
 from pivotrl.control.messages import (
     Abort,
     Accumulate,
@@ -43,18 +44,24 @@ from pivotrl.control.messages import (
 from pivotrl.errors import UserError
 from pivotrl.gps import RayStore
 from pivotrl.log import logger
+from pivotrl.resolve import Plan
 from pivotrl.runtime import devices as dev
 from pivotrl.runtime.blame import PROBE_S, blame, told
 from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
-from pivotrl.train.config import TrainConfig
 
 SLICE_SECONDS = 0.05
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
 PROBE = "probe"  # a device actor's concurrency group for questions answered while a call runs (its own thread)
 PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
+START_TIMEOUT_S = 300.0  # how long device actors may take to start, at least (device_timeout bounds calls)
+
+
+def start_timeout(device_timeout: float) -> float:
+    """The bound on a device actor's start: a start is a process and its imports, not a call."""
+    return max(device_timeout, START_TIMEOUT_S)
 
 
 @dataclass(slots=True)
@@ -343,8 +350,8 @@ class RayDriver:
             self.pg = _place(self.kind, cfg, address)
             threads = _threads(self.pg, cfg, local=address is None)
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
-            spec = spec_for(self.kind)
-            self.train = TrainSpec(cfg.train, cfg.rollout.temperature)  # (configure_train makes it concrete)
+            self.spec = spec = spec_for(self.kind)
+            self.train = TrainSpec(cfg.train, cfg.rollout.temperature)  # (configure makes it concrete)
             gpus = cfg.gpus_per_device if self.kind == dev.CUDA else 0
 
             def start(d: int) -> Any:
@@ -356,18 +363,19 @@ class RayDriver:
             self.origin, self._start = origin, start
             self.actors = [start(d) for d in range(cfg.devices)]
             # every wait on a device is bounded: an actor that cannot start (no resources, a broken node) is an
-            # error naming the key, not a hang
+            # error, not a hang. A start (a process, its imports) is not a call: on a loaded machine it takes far
+            # longer than a short device_timeout set for calls, so it has a bound of its own
+            wait = start_timeout(cfg.device_timeout)
             try:
-                self.bindings: list[dev.Binding] = ray.get(
-                    [a.binding.remote() for a in self.actors], timeout=cfg.device_timeout
-                )
+                self.bindings: list[dev.Binding] = ray.get([a.binding.remote() for a in self.actors], timeout=wait)
             except ray.exceptions.GetTimeoutError:
                 raise UserError(
-                    f"the {cfg.devices} device actors did not start within device_timeout={cfg.device_timeout:g} s"
-                    " (are the resources they ask for free on the cluster?)"
+                    f"the {cfg.devices} device actors did not start within {wait:g} s (the longer of "
+                    f"device_timeout={cfg.device_timeout:g} and {START_TIMEOUT_S:g} s; are the resources they ask "
+                    "for free on the cluster?)"
                 ) from None
             dev.check_bindings(cfg.device, self.kind, self.bindings)
-            self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=cfg.device_timeout)
+            self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=wait)
         except BaseException:
             self.close()
             raise
@@ -383,8 +391,7 @@ class RayDriver:
         self.stepping: _StepCalls | None = None  # the optimizer step in flight
         self.attempts = 0  # optimizer steps sent so far (tries again included)
         # a sharded trainer's step that loses a member cannot be saved: the run stops at once (see the controller)
-        shared = dev.shares_gpu(self.kind, cfg.gpus_per_device, cfg.devices)
-        self.sharded = cfg.train.resolved_backend(self.kind, shared) in ("fsdp", "zero")
+        self.sharded = False  # (configure says, from the job's plan)
         self.groups = TrainGroups()
         if self.kind == dev.CUDA and any(b.kind != dev.CUDA for b in self.bindings):
             logger.warning("device actors hold GPU shares but their torch sees no CUDA: they compute on the CPU")
@@ -394,13 +401,14 @@ class RayDriver:
                 b.device, b.kind, b.node_ip, b.bundle, ",".join(b.gpu_ids) or "-", b.threads,
             )  # fmt: skip
 
-    def configure_train(self, cfg: TrainConfig) -> None:
-        """Every device's train config, as the job made it concrete once the devices were known (and a device
-        restarted later starts with it)."""
+    def configure(self, plan: Plan) -> None:
+        """Every device's train config as the job resolved it once the devices were known (a device restarted
+        later starts with it), and whether a lost train device loses state no other holds."""
         import ray
 
-        self.train = replace(self.train, cfg=cfg)
-        ray.get([a.configure_train.remote(cfg) for a in self.actors], timeout=self.timeout)
+        self.sharded = plan.traits.unique_state
+        self.train = replace(self.train, cfg=plan.train)
+        ray.get([a.configure_train.remote(plan.train) for a in self.actors], timeout=self.timeout)
 
     def start_clock(self, origin: float) -> None:
         """Wait until every device actor is up, then share the run clock's origin."""
@@ -502,7 +510,7 @@ class RayDriver:
             if not self.pending:
                 if self.lost:  # nothing left to run the job (devices lost and not started again)
                     raise DeviceLostError(f"device(s) {sorted(self.lost)} were lost and not started again")
-                raise RuntimeError("the controller waits for events but no device has work")
+                raise StallError("the controller waits for events but no device has work")
             refs = list(self.pending)
             timed = [r for r in refs if self.pending[r][0] != "join"]  # (a restart may take long)
             deadlines = {r: self.sent[r] + self.timeout for r in timed} if self.timeout else {}

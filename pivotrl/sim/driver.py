@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+from pivotrl.control.drive import StallError
 from pivotrl.control.messages import (
     Abort,
     Aborted,
@@ -86,11 +87,6 @@ from pivotrl.telemetry import Slice
 def _named(cmd: Command) -> str:
     """``Shift(3)``: a command's kind and device(s), for messages."""
     return f"{type(cmd).__name__}({getattr(cmd, 'device', getattr(cmd, 'devices', ''))})"
-
-
-class StallError(RuntimeError):
-    """The controller waits for events but no device has work, or it repeats commands without
-    virtual time moving: a control-plane bug."""
 
 
 LIVELOCK_ROUNDS = 1000  # rounds of commands at one virtual instant that mean the control plane loops

@@ -22,14 +22,16 @@ from typing import Any
 
 from pivotrl.config import JobConfig, parse_split
 from pivotrl.control.controller import Controller, LoopSpec
+from pivotrl.control.drive import drive
 from pivotrl.control.messages import Role
 from pivotrl.control.modes import AllocationPolicy, make_policy
 from pivotrl.control.profiles import Profiles, RoleProfile, TrainProfile
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.log import logger
-from pivotrl.model.config import ModelConfig
+from pivotrl.resolve import Hardware, Plan, resolve
 from pivotrl.reward.genrm import GenRM
+from pivotrl.runtime.devices import CPU, CUDA
 from pivotrl.sample import Problem
 from pivotrl.sim import synthetic
 from pivotrl.sim.config import SimConfig
@@ -40,7 +42,6 @@ from pivotrl.sim.measured import MeasuredCosts
 from pivotrl.sim.models import MODELS, ModelSpec
 from pivotrl.sim.workload import LengthDist, decode_context, length_moments, replay_table
 from pivotrl.summary import loop_spec, sample_rows, summarize
-from pivotrl.task.rules import exact_match
 from pivotrl.telemetry import RunWriter
 
 KEEP_VERSIONS = 2  # policy versions the GPS holds, as the runtime keeps them
@@ -57,6 +58,7 @@ class Simulation:
     genrm: GenRM
     train_set: list[Problem]
     heldout: list[Problem]
+    plan: Plan  # the job resolved on the modeled GPUs
 
 
 def _costs(cfg: JobConfig) -> CostModel:
@@ -99,20 +101,6 @@ def _replay(cfg: JobConfig) -> dict[tuple[int, int], int] | None:
         raise UserError(f"sim.lengths_replay: {e}") from None
 
 
-def _trainer_fits(cfg: JobConfig, shape: ModelConfig, backend: str, sim: SimConfig, warn: bool) -> int | None:
-    """The fewest of the modeled GPUs that hold ``backend``'s train state of ``shape`` and a micro batch's
-    activations (``pivotrl.train.memory``, as a run on those GPUs sizes it). None of them enough is the error
-    a run would meet (``train.min_devices=auto``): here a warning, naming it as the runtime does, since a
-    simulated job may be a what-if; the step is then priced as if the state fitted."""
-    gpu_bytes = GPUS[sim.gpu].hbm_bytes
-    fewest = cfg.train.fewest_devices(shape, backend, sim.gpus, gpu_bytes, "cuda")
-    if fewest is None and warn:
-        why = cfg.train.too_big(shape, backend, sim.gpus, gpu_bytes, "cuda")
-        logger.warning("%s (%s on %ss): a run would not fit it; the simulation prices it anyway", why, sim.policy_model,
-                       sim.gpu)  # fmt: skip
-    return fewest
-
-
 def build(cfg: JobConfig, warn: bool = True) -> Simulation:
     """Check the job and set up its simulation; a mistake raises ``UserError`` naming the key. ``warn``: say
     what a run would meet (a trainer that fits no GPU, judgments cut at their cap); off for the ideals of a job
@@ -125,15 +113,13 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         policy_model = dataclasses.replace(policy_model, name=costs.rollout.model)
         genrm_model = dataclasses.replace(genrm_model, name=costs.genrm.model)
     shape = policy_model.train_config()
-    # the trainer the runtime would run on the modeled GPUs, a device each (train.backend=auto: ZeRO-1 in shiftable
-    # mode where it fits, else FSDP2); a measured CPU profile's runtime trains replicated
-    backend = cfg.train.resolved_backend("cpu" if measured else "cuda")
-    if not measured and shape is not None:
-        backend = dataclasses.replace(cfg, devices=sim.gpus).train_backend(shape, "cuda", False,
-                                                                           GPUS[sim.gpu].hbm_bytes)  # fmt: skip
-    if isinstance(costs, RooflineCosts) and shape is not None:  # train.activation_checkpointing as a GPU resolves it
-        if cfg.train.resolved_checkpointing(shape, backend, sim.gpus, GPUS[sim.gpu].hbm_bytes, "cuda"):
-            costs = dataclasses.replace(costs, train_forwards=4.0)  # each layer's forward again in the backward
+    # the job resolved as the runtime would on the modeled GPUs, a device each (train.backend=auto: ZeRO-1 in
+    # shiftable mode where it fits, else FSDP2); a measured CPU profile's runtime trains replicated
+    hw = Hardware(CPU) if measured else Hardware(CUDA, GPUS[sim.gpu].hbm_bytes)
+    plan = resolve(dataclasses.replace(cfg, devices=sim.gpus), hw, None if measured else shape,
+                   ranks_per_device=sim.instance_gpus)  # fmt: skip
+    if isinstance(costs, RooflineCosts) and shape is not None and plan.activation_checkpointing:
+        costs = dataclasses.replace(costs, train_forwards=4.0)  # each layer's forward again in the backward
     if sim.shift_scale != 1 or sim.migration_scale != 1:
         costs = ScaledCosts(costs, float(sim.shift_scale), float(sim.migration_scale))
     r, j = cfg.rollout, cfg.judge
@@ -183,7 +169,7 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
             _engine_gpus(sim, costs, genrm_model, sim.genrm_engine_gpus, judge_context),
         ),  # fmt: skip
         elastic=sim.elastic_engines,
-        lockstep_train=backend == "fsdp",
+        lockstep_train=plan.traits.lockstep,
     )
     checks = ((Role.ROLLOUT, sim.policy_model, spec.rollout_context, "rollout_engine_gpus"),
               (Role.GENRM, sim.genrm_model, spec.judge_context, "genrm_engine_gpus"))  # fmt: skip
@@ -220,29 +206,29 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
     # inside it, out of reach of devices that join the role later
     judge_batch, judge_kv = spec.capacity(Role.GENRM), spec.kv_tokens(Role.GENRM)
     r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
-    # the fewest GPUs the trainer's state fits on (a train device is one GPU in the runtime; here an instance of
-    # sim.instance_gpus): the optimizer step waits for as many instances, as the runtime's train.min_devices=auto
-    fewest_gpus = _trainer_fits(cfg, shape, backend, sim, warn) if not measured and shape is not None else 1
+    # the fewest train devices (the plan's: the fewest GPUs the trainer's state fits on, over the GPUs of an
+    # instance): the optimizer step waits for as many instances, as the runtime's train.min_devices=auto
+    if plan.too_big and warn:  # (a run would stop on it; the simulation prices the step as if the state fitted)
+        logger.warning("%s (%s on %ss): a run would not fit it; the simulation prices it anyway", plan.too_big,
+                       sim.policy_model, sim.gpu)  # fmt: skip
+    min_train = plan.min_train_devices
     try:
-        min_train = cfg.train.min_devices or -(-(fewest_gpus or 1) // sim.instance_gpus)
         alloc = make_policy(cfg.mode, sim.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                             j.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip
-        train = dataclasses.replace(cfg.train, backend=backend)  # (auto made concrete, as a run's is)
+        train = dataclasses.replace(cfg.train, backend=plan.trainer.value)  # (auto made concrete, as a run's is)
         job = dataclasses.replace(cfg, devices=sim.devices, rollout=r, train=train)
     except ValueError as e:
         raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None
+    # the modeled engines' capacities are what this hardware answers for the judge's limits
+    plan = dataclasses.replace(plan, judge_per_device=judge_batch, judge_kv=judge_kv or 0)
     if isinstance(alloc, Shiftable):
         _startup_profile(alloc.profiles, spec)
         alloc.max_batch = (r.max_batch, judge_batch)
         alloc.judge_kv = judge_kv
     train_set = synthetic.problems(max(r.prompts_per_step, 1024))
     heldout = synthetic.problems(cfg.eval.size, tag="h")
-    # the synthetic responses are written for the exact checker, whatever task.checker says (no text is real here)
-    loop = dataclasses.replace(
-        loop_spec(job), judge_per_device=judge_batch, judge_kv=judge_kv or 0, checkpoint_every=0, check=exact_match,
-        lockstep_train=spec.lockstep_train, min_train_devices=min_train,
-    )  # fmt: skip
-    return Simulation(job, spec, loop, alloc, genrm, train_set, heldout)
+    loop = loop_spec(job, plan, simulated=True)
+    return Simulation(job, spec, loop, alloc, genrm, train_set, heldout, plan)
 
 
 def _engine_gpus(sim: SimConfig, costs: CostModel, model: ModelSpec, given: int, context: int) -> int:
@@ -340,17 +326,10 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     ctl = Controller(s.loop, s.policy, s.genrm, s.train_set, s.heldout, driver.clock)
     desc = f"simulate ({job.mode}, {job.sim.gpus} x {job.sim.gpu})"
     bar = tqdm(total=job.steps, desc=desc, unit="step", disable=not progress)
-    commands = ctl.start()
-    written, events, in_driver, in_control = 0, 0, 0.0, 0.0
-    while not ctl.done:
-        t0 = time.perf_counter()
-        for c in commands:
-            driver.submit(c)
-        batch = driver.next_events()
-        t1 = time.perf_counter()
-        commands = ctl.handle_all(batch)  # completions at one virtual instant, then one look at the state
-        t2 = time.perf_counter()
-        in_driver, in_control, events = in_driver + t1 - t0, in_control + t2 - t1, events + len(batch)
+    written = 0
+
+    def after() -> None:  # completions at one virtual instant handled: the finished steps' rows
+        nonlocal written
         if ctl.finished_steps:
             writer.samples(sample_rows(ctl.finished_steps, token_ids=False))
             ctl.finished_steps.clear()
@@ -360,6 +339,8 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
             written += 1
             bar.update(1)
             bar.set_postfix(sim_s=f"{driver.clock():.0f}", step_s=f"{m['step_seconds']:.1f}")
+
+    stats = drive(ctl, driver, after)
     bar.close()
     slices = driver.slices()
     summary = summarize(job, ctl, slices, driver.clock())
@@ -368,7 +349,7 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     summary["gps_bytes"] = gps_bytes(spec)
     summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
                       "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,
-                      "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": events,
+                      "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": stats.events,
                       "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions(),
                       "engine_gpus": {"rollout": spec.engine_tp[0] or spec.tp, "genrm": spec.engine_tp[1] or spec.tp},
                       "elastic_engines": spec.elastic, "costs": job.sim.costs,
@@ -382,7 +363,8 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     if planner is not None:  # every decision that moved a device, with the estimate that justified it
         writer.write_jsonl("decisions.jsonl", [d.row() for d in planner.log])
     summary["wall_seconds"] = wall = time.perf_counter() - started
-    summary["wall_split"] = {"driver": in_driver, "control_plane": in_control, "rest": wall - in_driver - in_control}
+    summary["wall_split"] = {"driver": stats.driver_s, "control_plane": stats.control_s,
+                             "rest": wall - stats.driver_s - stats.control_s}  # fmt: skip
     writer.write_json("summary.json", summary)
     logger.info("simulated run written to %s", out)
     return summary

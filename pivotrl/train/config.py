@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from pivotrl.model.config import ModelConfig
+from typing import Literal
 
 Backend = Literal["auto", "fsdp", "zero", "replicated"]
 Precision = Literal["auto", "fp32", "bf16"]
@@ -33,7 +30,7 @@ class TrainConfig:
     # fsdp: parameters, gradients and AdamW state sharded over the train devices (FSDP2), groups backpropagated in
     # lockstep at the step; zero: compute-dtype weights and an fp32 gradient sum on every train device, groups
     # backpropagated as they are judged, fp32 master weights and AdamW state sharded at the step (ZeRO-1);
-    # replicated: every train device holds all of it in fp32; auto (JobConfig.train_backend): on CUDA zero in
+    # replicated: every train device holds all of it in fp32; auto (pivotrl.resolve): on CUDA zero in
     # shiftable mode where its state fits, else fsdp (zero where devices share a GPU), replicated on CPU
     backend: Backend = "auto"
     # fp32 master weights and optimizer state always; bf16 = compute in bfloat16; auto: bf16 on CUDA, fp32 on CPU
@@ -83,77 +80,7 @@ class TrainConfig:
         check("recompute_logprobs", isinstance(self.recompute_logprobs, bool), "true or false")
         check("min_devices", type(self.min_devices) is int and self.min_devices >= 0, "an integer >= 0 (0 = auto)")
 
-    def resolved_backend(self, device_type: str, shared: bool = False) -> str:
-        """``auto`` made concrete for a device type ("cuda" or "cpu") without the job's model and memory (a job's
-        own choice is ``JobConfig.train_backend``, which may take ZeRO-1 where this says FSDP2); ``shared``: several
-        devices on one GPU, where a train group's collectives go through host memory, which FSDP2 cannot (ZeRO-1
-        then)."""
-        if self.backend != "auto":
-            return self.backend
-        if device_type == "cuda":
-            return "zero" if shared else "fsdp"
-        return "replicated"
-
     @property
     def planned_tokens(self) -> int:
         """The tokens of the micro batch a device's memory is planned for."""
         return self.micro_batch_tokens or UNBOUNDED_TOKENS
-
-    def compute_bytes(self, device_type: str) -> int:
-        """Bytes a value of the compute dtype takes on a device type."""
-        return 2 if self.resolved_precision(device_type) == "bf16" else 4
-
-    def resolved_checkpointing(
-        self, config: ModelConfig, trainer: str, devices: int, device_bytes: float | None, device_type: str
-    ) -> bool:
-        """``activation_checkpointing`` made concrete for devices of ``device_bytes`` (None: not known, a CPU),
-        training ``config`` with ``trainer`` on a job of ``devices``: ``auto`` is on where the state and a micro
-        batch's activations would not fit unchecked (``pivotrl.train.memory``) on the fewest devices a step may
-        run on: ``min_devices`` where it is given; with it auto too, on only where no count of the job's devices
-        fits unchecked (the step then runs on the fewest that fit, ``min_devices=auto``). The driver and every
-        device decide alike from the same inputs."""
-        if isinstance(self.activation_checkpointing, bool):
-            return self.activation_checkpointing
-        if device_bytes is None:
-            return False
-        from pivotrl.train import memory
-
-        tokens, c = self.planned_tokens, self.compute_bytes(device_type)
-        if self.min_devices:
-            need = memory.per_device(config, trainer, self.min_devices, tokens, c, checkpointed=False)
-            return need > memory.HEADROOM * device_bytes
-        return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, c) is None
-
-    def fewest_devices(
-        self, config: ModelConfig, trainer: str, devices: int, device_bytes: float, device_type: str
-    ) -> int | None:
-        """The fewest train devices (at most ``devices``) of ``device_bytes`` each that hold ``trainer``'s state
-        and a micro batch's activations, checkpointed as this config resolves it for them
-        (``pivotrl.train.memory``); None if even ``devices`` do not."""
-        from pivotrl.train import memory
-
-        checkpointed = self.resolved_checkpointing(config, trainer, devices, device_bytes, device_type)
-        c, tokens = self.compute_bytes(device_type), self.planned_tokens
-        return memory.fewest_devices(config, trainer, device_bytes, devices, tokens, c, checkpointed)
-
-    def too_big(self, config: ModelConfig, trainer: str, devices: int, device_bytes: float, device_type: str) -> str:
-        """Why ``trainer``'s state of ``config`` fits none of ``devices`` devices of ``device_bytes`` (where
-        ``fewest_devices`` is None): what a device would hold on all of them, against what it has, and what
-        would shrink it. One sentence, for the runtime's error, ``pivotrl plan``'s and the simulator's warning."""
-        from pivotrl.train import memory
-
-        checkpointed = self.resolved_checkpointing(config, trainer, devices, device_bytes, device_type)
-        need = memory.per_device(config, trainer, devices, self.planned_tokens, self.compute_bytes(device_type),
-                                 checkpointed) / 1e9  # fmt: skip
-        other = "" if trainer == "fsdp" else "train.backend=fsdp, "
-        return (
-            f"training {config.num_parameters() / 1e9:.2f}B parameters with train.backend={trainer} needs "
-            f"{need:.0f} GB a device even on all {devices} devices, more than {memory.HEADROOM:.0%} of their "
-            f"{device_bytes / 1e9:.0f} GB (arithmetic; pivotrl plan shows it): use more devices, {other}"
-            "train.activation_checkpointing=true or a smaller train.micro_batch_tokens"
-        )
-
-    def resolved_precision(self, device_type: str) -> str:
-        if self.precision != "auto":
-            return self.precision
-        return "bf16" if device_type == "cuda" else "fp32"

@@ -16,6 +16,7 @@ CONTROL_PLANE = [
     "pivotrl.control.profiles",
     "pivotrl.control.shiftable",
     "pivotrl.control.messages",
+    "pivotrl.control.drive",
     "pivotrl.config",
     "pivotrl.reward.genrm",
     "pivotrl.sample",
@@ -34,6 +35,8 @@ SIMULATOR = [
     "pivotrl.sim.driver",
     "pivotrl.sim.run",
     "pivotrl.summary",
+    "pivotrl.resolve",  # (the simulator and `pivotrl plan` resolve jobs too)
+    "pivotrl.train.traits",
     "pivotrl.train.memory",  # (the simulator sizes the trainer's memory: activation checkpointing where needed)
     "pivotrl.model.config",
 ]

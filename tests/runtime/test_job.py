@@ -183,33 +183,6 @@ def test_auto_min_train_devices_follow_the_policy_and_the_gpu_memory(tmp_path):
         job.train_min_devices(cfg, "cuda", False, 10e9)
 
 
-def test_auto_trainer_is_zero_in_shiftable_mode_where_its_state_fits(tmp_path):
-    """train.backend=auto on GPUs: ZeRO-1 (backward while the rollout runs) in shiftable mode where its state fits
-    on the job's devices (or on train.min_devices), FSDP2 where it does not or in the static modes, ZeRO-1 where
-    devices share a GPU, the replicated trainer on CPUs; a backend given is kept."""
-    from tests.test_cli import write_qwen7b_config
-
-    policy = write_qwen7b_config(tmp_path)
-
-    def backend(*overrides: str, kind: str = "cuda", shared: bool = False, memory: float | None = 80e9) -> str:
-        cfg = load_config(None, [f"policy.path={policy}", "devices=8", "mode=shiftable", *overrides])
-        return job.train_backend(cfg, kind, shared, memory)
-
-    assert backend() == "zero"  # 7.6B: ZeRO-1 fits on 6 of the 8 80 GB devices
-    assert backend("devices=4") == "fsdp"
-    assert backend("mode=disaggregated") == backend("mode=colocated") == "fsdp"
-    assert backend("train.min_devices=2") == "fsdp"
-    assert backend("train.min_devices=6") == "zero"
-    # fp32 compute: from the bf16 weights the rollout runs it would round them; from fp32 ones, with the room
-    assert backend("train.precision=fp32", memory=160e9) == "fsdp"
-    assert backend("train.precision=fp32", "policy.rollout_dtype=float32", memory=160e9) == "zero"
-    assert backend("train.precision=fp32", "policy.rollout_dtype=float32") == "fsdp"  # (8 bytes whole: no room)
-    assert backend(memory=None) == "fsdp"  # (GPUs whose memory is not known)
-    assert backend("devices=4", shared=True) == "zero"
-    assert backend(kind="cpu", memory=None) == "replicated"
-    assert backend("train.backend=fsdp") == "fsdp"
-
-
 @pytest.fixture
 def chat_checkpoints(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> dict[str, Path]:
     """The tiny pair with chat templates in their tokenizer_config.json, as instruct models have them:
@@ -286,9 +259,6 @@ def test_fsdp_on_devices_sharing_a_gpu_is_refused_with_what_works():
         assert context_spec(load_config(None, [*shared, f"train.backend={backend}"]), device="cuda").shared_gpu
     assert not context_spec(load_config(None, ["devices=4", "train.backend=fsdp"]), device="cuda").shared_gpu
     assert not context_spec(load_config(None, ["gpus_per_device=0.25"]), device="cuda").shared_gpu  # one device
-    train = load_config(None, []).train
-    assert (train.resolved_backend("cuda"), train.resolved_backend("cuda", shared=True)) == ("fsdp", "zero")
-    assert train.resolved_backend("cpu", shared=True) == "replicated"
 
 
 def test_context_spec_sizes_prompts_in_their_chat_templates(chat_checkpoints):

@@ -10,8 +10,7 @@ from pivotrl.gps import LocalStore
 from pivotrl.model import char_tokenizer
 from pivotrl.runtime.contexts import ContextSpec, publish_checkpoint
 from pivotrl.runtime.worker import TrainSpec, Worker
-from pivotrl.train.config import TrainConfig
-from tests.conftest import tiny_model
+from tests.conftest import planned, tiny_model
 
 PARAMS = GenParams(max_new_tokens=24, temperature=1.0)
 
@@ -25,7 +24,7 @@ def store():
 
 def worker(store, device):
     torch.manual_seed(0)
-    w = Worker(device, store, ContextSpec(max_batch=8), TrainSpec(TrainConfig(), 1.0), origin=0.0)
+    w = Worker(device, store, ContextSpec(max_batch=8), TrainSpec(planned(), 1.0), origin=0.0)
     w.shift(Role.ROLLOUT, 0)
     return w
 
@@ -145,7 +144,7 @@ def test_a_judgment_moved_mid_way_resumes_with_identical_text():
     spec = ContextSpec(max_batch=8, judge_template="Q:{question}\nR:{reference}\nA:{response}\nJ:")
 
     def judge_worker(device):
-        w = Worker(device, s, spec, TrainSpec(TrainConfig(), 1.0), origin=0.0)
+        w = Worker(device, s, spec, TrainSpec(planned(), 1.0), origin=0.0)
         w.shift(Role.GENRM, 0)
         return w
 

@@ -37,7 +37,7 @@ from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationConte
 from pivotrl.runtime.worker import TrainSpec, Worker, WrongVersionError
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
-from tests.conftest import tiny_model
+from tests.conftest import planned, tiny_model
 
 SPEC = ContextSpec(judge_template="Q:{question}\nR:{reference}\nA:{response}\nJ:")
 GREEDY = GenParams(max_new_tokens=6, temperature=0.0)
@@ -73,7 +73,7 @@ def store() -> LocalStore:
 
 
 def make_worker(store: LocalStore, device: int = 0) -> Worker:
-    return Worker(device, store, SPEC, TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    return Worker(device, store, SPEC, TrainSpec(planned(), 1.0), origin=time.time())
 
 
 def gen_requests(n: int, params: GenParams = GREEDY) -> tuple[GenRequest, ...]:
@@ -250,7 +250,7 @@ def test_returning_to_a_generation_role_reloads_into_its_skeleton(store, via):
 
 
 def test_rollout_runs_in_its_own_dtype(store):
-    w = Worker(0, store, replace(SPEC, rollout_dtype="bfloat16"), TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    w = Worker(0, store, replace(SPEC, rollout_dtype="bfloat16"), TrainSpec(planned(), 1.0), origin=time.time())
     w.shift(Role.ROLLOUT, 0)
     assert {p.dtype for p in w.ctx.model.parameters()} == {torch.bfloat16}
     assert w.ctx.engine.cache.k.dtype == torch.bfloat16
@@ -265,14 +265,14 @@ def test_rollout_runs_in_its_own_dtype(store):
 @pytest.mark.parametrize("role", [Role.ROLLOUT, Role.GENRM], ids=label)
 def test_a_kv_budget_below_one_sequence_names_its_key(store, role):
     spec = replace(SPEC, kv_cache_bytes=1000)
-    w = Worker(0, store, spec, TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    w = Worker(0, store, spec, TrainSpec(planned(), 1.0), origin=time.time())
     with pytest.raises(KVBudgetError, match=r"rollout\.kv_cache_gb=1e-06 gives a KV budget"):
         w.shift(role, 0)
 
 
 def test_a_kv_budget_limits_the_slots_of_every_generation_engine(store):
     per_seq = bytes_per_token(tiny_model().config, torch.float32) * SPEC.judge_max_len
-    w = Worker(0, store, replace(SPEC, kv_cache_bytes=3 * per_seq), TrainSpec(TrainConfig(), 1.0), time.time())
+    w = Worker(0, store, replace(SPEC, kv_cache_bytes=3 * per_seq), TrainSpec(planned(), 1.0), time.time())
     w.shift(Role.GENRM, 0)
     assert w.ctx.engine.max_batch == 3 and w.ctx.engine.cache.nbytes <= 3 * per_seq
     w.judge(Judge(0, judge_requests(5)))  # more requests than slots: they wait their turn
@@ -485,7 +485,7 @@ def test_the_driver_configures_the_trainer_before_the_run_and_not_after(store):
     """configure_train gives a device the train config the job made concrete (here ZeRO-1 for auto): the next
     train context is built with it; once one is built, configuring is refused."""
     w = make_worker(store)
-    w.configure_train(TrainConfig(backend="zero"))
+    w.configure_train(planned(TrainConfig(backend="zero")))
     w.shift(Role.TRAIN, 1)
     assert w.ctx.backend == "zero" and w.ctx.sharded is not None
     with pytest.raises(RuntimeError, match="configure it before the run"):

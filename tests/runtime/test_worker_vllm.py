@@ -14,7 +14,7 @@ from pivotrl.gps import LocalStore
 from pivotrl.model import char_tokenizer
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, publish_checkpoint
 from pivotrl.runtime.worker import TrainSpec, Worker
-from pivotrl.train.config import TrainConfig
+from tests.conftest import planned
 from tests.engine.test_protocol import vllm_shaped
 from tests.runtime.test_worker import drain
 
@@ -36,11 +36,11 @@ def store() -> LocalStore:
 @pytest.fixture(scope="module")
 def vllm_worker(store: LocalStore) -> Worker:
     """One vLLM device for the module: its engines are built once (seconds each)."""
-    return Worker(0, store, VLLM, TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    return Worker(0, store, VLLM, TrainSpec(planned(), 1.0), origin=time.time())
 
 
 def native_worker(store: LocalStore, spec: ContextSpec = NATIVE) -> Worker:
-    return Worker(1, store, spec, TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    return Worker(1, store, spec, TrainSpec(planned(), 1.0), origin=time.time())
 
 
 def requests(n: int = 8) -> tuple[GenRequest, ...]:

@@ -45,7 +45,7 @@ from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.sim.driver import SimDriver
 from pivotrl.sim.run import build
-from pivotrl.train.config import TrainConfig
+from tests.conftest import planned
 
 SHORT = GenParams(max_new_tokens=6, temperature=1.0)
 LONG = GenParams(max_new_tokens=120, temperature=0.0)
@@ -57,7 +57,7 @@ def real_driver(ckpt: dict[str, Path]) -> LocalDriver:
     store = LocalStore()
     publish_initial(store, cfg)
     spec = ContextSpec(max_len=160, judge_max_len=160, judge_template="{question}|{reference}|{response}|")
-    worker = Worker(0, store, spec, TrainSpec(TrainConfig(), 1.0), origin=time.time())
+    worker = Worker(0, store, spec, TrainSpec(planned(), 1.0), origin=time.time())
     return LocalDriver([worker], slice_seconds=0.002)
 
 
