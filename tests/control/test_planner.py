@@ -12,24 +12,22 @@ from pivotrl.control.messages import Role
 from pivotrl.control.planner import (
     Estimate,
     LengthModel,
+    PhaseModel,
     Planner,
     Profiles,
     RoleProfile,
     ShiftCosts,
     TrainProfile,
     Workload,
-    _estimate,
-    _fifo,
-    _left_at,
-    _lend,
-    _lendable,
-    _rollout_grid,
-    _summarize,
-    _train_needed,
     estimate,
     fmt_alloc,
     initial_split,
+    summarize,
 )
+from pivotrl.control.planner.fluid import fifo, left_at
+from pivotrl.control.planner.lending import lend, lendable, train_needed
+from pivotrl.control.planner.search import allocations, candidate
+from pivotrl.control.planner.work import RolloutGrid, rollout_grid
 
 R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
 MAX_BATCH = 32
@@ -178,12 +176,13 @@ def test_the_responses_ending_last_are_judged_at_their_own_context():
     p.judge = RoleProfile(step_base=0.05, step_per_seq=PER_SEQ, step_per_kv=1e-6, prefill_rate=1e12)
     w = Workload(rollout_remaining=[100] * 32, rollout_groups=list(range(32)), judge_future=32,
                  judge_tokens_mean=50, prompt_tokens_mean=100)  # fmt: skip
-    s = _summarize(w, p, judge_kv=4_000)
-    assert s.context[-1] > s.context[0] and s.judge_left_context is not None
-    fits_at = [4_000 // (c + 25) for c in s.context]
+    s = summarize(w, p, judge_kv=4_000)
+    context = [point.context for point in s.rollout.grid.points]
+    assert context[-1] > context[0] and s.judge.left_context is not None
+    fits_at = [4_000 // (c + 25) for c in context]
     assert fits_at[-1] < fits_at[0] <= MAX_BATCH  # the cache binds, the last ones most
-    paged = _estimate(s, p, (1, 1, 0), MAX_BATCH)
-    slots = _estimate(_summarize(w, p), p, (1, 1, 0), MAX_BATCH)
+    paged = PhaseModel(s, p, MAX_BATCH).estimate((1, 1, 0))
+    slots = PhaseModel(summarize(w, p), p, MAX_BATCH).estimate((1, 1, 0))
     assert paged.judge_end > slots.judge_end
 
 
@@ -198,12 +197,12 @@ def test_what_the_judge_holds_when_the_rollout_ends_stays_there():
     assert e.judge_end - e.rollout_end > 0.9 * 32 * 4000 / 400
 
 
-def test_work_left_at_a_time_of_a_fifo():
+def test_work_left_at_a_time_of_afifo():
     one = [(0.0, 1)]
-    assert _left_at([(0.0, 10.0), (2.0, 10.0)], one, lambda n: 1.0, 5.0) == pytest.approx(15.0)
+    assert left_at([(0.0, 10.0), (2.0, 10.0)], one, lambda n: 1.0, 5.0) == pytest.approx(15.0)
     # a second device from t = 1: 1 done by then, 2 by t = 2 (10 more come), 2 by t = 3
-    assert _left_at([(0.0, 10.0), (2.0, 10.0)], [*one, (1.0, 1)], lambda n: 1.0, 3.0) == pytest.approx(15.0)
-    assert _left_at([(4.0, 10.0)], one, lambda n: 1.0, 3.0) == 0.0  # nothing released yet
+    assert left_at([(0.0, 10.0), (2.0, 10.0)], [*one, (1.0, 1)], lambda n: 1.0, 3.0) == pytest.approx(15.0)
+    assert left_at([(4.0, 10.0)], one, lambda n: 1.0, 3.0) == 0.0  # nothing released yet
 
 
 def test_a_paged_judge_cache_holds_fewer_of_the_long_judgments():
@@ -501,11 +500,9 @@ def test_devices_handed_to_the_next_phase_pay_their_shift():
 def test_many_devices_are_searched_coarse_to_fine_close_to_the_optimum(workload):
     import time
 
-    from pivotrl.control.planner import _allocations, _estimate, _summarize
-
     n, p = 160, profiles()
-    w = _summarize(workload, p)
-    optimum = min(_estimate(w, p, a, MAX_BATCH).total for a in _allocations(n, (0, 0, 0)))
+    model = PhaseModel(summarize(workload, p), p, MAX_BATCH)
+    optimum = min(model.estimate(a).total for a in allocations(n, (0, 0, 0)))
     t0 = time.perf_counter()
     d = Planner(n).plan(0.0, dict.fromkeys(range(n)), {}, set(), workload, p, MAX_BATCH)
     assert time.perf_counter() - t0 < 0.5  # an exhaustive search is ~13k estimates per plan
@@ -567,8 +564,8 @@ def test_the_last_groups_backward_is_shared_by_its_samples():
 def test_the_optimizer_step_waits_for_train_devices_shifting_in():
     base = Workload(train_groups_left=1, train_tokens_per_group=1000, train_groups_ready=1, train_group_size=4)
     p = profiles()
-    on_time = _estimate(_summarize(base, p), p, (0, 0, 4), MAX_BATCH)
-    late = _estimate(_summarize(base, p), p, (0, 0, 4), MAX_BATCH, ((0, 0.0), (0, 0.0), (2, 30.0)))
+    on_time = PhaseModel(summarize(base, p), p, MAX_BATCH).estimate((0, 0, 4))
+    late = PhaseModel(summarize(base, p), p, MAX_BATCH).estimate((0, 0, 4), ((0, 0.0), (0, 0.0), (2, 30.0)))
     assert on_time.backward_end < 1.0 and late.backward_end == pytest.approx(30.0)
 
 
@@ -603,10 +600,10 @@ def test_fifo_pieces_end_in_order_as_devices_join():
     # 2 devices at 1/s from 0, 2 more at 10: 10 units now end at 5; 20 released at 6: 8 by 10, the
     # other 12 by 4 devices in 3 s;
     # a piece released after everything is done starts at its release; no devices: never
-    out = _fifo([(0.0, 10.0), (6.0, 20.0), (30.0, 4.0)], [(0.0, 2), (10.0, 2)], lambda n: 1.0)
+    out = fifo([(0.0, 10.0), (6.0, 20.0), (30.0, 4.0)], [(0.0, 2), (10.0, 2)], lambda n: 1.0)
     assert out == pytest.approx([5.0, 13.0, 31.0])
-    assert _fifo([(0.0, 1.0)], [], lambda n: 1.0) == [math.inf]
-    assert _fifo([(0.0, 0.0), (2.0, 0.0)], [(0.0, 1)], lambda n: 1.0) == [0.0, 2.0]
+    assert fifo([(0.0, 1.0)], [], lambda n: 1.0) == [math.inf]
+    assert fifo([(0.0, 0.0), (2.0, 0.0)], [(0.0, 1)], lambda n: 1.0) == [0.0, 2.0]
 
 
 def test_rollout_grid_expects_groups_whole_as_their_members_end():
@@ -616,14 +613,17 @@ def test_rollout_grid_expects_groups_whole_as_their_members_end():
     for n in range(100, 1001, 100):
         lm.observe(n)
     w = Workload(rollout_remaining=[950, 0], rollout_groups=[0, 1], judge_future=2)
-    grid = _rollout_grid(w, lm, longest=1000.0)
-    assert len(grid["grid"]) == 8 and grid["grid"][-1] == 1000.0
-    assert grid["whole"][0] == pytest.approx(1.1)  # group 0 surely, group 1 if it is 100 tokens long (1 in 10)
-    assert grid["whole"][-1] == pytest.approx(2.0)
-    assert list(grid["ended"]) == sorted(grid["ended"]) and grid["alive"][0] > grid["alive"][-1]
-    blind = _rollout_grid(Workload(rollout_remaining=[950, 0]), lm, 1000.0)  # groups unknown: no group ends
-    assert set(blind) == {"grid", "alive", "context"}
-    assert _rollout_grid(Workload(), lm, 1000.0) == {}  # nothing left
+    grid = rollout_grid(w, lm, longest=1000.0)
+    points = grid.points
+    assert grid.grouped and len(points) == 8 and points[-1].at == 1000.0
+    assert points[0].whole == pytest.approx(1.1)  # group 0 surely, group 1 if it is 100 tokens long (1 in 10)
+    assert points[-1].whole == pytest.approx(2.0)
+    ended = [point.ended for point in points]
+    assert ended == sorted(ended) and points[0].alive > points[-1].alive
+    blind = rollout_grid(Workload(rollout_remaining=[950, 0]), lm, 1000.0)  # groups unknown: no group ends
+    assert not blind.grouped and len(blind.points) == 8
+    assert all(point.ended == point.whole == 0.0 for point in blind.points)
+    assert rollout_grid(Workload(), lm, 1000.0) == RolloutGrid()  # nothing left
 
 
 def test_groups_generated_whole_during_the_rollout_train_before_it_ends():
@@ -677,25 +677,25 @@ def test_the_devices_a_plan_has_in_train_that_could_generate_instead(workload, p
     p = profiles(shift=0.05)
     current = {0: T, 1: T, 2: R, 3: None, 4: G}
     planned = [(0, T, R), (2, R, T), (3, None, T), (4, G, T)]
-    lendable = _lendable(planned, current, pinned, _summarize(workload, p))
+    lent = lendable(planned, current, pinned, summarize(workload, p).rollout)
     # as moves: 2 and 4 stay where they are, 3 starts on the rollout, 1 joins it
-    assert lendable == [(2, R, R), (3, None, R), (4, G, G), *([(1, T, R)] if idle else [])]
-    moves, wait = _lend(planned, lendable, needed=10.0, costs=p.costs)
+    assert lent == [(2, R, R), (3, None, R), (4, G, G), *([(1, T, R)] if idle else [])]
+    moves, wait = lend(planned, lent, needed=10.0, costs=p.costs)
     assert wait == pytest.approx(10.0 - 0.05)  # then a device must leave for train to be in time
     assert moves == sorted([(0, T, R), (3, None, R), *([(1, T, R)] if idle else [])])
 
 
 def test_nothing_to_lend_once_the_rollout_is_done():
     p = profiles(shift=0.05)
-    done = _summarize(_fresh_step(rollout_remaining=[], rollout_groups=[], rollout_queued=0), p)
-    assert _lendable([(2, R, T), (3, None, T)], {0: T, 1: T, 2: R, 3: None}, set(), done) == []
+    done = summarize(_fresh_step(rollout_remaining=[], rollout_groups=[], rollout_queued=0), p).rollout
+    assert lendable([(2, R, T), (3, None, T)], {0: T, 1: T, 2: R, 3: None}, set(), done) == []
 
 
 def test_no_loan_when_devices_are_needed_in_train_soon():
     p = profiles(shift=0.05)
     planned = [(0, T, R), (2, R, T)]
-    assert _lend(planned, [(2, R, R)], needed=0.2, costs=p.costs) == (planned, math.inf)
-    assert _lend(planned, [], needed=10.0, costs=p.costs) == (planned, math.inf)
+    assert lend(planned, [(2, R, R)], needed=0.2, costs=p.costs) == (planned, math.inf)
+    assert lend(planned, [], needed=10.0, costs=p.costs) == (planned, math.inf)
 
 
 @pytest.mark.parametrize(("judging", "tokens", "first", "later"), [(1, 8000, 0.5, True), (6, 20_000, 3.0, False)])
@@ -706,16 +706,17 @@ def test_train_devices_are_needed_at_the_latest_arrival_that_keeps_the_estimate(
     arrival that keeps the estimate: later than the first group when one small group comes first, as
     soon as it comes when there is much to train."""
     p = profiles(shift=0.05)
-    w = _summarize(Workload(rollout_remaining=[500] * 4, rollout_groups=[9] * 4, judge_future=4, judge_queued=96,
+    w = summarize(Workload(rollout_remaining=[500] * 4, rollout_groups=[9] * 4, judge_future=4, judge_queued=96,
                             judge_tokens_mean=50, train_groups_left=8, train_groups_judging=judging,
                             train_tokens_per_group=tokens, train_group_size=4), p)  # fmt: skip
-    c = Planner._candidate((2, 1, 1), (3, 1, 0), 0, {R: 3, G: 1, T: 0}, w, p, MAX_BATCH)  # one device R -> T
-    needed = _train_needed(c, 1, w, p, MAX_BATCH)
+    model = PhaseModel(w, p, MAX_BATCH)
+    c = candidate((2, 1, 1), (3, 1, 0), 0, {R: 3, G: 1, T: 0}, model)  # one device R -> T
+    needed = train_needed(c, 1, model)
     assert c.est.train_from == pytest.approx(first)
     assert (needed > c.est.train_from + 10) if later else needed == pytest.approx(c.est.train_from)
 
     def total(at: float) -> float:
-        return _estimate(w, p, c.alloc, MAX_BATCH, ((0, 0.0), (0, 0.0), (1, at))).total
+        return model.estimate(c.alloc, ((0, 0.0), (0, 0.0), (1, at))).total
 
     assert total(needed) == pytest.approx(c.est.total, rel=1e-5)
     assert total(needed + 1.0) > c.est.total + 0.1
@@ -790,4 +791,4 @@ def test_responses_still_generating_train_at_the_length_they_are_expected_to_rea
         groups = [0] * 8 + [1] * 8 + [-1] * 4
         w = Workload(rollout_remaining=[500] * 16 + [10] * 4, rollout_groups=groups, train_groups_left=2,
                      train_group_size=9, train_tokens_per_group=8 * 500 + 100)  # fmt: skip
-        assert _summarize(w, p).group_tokens == pytest.approx(8 * 500 + 100 + 8 * (expect - 500))
+        assert summarize(w, p).train.group_tokens == pytest.approx(8 * 500 + 100 + 8 * (expect - 500))
