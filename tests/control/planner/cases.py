@@ -4,14 +4,7 @@ workloads of the step's typical moments (a rollout tail, a judge burst, all rewa
 from __future__ import annotations
 
 from pivotrl.control.messages import Role
-from pivotrl.control.planner import (
-    LengthModel,
-    Profiles,
-    RoleProfile,
-    ShiftCosts,
-    TrainProfile,
-    Workload,
-)
+from pivotrl.control.planner import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload
 
 R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
 

@@ -6,20 +6,10 @@ import math
 
 import pytest
 
-from pivotrl.control.planner import (
-    PhaseModel,
-    Workload,
-    summarize,
-)
+from pivotrl.control.planner import PhaseModel, Workload, summarize
 from pivotrl.control.planner.lending import lend, lendable, train_needed
 from pivotrl.control.planner.search import candidate
-from tests.control.planner.cases import (
-    MAX_BATCH,
-    G,
-    R,
-    T,
-    profiles,
-)
+from tests.control.planner.cases import MAX_BATCH, G, R, T, profiles
 
 
 def _fresh_step(**kw) -> Workload:

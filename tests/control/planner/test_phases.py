@@ -19,6 +19,8 @@ from pivotrl.control.planner import (
     fmt_alloc,
     summarize,
 )
+from pivotrl.control.planner.alloc import ON_TIME
+from pivotrl.control.planner.phases import JudgeEnd, RolloutEnd, gen_rate, now_and_later
 from tests.control.planner.cases import (
     EARLY,
     JUDGE_BURST,
@@ -383,3 +385,62 @@ def test_responses_still_generating_end_in_their_longest_judgment():
         ends[tail] = e.judge_end - e.rollout_end
     assert ends[False] == pytest.approx(129 * 0.08, rel=0.01)
     assert ends[True] > 1000 * 0.05  # the longest of a few dozen judgments: most likely one of 3000 tokens
+
+
+# -- the model's phases, one at a time ---------------------------------------------------------------
+
+
+def model(workload: Workload, **kw) -> PhaseModel:
+    p = profiles(**kw)
+    return PhaseModel(summarize(workload, p), p, MAX_BATCH)
+
+
+def test_each_device_of_a_role_shares_its_sequences_up_to_one_each():
+    # 64 sequences on 2 devices: 32 each, at the batch cap (400 tok/s); 4 on 8 devices: half a sequence each
+    assert gen_rate(generation(), 64, 2, MAX_BATCH) == pytest.approx(400.0)
+    assert gen_rate(generation(), 4, 8, MAX_BATCH) == pytest.approx(0.5 * 20.0)
+    assert now_and_later(4, (0, 0.0)) == [(0.0, 4)]
+    assert now_and_later(4, (1, 2.5)) == [(0.0, 3), (2.5, 1)]
+
+
+def test_the_rollout_alone():
+    m = model(TAIL)
+    assert m.rollout(3, (0, 0.0)) == m.rollout(3, (0, 0.0))
+    end = m.rollout(3, (0, 0.0))
+    assert end.end == pytest.approx(50.0) and end.tail and end.hands_over
+    assert len(end.reached) == 8 and end.reached[-1] == pytest.approx(end.end)  # the grid, ending with it
+    assert m.rollout(0, (0, 0.0)).end == math.inf  # work and no device
+    # every rollout device still on its way: the rollout starts when they arrive
+    assert m.rollout(3, (3, 2.0)).end == pytest.approx(52.0)
+    done = model(JUDGE_BURST).rollout(3, (0, 0.0))
+    assert (done.end, done.worst, done.hands_over) == (0.0, 0.0, False)  # nothing left: its devices idle
+
+
+def test_judging_alone_after_the_rollout():
+    m = model(TAIL)
+    rollout = m.rollout(3, (0, 0.0))
+    judge = m.judge((3, 1, 0), ON_TIME, rollout)
+    assert judge.end == pytest.approx(75.1625) and judge.takes_rollout  # (as the estimate by hand)
+    assert m.judge((3, 0, 0), ON_TIME, m.rollout(3, (0, 0.0))).end > rollout.end  # the rollout's devices judge
+    assert model(REWARDS_IN).judge((0, 2, 2), ON_TIME, RolloutEnd(0.0, 0.0)) == JudgeEnd()  # nothing to judge
+
+
+def test_the_backward_alone_after_judging():
+    m = model(JUDGE_BURST)
+    rollout = m.rollout(0, (0, 0.0))
+    judge = m.judge((0, 2, 2), ON_TIME, rollout)
+    end, first = m.backward((0, 2, 2), ON_TIME, rollout, judge)
+    assert first <= judge.end < end  # the first group trains while the rest is judged, the last after
+    assert model(TAIL).backward((3, 1, 0), ON_TIME, rollout, judge) == (0.0, math.inf)  # nothing to train
+    late = ((0, 0.0), (0, 0.0), (2, 1000.0))
+    assert m.backward((0, 2, 2), late, rollout, judge)[0] == pytest.approx(1000.0)  # the step waits for them
+
+
+def test_the_estimate_puts_the_phases_together():
+    m = model(JUDGE_BURST)
+    rollout = m.rollout(0, (0, 0.0))
+    judge = m.judge((0, 2, 2), ON_TIME, rollout)
+    backward_end, train_from = m.backward((0, 2, 2), ON_TIME, rollout, judge)
+    e = m.estimate((0, 2, 2))
+    assert (e.rollout_end, e.judge_end, e.backward_end, e.train_from) == (0.0, judge.end, backward_end, train_from)
+    assert e.total == max(judge.end, backward_end) + JUDGE_BURST.step_seconds

@@ -7,11 +7,8 @@ import math
 
 import pytest
 
-from pivotrl.control.planner import (
-    Planner,
-    Workload,
-    estimate,
-)
+from pivotrl.control.planner import PhaseModel, Planner, Workload, estimate, summarize
+from pivotrl.control.planner.planner import situation
 from tests.control.planner.cases import (
     EARLY,
     JUDGE_BURST,
@@ -207,3 +204,21 @@ def test_the_planner_brings_the_train_devices_the_step_needs(needed):
     alone = Planner(4).plan(0.0, roles("rrgt"), {}, {3}, dataclasses.replace(done, train_devices_needed=1),
                             profiles(), MAX_BATCH)  # fmt: skip
     assert alone.moves == []
+
+
+SITUATIONS = [
+    pytest.param(TAIL, (3, 1, 0), "rollout tail: 2 seqs, longest ~", id="rollout-tail"),
+    pytest.param(
+        Workload(rollout_remaining=[0] * 200, judge_future=200), (2, 1, 0), "rollout: 200 seqs, ~", id="rollout"
+    ),
+    pytest.param(JUDGE_BURST, (0, 2, 2), "judge backlog: 400 judgments", id="judge"),
+    pytest.param(REWARDS_IN, (0, 0, 4), "train: 16 groups left", id="train"),
+    pytest.param(Workload(), (1, 1, 1), "idle", id="idle"),
+]
+
+
+@pytest.mark.parametrize(("workload", "counts", "says"), SITUATIONS)
+def test_a_decision_says_what_the_step_waits_on(workload, counts, says):
+    p = profiles()
+    model = PhaseModel(summarize(workload, p), p, MAX_BATCH)
+    assert situation(model.estimate(counts), model.work).startswith(says)
