@@ -145,9 +145,16 @@ class PhaseModel:
         t = self.work.train
         total = max(rollout.end, judge.end, backward_end) + t.step_seconds if at_step >= t.needed else INF
         return Estimate(
-            alloc, rollout.end, judge.end, backward_end, total, self.work.rollout.seqs, rollout.tail, rollout.worst,
-            train_from,
-        )  # fmt: skip
+            alloc=alloc,
+            rollout_end=rollout.end,
+            judge_end=judge.end,
+            backward_end=backward_end,
+            total=total,
+            seqs=self.work.rollout.seqs,
+            tail=rollout.tail,
+            worst_rollout_end=rollout.worst,
+            train_from=train_from,
+        )
 
     # -- rollout ------------------------------------------------------------------------------------------------
 
@@ -242,6 +249,7 @@ class PhaseModel:
             kept = holders / j.holders if j.holders > holders else 1.0
             running = j.running * kept
             to_write = max(running, j.left_running * kept)
+            # (the judgments running read about as much as those left: they came in the same order)
             rate_held = gen_rate(p.judge, running, holders, self.judge_batch, j.left_context)
             held = running * j.tokens + j.read_running * kept * per_read  # (in ``queued``'s units)
             held_until = (to_write / rate_held + j.read_running * kept / p.judge.prefill_rate) / holders
@@ -250,7 +258,7 @@ class PhaseModel:
         if late[1][0]:
             arrivals.append((late[1][1], n_g - present))
         judging_only = list(arrivals)  # (the judge devices of the allocation, before the rollout's hand over)
-        if rollout.hands_over:
+        if rollout.hands_over:  # a device handed to the next phase pays its shift
             arrivals.append((rollout.end + p.costs.cost(Role.ROLLOUT, Role.GENRM), n_r))
         return _Judging(n_r, n_g, per_read, queued, held, held_until, chain, arrivals, judging_only)
 
@@ -363,7 +371,7 @@ class PhaseModel:
             return 0.0, INF
         n_r, n_g, n_t = alloc
         judged = bool(self.work.judge.items) and 0.0 < judge.end < INF
-        arrivals = now_and_later(n_t, late[2])
+        arrivals = now_and_later(n_t, late[2])  # then the devices the phases before hand over, after their shift
         if 0.0 < judge.end < INF:
             arrivals.append(
                 (judge.end + p.costs.cost(Role.GENRM, Role.TRAIN), n_g + (n_r if judge.takes_rollout else 0))
