@@ -166,9 +166,9 @@ class RoleProfile:
     GPU whose step is dominated by reading KV caches it never does, and a planner
     that believes it does crams the rollout onto too few devices.)
 
-    The context term is the rollout's own clock: a 14B model's decode step of 128
-    sequences reads 4x more at 8,700 tokens of context than at 600, so the same
-    batch that is cheap at a step's start is dear in its tail. A line in the batch
+    The context term is the rollout's own clock: a decode step reads its
+    sequences' whole contexts, which grow token by token over the rollout, so the
+    same batch that is cheap at a step's start is dear in its tail. A line in the batch
     alone, fitted to the whole step's slices, prices every step at their mix: big
     early batches look dearer than they are, the long tail cheaper.
 

@@ -29,9 +29,8 @@ such a beginning once while it stays cached. So a judgment goes where its group
 was last sent (``JudgeRequest.group``) if that device has room and holds at
 most the judgment's own work more than the least loaded; otherwise to the least
 loaded. Sent wherever their group went, a group's judgments would fill devices
-group by group and leave the heaviest unspread: a simulated colocated step of
-judge-32b at 128 GPUs (seed 0) ran 60.6 samples/s so, against 66.1 before any
-group preference and 67.7 with the bound (58cad50).
+group by group and leave the heaviest unspread: the bound reuses a cached
+beginning only where that costs the spread at most one judgment's work.
 
 Where the judge's KV cache is paged (``judge_kv``, tokens per device), a device
 is handed no more than its cache holds: the count cap fits judgments of the

@@ -54,9 +54,8 @@ class PlanView:
 
 
 REPLAN_SHARE = 0.01  # re-plan at the latest after this share of the step's estimated rest
-# the same beyond EXACT_UP_TO devices, where a plan weighs hundreds of allocations: every 4-6 s of a 128-GPU
-# step (0.1 planned every 10-15 s; side by side 0.04 was +0.9% over the paper groups and +3.5% for dense-7b at
-# 64 GPUs, and 1024 GPUs x 20 steps took 32 s against 25 s; 0.02 gained nothing more and took 49 s)
+# the same beyond EXACT_UP_TO devices, where a plan weighs hundreds of allocations: larger, since plans cost
+# wall time there, and small enough that a change of demand is still met within a few percent of the step
 REPLAN_SHARE_CLUSTER = 0.04
 EXACT_UP_TO = 32  # devices; beyond, only a phase change or the timer triggers a plan (some device always moves)
 
@@ -152,8 +151,8 @@ class Shiftable:
             self.judge_kv,
         )
         self._train = tuple(d for d, r in sorted(decision.targets.items()) if r is Role.TRAIN)
-        # the next plan is due after a small share of the step's estimated rest: often on a
-        # CPU (tens of ms), every second or so on a cluster where steps take minutes
+        # the next plan is due after a small share of the step's estimated rest: often where steps are
+        # short, seconds apart where they take minutes
         rest = decision.after.total if decision.after is not None else 0.0
         share = REPLAN_SHARE if few else REPLAN_SHARE_CLUSTER
         # a share of the whole step, not of what is left of it: plans would come ever faster at its end
