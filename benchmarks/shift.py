@@ -71,10 +71,10 @@ from pivotrl.runtime.contexts import (
     build_model,
     publish_checkpoint,
 )
-from pivotrl.runtime.dist_train import ElasticTrainer
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.replicated import ElasticTrainer
 
 RESULTS = Path(__file__).parent / "results" / "shift.json"
 HEAD_DIM = 64

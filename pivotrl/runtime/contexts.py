@@ -271,11 +271,11 @@ class TrainContext:
       groups are backpropagated as they arrive.
     * fsdp: nothing heavy is built at the shift: the shards depend on the
       group, known at the step. Groups are buffered (``pending``) and the
-      worker builds :class:`~pivotrl.runtime.sharded.ShardedTrainer` over the
+      worker builds :class:`~pivotrl.train.fsdp.ShardedTrainer` over the
       step's group (``sharded``), which then lives as long as this context.
     * zero: the weights in the compute dtype (from the version rollout ran)
       and an fp32 gradient sum, built here; groups are backpropagated as they
-      arrive. :class:`~pivotrl.runtime.zero.ZeroTrainer` (``sharded``) takes
+      arrive. :class:`~pivotrl.train.zero.ZeroTrainer` (``sharded``) takes
       its range of the master weights and AdamW state at the step, once the
       group is known.
     """
@@ -283,8 +283,8 @@ class TrainContext:
     def __init__(
         self, version: int, store: ParameterStore, spec: ContextSpec, cfg: TrainConfig, temperature: float
     ) -> None:
-        from pivotrl.runtime.dist_train import ElasticTrainer
         from pivotrl.train.grpo import GRPOTrainer
+        from pivotrl.train.replicated import ElasticTrainer
 
         device = torch.device(spec.device)
         self.version, self.temperature = version, temperature
@@ -304,7 +304,7 @@ class TrainContext:
         if self.backend == "fsdp":
             return
         if self.backend == "zero":
-            from pivotrl.runtime.zero import ZeroTrainer, check_dtypes
+            from pivotrl.train.zero import ZeroTrainer, check_dtypes
 
             check_dtypes(self.compute, DTYPES[spec.rollout_dtype])
             model, ref = self._models(snap, store, device, self.compute)

@@ -53,11 +53,11 @@ from pivotrl.runtime.contexts import (
     release_device_memory,
 )
 from pivotrl.runtime.devices import node_address
-from pivotrl.runtime.dist_train import TrainGroup, listen
-from pivotrl.runtime.sharded import ShardedTrainer
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
 from pivotrl.train.config import TrainConfig
+from pivotrl.train.fsdp import ShardedTrainer
+from pivotrl.train.group import TrainGroup, listen
 
 Rendezvous = tuple[str, int]  # (host, port) of rank 0's end of a new train group; port 0 for a group of one
 
@@ -338,7 +338,7 @@ class Worker:
             Sample(i, 0, "", "", list(p), 0, response_ids=list(r), logprobs=list(lp))
             for i, (p, r, lp) in enumerate(zip(shard.prompt_ids, shard.response_ids, shard.logprobs, strict=True))
         ]
-        if ctx.backend == "fsdp":  # backward runs in lockstep at the step; see pivotrl.runtime.sharded
+        if ctx.backend == "fsdp":  # backward runs in lockstep at the step; see pivotrl.train.fsdp
             ctx.pending.append((samples, list(shard.advantages)))
             return Accumulated(self.device, len(samples), 0, self.now() - t0)
         trainer = ctx.sharded if ctx.backend == "zero" else ctx.trainer  # (zero: alone, now; see runtime.zero)

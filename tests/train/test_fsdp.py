@@ -22,13 +22,13 @@ import torch
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, VersionError, module_tensors
 from pivotrl.model import Decoder, ModelConfig
-from pivotrl.runtime.dist_train import TrainGroup, listen
-from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_name
 from pivotrl.train.config import TrainConfig
+from pivotrl.train.fsdp import ShardedTrainer, balance, row_range, shard_name
+from pivotrl.train.group import TrainGroup, listen
 from pivotrl.train.grpo import GRPOTrainer
 from tests.conftest import tiny_config, tiny_moe_config
 from tests.runtime.ranks import spawn
-from tests.runtime.test_dist_train import (
+from tests.train.test_replicated import (
     STAT_KEYS,
     Batch,
     G,
@@ -37,7 +37,7 @@ from tests.runtime.test_dist_train import (
     make_batch,
     max_diff,
 )
-from tests.runtime.test_dist_train import assert_same_stats as same_stats
+from tests.train.test_replicated import assert_same_stats as same_stats
 
 MODEL = "policy"
 CFG = TrainConfig(micro_batch=5, micro_batch_tokens=40, grad_clip=0.5)  # cuts by count and by tokens; clip active

@@ -2,7 +2,7 @@
 
 Why. Shiftable mode wins by training while the rollout's tail still runs: a
 group is backpropagated as soon as its judgments are in, on whichever device
-holds the train role then. The FSDP2 trainer (:mod:`pivotrl.runtime.sharded`)
+holds the train role then. The FSDP2 trainer (:mod:`pivotrl.train.fsdp`)
 cannot do that: under FSDP every forward and backward is a collective, so it
 buffers the step's groups and backpropagates them all in lockstep after the
 last judgment. The replicated trainer can, but holds 16 bytes a parameter
@@ -57,11 +57,11 @@ from torch import Tensor, nn
 
 from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError, cast
 from pivotrl.log import logger
-from pivotrl.runtime.dist_train import TrainGroup, gather_step_stats
-from pivotrl.runtime.sharded import free_shards, row_range, shard_name
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import GRPOTrainer, step_report
+from pivotrl.train.fsdp import free_shards, row_range, shard_name
+from pivotrl.train.group import TrainGroup, gather_step_stats
+from pivotrl.train.loss import GRPOLoss, step_report
 
 LAYOUT = "flat"  # the meta mark of this trainer's shards (FSDP2's are cut per parameter, by rows)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -89,7 +89,7 @@ class ZeroTrainer:
         self, model: nn.Module, cfg: TrainConfig, temperature: float, version: int, ref: nn.Module | None = None
     ) -> None:
         self.model, self.cfg, self.version = model, cfg, version
-        self.trainer = GRPOTrainer(model, cfg, temperature, ref_model=ref)  # (its AdamW is never stepped: no state)
+        self.trainer = GRPOLoss(model, cfg, temperature, ref_model=ref)  # (the step is its own: AdamW on a range)
         self.params = list(model.parameters())
         self.names = [n for n, _ in model.named_parameters()]
         self.spans: list[tuple[int, int]] = []

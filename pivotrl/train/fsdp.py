@@ -68,10 +68,11 @@ from torch import Tensor, nn
 from pivotrl.gps import Deferred, Kind, ParameterStore, Snapshot, VersionError
 from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig
-from pivotrl.runtime.dist_train import TrainGroup
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import GRPOTrainer, _merge
+from pivotrl.train.group import TrainGroup
+from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.loss import merge_stats
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -305,7 +306,7 @@ class ShardedTrainer:
         self.partial = {}
         if partial and self.rank == 0:  # the old ranks' loss sums, each counted once: by the new rank 0
             for snap in snaps:
-                _merge(self.partial, snap.manifest.meta.get("partial", {}))
+                merge_stats(self.partial, snap.manifest.meta.get("partial", {}))
         self.version, self.imported, self.exported = version, (version, world_size), False
         self.imported_partial = partial
         return nbytes
@@ -390,10 +391,10 @@ class ShardedTrainer:
         for i in range(passes):
             group.mark()  # (each pass gathers and reduces shards with the other ranks)
             if i < len(plans[self.rank]):
-                _merge(stats, self.trainer.backward(plans[self.rank][i]))
+                merge_stats(stats, self.trainer.backward(plans[self.rank][i]))
             else:
                 self.trainer.backward([pairs[0]], weight=0.0)  # nothing left here: match the others' collectives
-        _merge(self.partial, stats)
+        merge_stats(self.partial, stats)
         logger.debug("sharded backward of v%d on %d ranks: %d samples, %d passes", self.version, world, len(pairs),
                      passes)  # fmt: skip
         return sum(lengths), time.perf_counter() - start
@@ -415,7 +416,7 @@ class ShardedTrainer:
             dist.all_gather_object(every, stats)
             stats = {}
             for part in every:
-                _merge(stats, part)
+                merge_stats(stats, part)
         out = self.trainer.step(total_tokens, stats)
         self.version += 1
         self.exported = False
