@@ -149,7 +149,7 @@ class Device:
         assert self.worker is not None
         done = self.worker.shift(role, version)
         ctx = self.worker.ctx
-        if isinstance(ctx, TrainContext) and not ctx.trainer.trainer.optimizer.state:
+        if isinstance(ctx, TrainContext) and not ctx.trainer.replica.trainer.optimizer.state:
             raise RuntimeError(f"shift to train v{version} did not restore optimizer state")
         return done
 

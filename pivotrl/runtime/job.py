@@ -51,7 +51,7 @@ from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
 from pivotrl.telemetry import RunWriter, missing_rows
-from pivotrl.train.fsdp import shard_name
+from pivotrl.train.shards import shard_name
 from pivotrl.train.zero import check_dtypes
 
 

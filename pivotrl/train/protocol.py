@@ -30,7 +30,7 @@ from pivotrl.train.traits import TrainerTraits
 if TYPE_CHECKING:
     import torch
 
-    from pivotrl.gps import ParameterStore
+    from pivotrl.gps import ParameterStore, Snapshot
     from pivotrl.sample import Sample
     from pivotrl.train.group import TrainGroup
 
@@ -60,11 +60,13 @@ class TrainSetup:
     in; ``rollout`` the dtype of the weights the rollout runs (what a trainer publishes).
     ``policy``/``reference``/``checkpoint`` name the GPS models: the policy's versions (and its train
     state), the frozen reference policy of the KL term, and the copy of a sharded train state taken for a
-    checkpoint. ``keep_versions``: the policy's weight versions kept in the GPS after a publish.
+    checkpoint. ``weights``: the policy's version ``version``, fetched at the shift. ``keep_versions``: the
+    policy's weight versions kept in the GPS after a publish.
     """
 
     store: ParameterStore
     version: int
+    weights: Snapshot
     device: torch.device
     cfg: TrainConfig
     temperature: float

@@ -42,11 +42,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pivotrl.gps import Kind, ParameterStore, load_optimizer_state, publish_model, publish_optimizer
+from pivotrl.gps import Kind, ParameterStore, load_optimizer_state, module_tensors, publish_model, publish_optimizer
 from pivotrl.log import logger
 from pivotrl.sample import Sample
 from pivotrl.train.group import TrainGroup, gather_step_stats
 from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.models import policy_models
+from pivotrl.train.protocol import StepResult, TrainSetup
+from pivotrl.train.traits import TRAITS, TrainerKind
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # gradient bytes per all-reduce; bounds the extra memory of the flat buffer
 
@@ -152,7 +155,7 @@ class ElasticTrainer:
                 if grad_of[id(p)]:
                     p.grad = view
 
-    def step(self, total_tokens: int | None = None) -> dict[str, float]:
+    def step(self, total_tokens: int | None = None) -> StepResult:
         """All-reduce the gradient sums, then apply the same token-mean AdamW update on every rank.
 
         ``total_tokens`` is the response-token count of the whole batch, which
@@ -160,7 +163,7 @@ class ElasticTrainer:
         Call on every rank of the group, even one that got no samples: the
         collectives need all of them. Returns the group's numbers (loss and
         clip fraction over all ranks' tokens), identical on every rank, plus
-        ``world_size`` and the new ``version``.
+        ``world_size`` and the new ``version`` (in ``stats``).
         """
         group = self.group
         if group.world_size > 1:
@@ -186,7 +189,7 @@ class ElasticTrainer:
         self.version += 1
         out["world_size"] = float(group.world_size)
         out["version"] = float(self.version)
-        return out
+        return StepResult(out, self.version, group.world_size)
 
     def export_state(self, store: ParameterStore, model_name: str, *, weights: bool = True) -> int:
         """Publish this replica's optimizer state (and weights) as ``self.version``; returns the bytes published.
@@ -221,3 +224,60 @@ class ElasticTrainer:
         self.version = version
         logger.debug("train state of %s v%d imported in %.3f s", model_name, version, time.perf_counter() - start)
         return nbytes + state.nbytes
+
+
+class ReplicatedTrain:
+    """The train role on a device with a whole replica (``train.backend=replicated``): the policy in float32
+    and its AdamW state, built at the shift from the GPS; groups are backpropagated as they arrive. Replicas
+    are identical, so rank 0 publishes each new version with its optimizer state, and a device that takes the
+    role later reads both (:meth:`load_state`)."""
+
+    traits = TRAITS[TrainerKind.REPLICATED]
+
+    def __init__(self, setup: TrainSetup) -> None:
+        self.setup = setup
+        self.meta = setup.weights.manifest.meta  # architecture and tokenizer, published again with each version
+        self.model, ref, self.nbytes = policy_models(setup, torch.float32)
+        trainer = GRPOTrainer(self.model, setup.cfg, setup.temperature, ref, setup.compute)
+        self.replica = ElasticTrainer(trainer, version=setup.version)
+        self.nbytes += self.load_state()
+
+    @property
+    def version(self) -> int:
+        return self.replica.version
+
+    def load_state(self) -> int:
+        """The optimizer state of this version from the GPS (none before the first update); the bytes read."""
+        s = self.setup
+        if self.version not in s.store.versions(s.policy, Kind.OPTIMIZER):
+            return 0
+        return self.replica.import_state(s.store, s.policy, self.version, weights=False)
+
+    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
+        return self.replica.accumulate(samples, advantages)
+
+    def join(self, group: TrainGroup, state_world: int) -> None:
+        self.replica.group = group  # (every replica holds the whole state: nothing to read)
+
+    def step(self, total_tokens: int | None) -> StepResult:
+        return self.replica.step(total_tokens)
+
+    def publish(self, checkpoint: bool) -> None:
+        """Rank 0 publishes the weights and the optimizer state of the new version (a checkpoint reads them
+        there: nothing more to copy for it)."""
+        s = self.setup
+        if self.replica.group.rank != 0:
+            return
+        s.store.publish(s.policy, self.version, module_tensors(self.model), Kind.WEIGHTS, self.meta)
+        self.replica.export_state(s.store, s.policy, weights=False)  # optimizer state of the same version
+        s.store.retain(s.policy, s.keep_versions, Kind.WEIGHTS)
+        s.store.retain(s.policy, 1, Kind.OPTIMIZER)
+
+    def save_state(self) -> int | None:
+        return None  # (published with every version)
+
+    def leave(self) -> None:
+        pass  # (the next group replaces it at join)
+
+    def release(self) -> None:
+        del self.model, self.replica

@@ -90,7 +90,7 @@ def batch_tokens(batch: Batch) -> int:
 def train_step(trainer: ElasticTrainer, batch: Batch, known_total: bool) -> dict[str, float]:
     group = trainer.group
     trainer.accumulate(*local_share(batch, group.world_size, group.rank))
-    return trainer.step(batch_tokens(batch) if known_total else None)
+    return trainer.step(batch_tokens(batch) if known_total else None).stats
 
 
 def snapshot(trainer: ElasticTrainer) -> dict[str, torch.Tensor]:
@@ -289,7 +289,7 @@ def test_one_rank_makes_no_distributed_calls_and_equals_plain_grpo(batches, monk
         for batch in batches[:2]:
             elastic.accumulate(*batch)
             assert elastic.global_tokens() == batch_tokens(batch)
-            got = elastic.step()
+            got = elastic.step().stats
             want = plain.train_batch(*batch)
             assert got == want | {"world_size": 1.0, "version": got["version"]}
     assert elastic.version == 2

@@ -21,7 +21,8 @@ import torch
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.fsdp import ShardedTrainer, shard_name
+from pivotrl.train.fsdp import ShardedTrainer
+from pivotrl.train.shards import shard_name
 from pivotrl.train.zero import ZeroTrainer, check_dtypes
 from tests.runtime.ranks import spawn
 from tests.train.test_fsdp import (
@@ -90,7 +91,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
                 if i == 0:
                     trainer.bind(group)
                     trainer.load_weights(snap)
-                stats.append(trainer.step(batch_tokens(batch))[0])
+                stats.append(trainer.step(batch_tokens(batch)).stats)
             save(name, trainer, stats)
 
     run("w1", 1, CFG)
@@ -109,7 +110,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
             trainer.accumulate(*local_share(batches[0], 2, rank))
             trainer.bind(group)
             trainer.load_weights(weights(initial()))
-            stats.append(trainer.step(batch_tokens(batches[0]))[0])
+            stats.append(trainer.step(batch_tokens(batches[0])).stats)
             if rank == 0:
                 files.publish(trainer)
             files.export(trainer)
@@ -123,7 +124,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         with _group(rank, world, f"member-v{version}", out) as group:
             trainer.bind(group)
             trainer.import_shards(files.shards(old_world, version), MODEL, version, old_world)
-            stats.append(trainer.step(batch_tokens(batch))[0])
+            stats.append(trainer.step(batch_tokens(batch)).stats)
             if rank == 0:
                 files.publish(trainer)
             if world == 3:
