@@ -50,6 +50,7 @@ from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
 from pivotrl.train.config import TrainConfig
+from pivotrl.train.traits import traits
 
 SLICE_SECONDS = 0.05
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
@@ -384,7 +385,7 @@ class RayDriver:
         self.attempts = 0  # optimizer steps sent so far (tries again included)
         # a sharded trainer's step that loses a member cannot be saved: the run stops at once (see the controller)
         shared = dev.shares_gpu(self.kind, cfg.gpus_per_device, cfg.devices)
-        self.sharded = cfg.train.resolved_backend(self.kind, shared) in ("fsdp", "zero")
+        self.sharded = traits(cfg.train.resolved_backend(self.kind, shared)).unique_state
         self.groups = TrainGroups()
         if self.kind == dev.CUDA and any(b.kind != dev.CUDA for b in self.bindings):
             logger.warning("device actors hold GPU shares but their torch sees no CUDA: they compute on the CPU")
