@@ -317,7 +317,7 @@ def vllm_backend(
     from pivotrl.engine.vllm_engine import VllmEngine
     from pivotrl.gps import Kind, LocalStore
     from pivotrl.model import Decoder
-    from pivotrl.runtime.dist_train import TrainGroup
+    from pivotrl.train.group import TrainGroup
 
     td = getattr(torch, dtype)
     store = LocalStore()
@@ -701,10 +701,10 @@ def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
     import torch
 
     from pivotrl.runtime.contexts import release_device_memory
-    from pivotrl.runtime.dist_train import TrainGroup
-    from pivotrl.runtime.sharded import ShardedTrainer
     from pivotrl.train import memory
     from pivotrl.train.config import TrainConfig
+    from pivotrl.train.fsdp import ShardedTrainer
+    from pivotrl.train.group import TrainGroup
     from pivotrl.train.grpo import GRPOTrainer
 
     group = TrainGroup.join(0, 1, device=device, process_group=True)
@@ -788,11 +788,11 @@ def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
     import torch
 
     from pivotrl.model import Decoder
-    from pivotrl.runtime.dist_train import TrainGroup
-    from pivotrl.runtime.zero import ZeroTrainer
     from pivotrl.train import memory
     from pivotrl.train.config import TrainConfig
+    from pivotrl.train.group import TrainGroup
     from pivotrl.train.grpo import GRPOTrainer
+    from pivotrl.train.zero import ZeroTrainer
 
     group = TrainGroup.join(0, 1, device=device)
     small = PARITY.model_config()

@@ -71,10 +71,10 @@ from pivotrl.runtime.contexts import (
     build_model,
     publish_checkpoint,
 )
-from pivotrl.runtime.dist_train import ElasticTrainer
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.replicated import ElasticTrainer
 
 RESULTS = Path(__file__).parent / "results" / "shift.json"
 HEAD_DIM = 64
@@ -149,7 +149,7 @@ class Device:
         assert self.worker is not None
         done = self.worker.shift(role, version)
         ctx = self.worker.ctx
-        if isinstance(ctx, TrainContext) and not ctx.trainer.trainer.optimizer.state:
+        if isinstance(ctx, TrainContext) and not ctx.trainer.replica.trainer.optimizer.state:
             raise RuntimeError(f"shift to train v{version} did not restore optimizer state")
         return done
 

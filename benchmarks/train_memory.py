@@ -47,12 +47,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pivotrl.model import Decoder, ModelConfig  # noqa: E402
-from pivotrl.runtime.dist_train import TrainGroup  # noqa: E402
-from pivotrl.runtime.sharded import ShardedTrainer  # noqa: E402
-from pivotrl.runtime.zero import ZeroTrainer  # noqa: E402
 from pivotrl.sample import Sample  # noqa: E402
 from pivotrl.train import memory  # noqa: E402
 from pivotrl.train.config import TrainConfig  # noqa: E402
+from pivotrl.train.fsdp import ShardedTrainer  # noqa: E402
+from pivotrl.train.group import TrainGroup  # noqa: E402
+from pivotrl.train.zero import ZeroTrainer  # noqa: E402
 
 SAMPLES, PROMPT, RESPONSE = 8, 64, 192  # one step's batch: 8 sequences of 256 tokens
 

@@ -45,8 +45,10 @@ from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig, Tokenizer
 from pivotrl.model.chat import ChatTemplate
 from pivotrl.model.loader import DTYPES
-from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
+from pivotrl.train.models import decoder
+from pivotrl.train.protocol import Trainer, TrainSetup
+from pivotrl.train.registry import build as build_trainer
 
 POLICY, JUDGE, REFERENCE = "policy", "judge", "reference"  # the reference: the frozen initial policy (KL)
 CHECKPOINT_STATE = "policy.checkpoint"  # a sharded trainer's shards, copied for a checkpoint
@@ -74,10 +76,7 @@ def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
 
 def build_model(snap: Snapshot, device: torch.device, dtype: torch.dtype) -> tuple[Decoder, Tokenizer]:
     """A model and tokenizer rebuilt from a GPS snapshot (weights copied onto ``device``)."""
-    meta = snap.manifest.meta
-    model = Decoder.empty(ModelConfig.from_hf(meta["config"]), device, dtype)
-    snap.load_into(model)
-    return model.eval(), _tokenizer(meta)
+    return decoder(snap, device, dtype), _tokenizer(snap.manifest.meta)
 
 
 @dataclass(slots=True)
@@ -262,78 +261,43 @@ def compute_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 class TrainContext:
-    """The train role on a device, for either trainer backend (``train.backend``).
+    """The train role on a device: the trainer ``train.backend`` names (:mod:`pivotrl.train.registry`), built
+    from the version ``version`` in the GPS; the worker drives it through its protocol
+    (:class:`~pivotrl.train.protocol.Trainer`) and its traits.
 
     Master weights are float32 whatever the checkpoint's dtype (``train.precision``
     only sets the compute dtype), so AdamW never updates bfloat16 weights.
-
-    * replicated: a full replica with gradients and AdamW state, built here
-      (weights, and the optimizer state once there is one, from the GPS);
-      groups are backpropagated as they arrive.
-    * fsdp: nothing heavy is built at the shift: the shards depend on the
-      group, known at the step. Groups are buffered (``pending``) and the
-      worker builds :class:`~pivotrl.runtime.sharded.ShardedTrainer` over the
-      step's group (``sharded``), which then lives as long as this context.
-    * zero: the weights in the compute dtype (from the version rollout ran)
-      and an fp32 gradient sum, built here; groups are backpropagated as they
-      arrive. :class:`~pivotrl.runtime.zero.ZeroTrainer` (``sharded``) takes
-      its range of the master weights and AdamW state at the step, once the
-      group is known.
     """
 
     def __init__(
-        self, version: int, store: ParameterStore, spec: ContextSpec, cfg: TrainConfig, temperature: float
+        self,
+        version: int,
+        store: ParameterStore,
+        spec: ContextSpec,
+        cfg: TrainConfig,
+        temperature: float,
+        keep_versions: int = 2,
     ) -> None:
-        from pivotrl.runtime.dist_train import ElasticTrainer
-        from pivotrl.train.grpo import GRPOTrainer
-
         device = torch.device(spec.device)
-        self.version, self.temperature = version, temperature
+        snap = store.fetch(POLICY, version)
+        self.config = ModelConfig.from_hf(snap.manifest.meta["config"])  # the policy's architecture
         # the trainer, its compute dtype and activation checkpointing: as the job's plan resolved them for every
         # device (pivotrl.resolve), never decided again here
         assert cfg.backend != "auto" and isinstance(cfg.activation_checkpointing, bool), "configured by the plan"
         self.backend = cfg.backend
         self.compute = compute_dtype(cfg)
         self.cfg = cfg
-        snap = store.fetch(POLICY, version)
-        self.meta = snap.manifest.meta  # architecture and tokenizer, published again with each new version
-        self.config = ModelConfig.from_hf(self.meta["config"])  # the policy's architecture
-        self.nbytes = 0
-        self.pending: list[tuple[list[Sample], list[float]]] = []
-        self.sharded: Any = None  # ShardedTrainer, once the worker built it for a group; ZeroTrainer, built here
-        self.trainer: Any = None  # ElasticTrainer (replicated)
-        if self.backend == "fsdp":
-            return
-        if self.backend == "zero":
-            from pivotrl.runtime.zero import ZeroTrainer, check_dtypes
+        setup = TrainSetup(
+            store, version, snap, device, cfg, temperature, self.compute, DTYPES[spec.rollout_dtype],
+            POLICY, REFERENCE, CHECKPOINT_STATE, keep_versions,
+        )  # fmt: skip
+        self.trainer: Trainer = build_trainer(self.backend, setup)
+        self.nbytes = self.trainer.nbytes
 
-            check_dtypes(self.compute, DTYPES[spec.rollout_dtype])
-            model, ref = self._models(snap, store, device, self.compute)
-            self.sharded = ZeroTrainer(model, cfg, temperature, version, ref)
-            return
-        self.model, ref = self._models(snap, store, device, torch.float32)
-        self.tokenizer = _tokenizer(self.meta)
-        self.trainer = ElasticTrainer(GRPOTrainer(self.model, cfg, temperature, ref, self.compute), version=version)
-        if version in store.versions(POLICY, Kind.OPTIMIZER):  # none before the first update
-            self.nbytes += self.trainer.import_state(store, POLICY, version, weights=False)
-
-    def _models(
-        self, snap: Snapshot, store: ParameterStore, device: torch.device, dtype: torch.dtype
-    ) -> tuple[Decoder, Decoder | None]:
-        """The policy to train in ``dtype``, and the frozen reference policy where the loss has a KL term."""
-        model, _ = build_model(snap, device, dtype)
-        model.checkpoint_layers = self.cfg.activation_checkpointing
-        model.requires_grad_(True)
-        self.nbytes += snap.nbytes
-        ref = None
-        if self.cfg.kl_coef > 0:
-            ref_snap = store.fetch(REFERENCE, 0)
-            ref, _ = build_model(ref_snap, device, dtype)
-            ref.requires_grad_(False)
-            self.nbytes += ref_snap.nbytes
-        return model, ref
+    @property
+    def version(self) -> int:
+        """The policy version the trainer's weights hold."""
+        return self.trainer.version
 
     def release(self) -> None:
-        self.trainer = self.sharded = self.pending = None
-        if self.backend == "replicated":
-            del self.model
+        self.trainer.release()

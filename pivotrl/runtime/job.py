@@ -47,14 +47,14 @@ from pivotrl.runtime.contexts import (
     publish_checkpoint,
 )
 from pivotrl.runtime.local import LocalDriver
-from pivotrl.runtime.sharded import shard_name
 from pivotrl.runtime.worker import TrainSpec, Worker
-from pivotrl.runtime.zero import check_dtypes
 from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
 from pivotrl.telemetry import RunWriter, missing_rows
+from pivotrl.train.shards import shard_name
 from pivotrl.train.traits import TrainerKind, traits
+from pivotrl.train.zero import check_dtypes
 
 
 def chat_templates(cfg: JobConfig) -> tuple[ChatTemplate | None, ChatTemplate | None]:

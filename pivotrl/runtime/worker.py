@@ -36,28 +36,23 @@ from pivotrl.control.messages import (
     Trained,
 )
 from pivotrl.engine import SamplingParams, SeqState
-from pivotrl.gps import Kind, ParameterStore, VersionError
+from pivotrl.gps import ParameterStore, VersionError
 from pivotrl.log import logger
-from pivotrl.model.loader import DTYPES
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime.contexts import (
-    CHECKPOINT_STATE,
     JUDGE,
     POLICY,
-    REFERENCE,
     ContextSpec,
     GenerationContext,
     Skeleton,
     TrainContext,
-    publish_checkpoint,
     release_device_memory,
 )
 from pivotrl.runtime.devices import node_address
-from pivotrl.runtime.dist_train import TrainGroup, listen
-from pivotrl.runtime.sharded import ShardedTrainer
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
 from pivotrl.train.config import TrainConfig
+from pivotrl.train.group import TrainGroup, listen
 
 Rendezvous = tuple[str, int]  # (host, port) of rank 0's end of a new train group; port 0 for a group of one
 
@@ -144,7 +139,9 @@ class Worker:
                 self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec, self.kept.pop(JUDGE, None))
             else:
                 train = self.train_spec
-                self.ctx = TrainContext(version, self.store, self.spec, train.cfg, train.temperature)
+                self.ctx = TrainContext(
+                    version, self.store, self.spec, train.cfg, train.temperature, train.keep_versions
+                )
             nbytes = self.ctx.nbytes
         self.role = role
         t1 = self.now()
@@ -162,7 +159,7 @@ class Worker:
         if isinstance(self.ctx, GenerationContext):
             self.kept[self.ctx.name] = self.ctx.release()
         else:
-            self._save_shard(self.ctx)  # sharded train state leaves the device through the GPS
+            self._save_state(self.ctx)  # sharded train state leaves the device through the GPS
             self.ctx.release()
         self.ctx, self.role = None, None
         release_device_memory(self.spec.device)
@@ -338,11 +335,10 @@ class Worker:
             Sample(i, 0, "", "", list(p), 0, response_ids=list(r), logprobs=list(lp))
             for i, (p, r, lp) in enumerate(zip(shard.prompt_ids, shard.response_ids, shard.logprobs, strict=True))
         ]
-        if ctx.backend == "fsdp":  # backward runs in lockstep at the step; see pivotrl.runtime.sharded
-            ctx.pending.append((samples, list(shard.advantages)))
-            return Accumulated(self.device, len(samples), 0, self.now() - t0)
-        trainer = ctx.sharded if ctx.backend == "zero" else ctx.trainer  # (zero: alone, now; see runtime.zero)
+        trainer = ctx.trainer
         stats = trainer.accumulate(samples, list(shard.advantages))
+        if trainer.traits.lockstep:  # kept: the whole group backpropagates it at the step
+            return Accumulated(self.device, len(samples), 0, self.now() - t0)
         t1 = self.now()
         tokens = int(stats.get("tokens", 0))
         self.slices.append(
@@ -365,11 +361,8 @@ class Worker:
         """The driver forms a new train group: write this device's sharded train state to the GPS (the new
         group reads it there) and leave the old process group. A no-op for a device that holds neither."""
         if isinstance(self.ctx, TrainContext):
-            self._save_shard(self.ctx)
-            if self.ctx.backend == "zero":  # its weights and gradient sums stay for the next group
-                self.ctx.sharded.detach()
-            else:
-                self.ctx.sharded = None  # its shards belong to the old group's mesh
+            self._save_state(self.ctx)
+            self.ctx.trainer.leave()
         self.close()
         # (an FSDP2 model and its state hold each other: without the collector the old group's shards would stay
         # on the GPU beside the new group's, 16 / W_old + 16 / W_new bytes a parameter at the next step)
@@ -381,10 +374,10 @@ class Worker:
             self.group.leave()
         self.group, self.group_devices = None, ()
 
-    def _save_shard(self, ctx: TrainContext) -> None:
-        if ctx.sharded is not None and not ctx.sharded.exported:
-            t0 = self.now()
-            nbytes = ctx.sharded.export_shard(self.store, POLICY)
+    def _save_state(self, ctx: TrainContext) -> None:
+        t0 = self.now()
+        nbytes = ctx.trainer.save_state()
+        if nbytes is not None:
             self.slices.append(Slice(self.device, "shift", "train state -> GPS", t0, self.now(), {"bytes": nbytes}))
 
     def progress(self) -> int:
@@ -464,60 +457,21 @@ class Worker:
         self, ctx: TrainContext, cmd: Step, rank: int, rendezvous: Rendezvous | None, state_world: int, attempt: int
     ) -> Trained | None:
         t0 = self.now()
-        group = self._join(cmd, rank, rendezvous, ctx.backend == "fsdp", attempt)
+        trainer = ctx.trainer
+        group = self._join(cmd, rank, rendezvous, trainer.traits.always_grouped, attempt)
         if self._hang_in_step:
             self._hang_in_step = False
             while True:  # (the driver kills this process when its step is overdue)
                 time.sleep(3600)
-        if ctx.backend in ("fsdp", "zero"):
-            stats, tokens, backward_s = self._sharded_step(ctx, cmd, group, state_world)
-        else:
-            trainer = ctx.trainer
-            trainer.group = group
-            stats = trainer.step(cmd.total_tokens)
-            ctx.version = trainer.version
-            tokens, backward_s = 0, 0.0
-            if rank == 0:
-                self._publish(ctx)
-        assert ctx.version == cmd.version + 1
+        trainer.join(group, state_world)
+        result = trainer.step(cmd.total_tokens)
+        trainer.publish(cmd.checkpoint)
+        assert trainer.version == cmd.version + 1
         t1 = self.now()
-        self.slices.append(Slice(self.device, "train", f"step v{cmd.version}->v{ctx.version}", t0, t1))
+        self.slices.append(Slice(self.device, "train", f"step v{cmd.version}->v{trainer.version}", t0, t1))
         if rank != 0:
             return None
-        return Trained(cmd.devices, ctx.version, stats, t1 - t0, tokens, backward_s)
-
-    def _sharded_step(
-        self, ctx: TrainContext, cmd: Step, group: TrainGroup, state_world: int
-    ) -> tuple[dict[str, float], int, float]:
-        store = self.store
-        if ctx.backend == "zero" and ctx.sharded.group is not group:  # the group's state: its range of it
-            ctx.sharded.bind(group)
-            if state_world:
-                ctx.sharded.import_shards(store, POLICY, cmd.version, state_world)
-            else:
-                ctx.sharded.load_weights(store.fetch(POLICY, cmd.version))
-        elif ctx.sharded is None or ctx.sharded.group is not group:
-            reference = store.fetch(REFERENCE, 0) if ctx.cfg.kl_coef > 0 else None
-            ctx.sharded = ShardedTrainer(group, ctx.config, ctx.cfg, ctx.temperature, cmd.version, ctx.compute,
-                                         reference)  # fmt: skip
-            if state_world:
-                ctx.sharded.import_shards(store, POLICY, cmd.version, state_world)
-            else:
-                ctx.sharded.load_weights(store.fetch(POLICY, cmd.version))
-        sharded = ctx.sharded
-        for samples, advantages in ctx.pending:
-            sharded.add(samples, advantages)
-        ctx.pending = []
-        stats, tokens, backward_s = sharded.step(cmd.total_tokens)
-        ctx.version = sharded.version
-        sharded.publish_weights(store, POLICY, DTYPES[self.spec.rollout_dtype], ctx.meta)  # what rollout runs in
-        if cmd.checkpoint:  # every rank's shard in the GPS before rank 0 reports the step done
-            sharded.export_shard(store, CHECKPOINT_STATE, leaving=False)
-            group.all_reduce_(torch.zeros(1, device=group.device))
-        if group.rank == 0:
-            sharded.free_imported(store, POLICY)
-            store.retain(POLICY, self.train_spec.keep_versions, Kind.WEIGHTS)
-        return stats, tokens, backward_s
+        return Trained(cmd.devices, trainer.version, result.stats, t1 - t0, result.tokens, result.backward_s)
 
     def _train_ctx(self, version: int) -> TrainContext:
         ctx = self.ctx
@@ -526,13 +480,6 @@ class Worker:
         if ctx.version != version:
             raise WrongVersionError(f"device {self.device} holds policy v{ctx.version}, update needs v{version}")
         return ctx
-
-    def _publish(self, ctx: TrainContext) -> None:
-        store = self.store
-        publish_checkpoint(store, POLICY, ctx.version, ctx.model, ctx.tokenizer)
-        ctx.trainer.export_state(store, POLICY, weights=False)  # optimizer state of the same version
-        store.retain(POLICY, self.train_spec.keep_versions, Kind.WEIGHTS)
-        store.retain(POLICY, 1, Kind.OPTIMIZER)
 
     def drain_slices(self) -> list[Slice]:
         out, self.slices = self.slices, []

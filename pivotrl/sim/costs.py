@@ -421,7 +421,7 @@ class RooflineCosts:
         return flops / (n_gpus * self.gpu.peak_flops * mfu)
 
     def optimizer_step(self, model: ModelSpec, n_gpus: int) -> float:
-        """ZeRO-1 over the whole group, as ``train.backend=zero`` runs it (``pivotrl.runtime.zero``): fp32 gradient
+        """ZeRO-1 over the whole group, as ``train.backend=zero`` runs it (``pivotrl.train.zero``): fp32 gradient
         sums reduce-scattered, each GPU updates its shard (memory-bound), the updated bf16 weights all-gathered.
         Each collective moves ``(g-1)/g`` of its buffer per GPU, over the network once the group leaves a
         node. Counted after the backward, not overlapped with it: an upper bound. A model-parallel

@@ -1,19 +1,15 @@
-"""GRPO policy update with token-level loss aggregation.
+"""The replica's optimizer: GRPO gradients accumulated by :class:`~pivotrl.train.loss.GRPOLoss`, one AdamW step.
 
-The batch of a step arrives group by group (a prompt's responses are judged
-together), so the trainer must be able to start backward before the whole
-batch is known. Every loss here is therefore a *sum* over response tokens;
-gradients accumulate in ``.grad`` and ``GRPOTrainer.step`` divides them once by
-the token count of the whole batch. Accumulating groups in any order, with any
-micro-batch size, gives the same update as one pass over the full batch.
+``GRPOTrainer.step`` turns the token-sum gradients into a token mean over the
+whole batch (see :mod:`pivotrl.train.loss`), clips them by their global norm
+and steps AdamW on the model's (float32 master) weights. The replicated and
+FSDP2 trainers step through it; ZeRO-1 steps its own AdamW on a range of a
+flat vector (:mod:`pivotrl.train.zero`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,47 +17,8 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from pivotrl.log import logger
 from pivotrl.sample import Sample
-from pivotrl.train.advantages import group_advantages  # noqa: F401  (re-exported)
 from pivotrl.train.config import TrainConfig
-
-
-def token_logprobs(model: nn.Module, input_ids: Tensor, temperature: float = 1.0, mask: Tensor | None = None) -> Tensor:
-    """``out[b, t] = log p(input_ids[b, t + 1] | input_ids[b, :t + 1])``, shape ``[B, T - 1]``, float32.
-
-    Only the positions of ``mask`` (bool ``[B, T - 1]``; all when ``None``) are
-    computed; the others are 0. The model scores them chunk by chunk (see
-    :func:`pivotrl.model.decoder.chunked_logprobs`), so no ``[B, T, V]``
-    logits tensor is built.
-    """
-    b, t = input_ids.shape
-    if mask is None:
-        mask = torch.ones(b, t - 1, dtype=torch.bool, device=input_ids.device)
-    flat = model(input_ids, score=mask, temperature=temperature)
-    out = torch.zeros(b, t - 1, dtype=torch.float32, device=input_ids.device)
-    return out.masked_scatter(mask, flat)
-
-
-def micro_batches(lengths: Sequence[int], max_sequences: int, max_tokens: int = 0) -> list[list[int]]:
-    """Indices of ``lengths`` cut into micro batches, longest first, so each pads to lengths close to its own.
-
-    A micro batch holds at most ``max_sequences`` sequences and, when
-    ``max_tokens`` > 0, at most that many tokens once padded to its longest
-    member; a sequence longer than ``max_tokens`` goes alone. Depends only on
-    the lengths (ties keep input order), so every rank cuts the same way.
-    """
-    if max_sequences < 1:
-        raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out: list[list[int]] = []
-    for i in order:
-        batch = out[-1] if out else None
-        if batch is not None and len(batch) < max_sequences:
-            longest = lengths[batch[0]]
-            if not max_tokens or (len(batch) + 1) * longest <= max_tokens:
-                batch.append(i)
-                continue
-        out.append([i])
-    return out
+from pivotrl.train.loss import GRPOLoss, step_report
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -69,119 +26,12 @@ def _full(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def grpo_loss_sum(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    recompute: bool = False,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped policy-gradient loss (+ k3 KL), summed over the masked tokens, and its stats as 0-d
-    tensors on the loss's device: reading them is a host sync, which ``host_stats`` does once, after
-    the backward is queued.
-
-    Not normalised: the caller divides by the response tokens of the whole
-    batch once known, which is what lets groups accumulate separately. The
-    stats are sums (or extremes) so that they merge across micro-batches.
-
-    ``old_logprobs`` are the generation engine's. ``mismatch_sum`` sums
-    ``|trainer - engine|`` over the tokens: the trainer holds the very weights
-    that generated them (one update per batch), so this is the engine's
-    numerical disagreement with the trainer. ``recompute`` takes the trainer's
-    own log-probs as the old ones (``train.recompute_logprobs``): the same
-    forward pass gives them, so it costs nothing.
-    """
-    mask = mask.bool()
-    m = mask.to(logprobs.dtype)
-    mismatch = (torch.where(mask, logprobs.detach() - old_logprobs, 0.0).abs() * m).sum()
-    if recompute:
-        old_logprobs = logprobs.detach()
-    # zero the log-ratio off the mask so padding can never overflow exp (inf * 0 = nan, also in backward)
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
-    ratio = log_ratio.exp()
-    adv = advantages.to(logprobs.dtype)[:, None]
-    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    per_token = pg
-    stats: dict[str, Tensor] = {}
-    if kl_coef > 0 and ref_logprobs is not None:
-        d = torch.where(mask, ref_logprobs - logprobs, 0.0)
-        k3 = d.exp() - d - 1
-        per_token = pg + kl_coef * k3
-        stats["kl_sum"] = (k3.detach() * m).sum()
-    loss = (per_token * m).sum()
-    clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
-    ratios = ratio.detach()
-    stats |= {
-        "loss_sum": loss.detach(),
-        "pg_loss_sum": (pg.detach() * m).sum(),
-        "clipped_tokens": (clipped & mask).sum(),
-        "tokens": m.sum(),
-        "mismatch_sum": mismatch,
-        # (a boolean index would size its result on the host: a sync; ``host_stats`` drops them for no tokens)
-        "ratio_max": torch.where(mask, ratios, -math.inf).max(),
-        "ratio_min": torch.where(mask, ratios, math.inf).min(),
-    }
-    return loss, stats
-
-
-def host_stats(stats: dict[str, Tensor]) -> dict[str, float]:
-    """``grpo_loss_sum``'s stats as numbers, read in one copy; the ratio's extremes only where a token was
-    masked in."""
-    keys = list(stats)
-    values = torch.stack([stats[k].detach().float() for k in keys]).tolist() if keys else []
-    out = dict(zip(keys, values, strict=True))
-    if not out.get("tokens"):
-        out.pop("ratio_max", None)
-        out.pop("ratio_min", None)
-    return out
-
-
-def _merge(into: dict[str, float], stats: dict[str, float]) -> None:
-    """Fold micro-batch stats into running ones: extremes by max/min, the rest by sum."""
-    for key, value in stats.items():
-        if key not in into:
-            into[key] = value
-        elif key.endswith("_max"):
-            into[key] = max(into[key], value)
-        elif key.endswith("_min"):
-            into[key] = min(into[key], value)
-        else:
-            into[key] += value
-
-
-def step_report(sums: dict[str, float], tokens: int, grad_norm: float, skipped: bool) -> dict[str, float]:
-    """What an optimizer step reports from the batch's running ``sums`` (means over its response tokens)."""
-    local = max(sums.get("tokens", 0.0), 1.0)
-    out = {
-        "grad_norm": grad_norm,
-        "tokens": float(tokens),
-        "loss": sums.get("loss_sum", 0.0) / local,
-        "pg_loss": sums.get("pg_loss_sum", 0.0) / local,
-        "clip_frac": sums.get("clipped_tokens", 0.0) / local,
-        "logprob_mismatch": sums.get("mismatch_sum", 0.0) / local,
-        "skipped": float(skipped),
-    }
-    if "kl_sum" in sums:
-        out["kl"] = sums["kl_sum"] / local
-    for key in ("ratio_max", "ratio_min"):
-        if key in sums:
-            out[key] = sums[key]
-    return out
-
-
-class GRPOTrainer:
-    """Accumulates GRPO gradients sample group by sample group, then takes one optimizer step.
+class GRPOTrainer(GRPOLoss):
+    """Accumulates GRPO gradients sample group by sample group (:class:`GRPOLoss`), then takes one optimizer step.
 
     ``model`` holds the master weights (float32 for real training); with
     ``compute_dtype=torch.bfloat16`` forward and backward run under autocast
-    in bfloat16 while AdamW updates the float32 weights. A sharded trainer
-    passes a model whose parameters are DTensors (FSDP2 casts them itself) and
-    leaves ``compute_dtype`` alone; nothing here depends on which.
+    in bfloat16 while AdamW updates the float32 weights.
     """
 
     def __init__(
@@ -192,15 +42,7 @@ class GRPOTrainer:
         ref_model: nn.Module | None = None,
         compute_dtype: torch.dtype | None = None,
     ) -> None:
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (the rollout temperature), got {temperature}")
-        self.temperature = temperature
-        if cfg.kl_coef > 0 and ref_model is None:
-            raise ValueError(f"train.kl_coef is {cfg.kl_coef} (> 0), which needs a ref_model; none was given")
-        self.model = model
-        self.cfg = cfg
-        self.ref_model = ref_model
-        self.compute_dtype = compute_dtype
+        super().__init__(model, cfg, temperature, ref_model, compute_dtype)
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=cfg.lr,
@@ -209,96 +51,11 @@ class GRPOTrainer:
             weight_decay=cfg.weight_decay,
             foreach=False,
         )
-        self._tokens = 0
-        self._stats: dict[str, float] = {}
-
-    @property
-    def device(self) -> torch.device:
-        p = next(self.model.parameters())
-        return p.device if not hasattr(p, "to_local") else p.to_local().device
-
-    @property
-    def pending_tokens(self) -> int:
-        """Response tokens accumulated since the last step."""
-        return self._tokens
-
-    @property
-    def pending_stats(self) -> dict[str, float]:
-        """Running loss sums since the last step (what a data-parallel group adds up)."""
-        return dict(self._stats)
 
     def discard(self) -> None:
         """Drop the accumulated gradients and sums without updating the weights."""
         self.optimizer.zero_grad(set_to_none=True)
         self._stats, self._tokens = {}, 0
-
-    def _autocast(self) -> Any:
-        if self.compute_dtype is None or self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
-    def _pack(self, samples: list[Sample]) -> tuple[Tensor, Tensor, Tensor]:
-        """Right-padded ``prompt + response`` rows, and old log-probs and mask in the next-token frame."""
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        ids = torch.zeros(len(samples), width, dtype=torch.long)
-        old = torch.zeros(len(samples), width - 1)
-        mask = torch.zeros(len(samples), width - 1, dtype=torch.bool)
-        for b, s in enumerate(samples):
-            p, r = len(s.prompt_ids), len(s.response_ids)
-            ids[b, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-            old[b, p - 1 : p + r - 1] = torch.tensor(s.logprobs)
-            mask[b, p - 1 : p + r - 1] = True
-        return ids.to(self.device), old.to(self.device), mask.to(self.device)
-
-    def check(self, samples: list[Sample], advantages: Sequence[float]) -> list[tuple[Sample, float]]:
-        """The (sample, advantage) pairs that carry response tokens; a malformed sample is refused here."""
-        if len(samples) != len(advantages):
-            raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-        pairs = [(s, float(a)) for s, a in zip(samples, advantages, strict=True) if s.response_ids]
-        for s, _ in pairs:
-            if len(s.logprobs) != len(s.response_ids):
-                raise ValueError(
-                    f"sample {s.uid}: {len(s.logprobs)} logprobs for {len(s.response_ids)} response tokens"
-                )
-            if not s.prompt_ids:
-                raise ValueError(f"sample {s.uid}: empty prompt_ids; the first response token needs a context")
-        return pairs
-
-    def plan(self, pairs: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
-        """The micro batches of ``pairs``, bounded in sequences and padded tokens (``train.micro_batch*``)."""
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s, _ in pairs]
-        cut = micro_batches(lengths, self.cfg.micro_batch, self.cfg.micro_batch_tokens)
-        return [[pairs[i] for i in mb] for mb in cut]
-
-    def backward(self, chunk: list[tuple[Sample, float]], weight: float = 1.0) -> dict[str, float]:
-        """Forward and backward of one micro batch's token-sum loss; its sums, or ``{}`` for a ``weight=0``
-        pass (a sharded rank with no samples left runs one so that its collectives match the others')."""
-        cfg = self.cfg
-        ids, old, mask = self._pack([s for s, _ in chunk])
-        adv = torch.tensor([a for _, a in chunk], device=self.device)
-        ref = None
-        with self._autocast():
-            if cfg.kl_coef > 0:
-                with torch.no_grad():
-                    ref = token_logprobs(self.ref_model, ids, self.temperature, mask)
-            logp = token_logprobs(self.model, ids, self.temperature, mask)
-            loss, stats = grpo_loss_sum(
-                logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, cfg.recompute_logprobs
-            )
-        (loss * weight if weight != 1.0 else loss).backward()
-        return host_stats(stats) if weight else {}  # (read once the backward is queued: one sync, after it)
-
-    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
-        """Backward the unnormalised loss of these samples; gradients add up until ``step``."""
-        stats: dict[str, float] = {}
-        for chunk in self.plan(self.check(samples, advantages)):
-            _merge(stats, self.backward(chunk))
-        self.add_stats(stats)
-        return stats
-
-    def add_stats(self, stats: dict[str, float]) -> None:
-        self._tokens += int(stats.get("tokens", 0))
-        _merge(self._stats, stats)
 
     def step(self, total_tokens: int | None = None, sums: dict[str, float] | None = None) -> dict[str, float]:
         """Turn the accumulated gradient sums into a token-mean gradient and update the weights.

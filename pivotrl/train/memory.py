@@ -26,36 +26,55 @@ context and the caching allocator's slack: ``fewest_devices`` keeps a tenth of t
 
 from __future__ import annotations
 
-from pivotrl.model.config import ModelConfig
+from collections.abc import Callable
 
-TRAINERS = ("fsdp", "zero", "replicated")
+from pivotrl.model.config import ModelConfig
+from pivotrl.train.traits import NAMES, TrainerKind, traits
+
+TRAINERS = NAMES
 LOGITS_CHUNK = 1024  # positions whose fp32 logits the chunked log-probs hold at once
 HEADROOM = 0.9  # share of a device's memory the trainer may plan to use
 
 
-def state_bytes(config: ModelConfig, trainer: str, world: int, compute_bytes: int = 2) -> dict[str, float]:
-    """The trainer's state on each of ``world`` train devices, by piece."""
-    if trainer not in TRAINERS:
-        raise ValueError(f"trainer: got {trainer!r}, must be one of {', '.join(TRAINERS)}")
-    if world < 1:
-        raise ValueError(f"world: got {world!r}, must be >= 1")
-    p, c = config.num_parameters(), compute_bytes
-    if trainer == "fsdp":
-        h, v = config.hidden_size, config.vocab_size
-        outer = v * h * (1 if config.tie_word_embeddings else 2)
-        layer = (p - outer - h) / config.num_hidden_layers
-        out = {"fp32 weights, gradients, AdamW moments (1/W)": 16 * p / world}
-        if world > 1 or c < 4:  # (gathered whole, or on one device cast to the compute dtype)
-            out["2 layers gathered"] = 2 * layer * c
-            out["embedding and head gathered"] = outer * c
-        return out
-    if trainer == "zero":
-        return {"compute weights": c * p, "fp32 gradient sum": 4 * p, "fp32 master weights, AdamW moments (1/W)":
-                12 * p / world}  # fmt: skip
+def _fsdp_state(config: ModelConfig, world: int, c: int) -> dict[str, float]:
+    p, h, v = config.num_parameters(), config.hidden_size, config.vocab_size
+    outer = v * h * (1 if config.tie_word_embeddings else 2)
+    layer = (p - outer - h) / config.num_hidden_layers
+    out = {"fp32 weights, gradients, AdamW moments (1/W)": 16 * p / world}
+    if world > 1 or c < 4:  # (gathered whole, or on one device cast to the compute dtype)
+        out["2 layers gathered"] = 2 * layer * c
+        out["embedding and head gathered"] = outer * c
+    return out
+
+
+def _zero_state(config: ModelConfig, world: int, c: int) -> dict[str, float]:
+    p = config.num_parameters()
+    return {"compute weights": c * p, "fp32 gradient sum": 4 * p, "fp32 master weights, AdamW moments (1/W)":
+            12 * p / world}  # fmt: skip
+
+
+def _replicated_state(config: ModelConfig, world: int, c: int) -> dict[str, float]:
+    p = config.num_parameters()
     out = {"fp32 weights, gradients, AdamW moments": 16 * p}
     if c < 4:
         out["compute weights"] = c * p
     return out
+
+
+# each trainer's state on one of W devices, by piece (the table in this module's docstring)
+STATE: dict[TrainerKind, Callable[[ModelConfig, int, int], dict[str, float]]] = {
+    TrainerKind.FSDP: _fsdp_state,
+    TrainerKind.ZERO: _zero_state,
+    TrainerKind.REPLICATED: _replicated_state,
+}
+
+
+def state_bytes(config: ModelConfig, trainer: str, world: int, compute_bytes: int = 2) -> dict[str, float]:
+    """The trainer's state on each of ``world`` train devices, by piece."""
+    kind = traits(trainer).kind  # (an unknown name fails here, naming those there are)
+    if world < 1:
+        raise ValueError(f"world: got {world!r}, must be >= 1")
+    return STATE[kind](config, world, compute_bytes)
 
 
 def activation_bytes(config: ModelConfig, tokens: int, compute_bytes: int = 2, checkpointed: bool = False

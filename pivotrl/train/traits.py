@@ -30,6 +30,7 @@ class TrainerTraits:
     GPU (NCCL takes one rank per GPU; FSDP2's collectives need it).
     ``whole_bytes`` / ``sharded_bytes``: bytes per parameter held whole on every train device and split over
     them, beside the compute-dtype copy (see ``pivotrl.train.memory``).
+    ``always_grouped``: it makes a process group even on one device (FSDP2 builds its device mesh over one).
     """
 
     kind: TrainerKind
@@ -38,10 +39,11 @@ class TrainerTraits:
     host_collectives: bool
     whole_bytes: int
     sharded_bytes: int
+    always_grouped: bool = False
 
 
 TRAITS: dict[TrainerKind, TrainerTraits] = {
-    TrainerKind.FSDP: TrainerTraits(TrainerKind.FSDP, True, True, False, 0, 16),
+    TrainerKind.FSDP: TrainerTraits(TrainerKind.FSDP, True, True, False, 0, 16, always_grouped=True),
     TrainerKind.ZERO: TrainerTraits(TrainerKind.ZERO, False, True, True, 4, 12),
     TrainerKind.REPLICATED: TrainerTraits(TrainerKind.REPLICATED, False, False, True, 16, 0),
 }

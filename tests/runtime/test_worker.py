@@ -37,6 +37,7 @@ from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationConte
 from pivotrl.runtime.worker import TrainSpec, Worker, WrongVersionError
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.traits import TrainerKind
 from tests.conftest import planned, tiny_model
 
 SPEC = ContextSpec(judge_template="Q:{question}\nR:{reference}\nA:{response}\nJ:")
@@ -121,8 +122,13 @@ def assert_holds(model: torch.nn.Module, store: LocalStore, name: str, version: 
     assert all(torch.equal(live[k], stored[k]) for k in stored), f"model does not hold {name} v{version}"
 
 
+def model_of(ctx: GenerationContext | TrainContext) -> torch.nn.Module:
+    """The model a context holds: its engine's, or its trainer's."""
+    return ctx.trainer.model if isinstance(ctx, TrainContext) else ctx.model
+
+
 def adam_steps(ctx: TrainContext) -> list[float]:
-    opt = ctx.trainer.trainer.optimizer
+    opt = ctx.trainer.replica.trainer.optimizer
     return [float(opt.state[p]["step"]) for g in opt.param_groups for p in g["params"] if p in opt.state]
 
 
@@ -152,7 +158,7 @@ def test_shift_loads_the_role_at_its_version(store, before, after):
         assert_holds(w.ctx.model, store, JUDGE, 0)
     else:
         assert w.ctx.version == 1
-        assert_holds(w.ctx.model, store, POLICY, 1)
+        assert_holds(model_of(w.ctx), store, POLICY, 1)
     if before is after is Role.GENRM:  # nothing to load: same judge, same engine
         assert w.ctx is old and done.nbytes == 0 and done.seconds >= 0
     elif before is after is Role.ROLLOUT:  # new weights into the same engine
@@ -259,7 +265,7 @@ def test_rollout_runs_in_its_own_dtype(store):
     w.shift(Role.GENRM, 0)
     assert {p.dtype for p in w.ctx.model.parameters()} == {torch.float32}  # the judge keeps judge.dtype
     w.shift(Role.TRAIN, 0)
-    assert {p.dtype for p in w.ctx.model.parameters()} == {torch.float32}  # the trainer keeps policy.dtype
+    assert {p.dtype for p in w.ctx.trainer.model.parameters()} == {torch.float32}  # the trainer keeps policy.dtype
 
 
 @pytest.mark.parametrize("role", [Role.ROLLOUT, Role.GENRM], ids=label)
@@ -442,7 +448,7 @@ def test_train_publishes_weights_and_optimizer_state_and_the_next_trainer_restor
     assert trained.stats["tokens"] == tokens and trained.stats["skipped"] == 0.0
     assert w.ctx.version == 1
     assert store.versions(POLICY, Kind.WEIGHTS) == [0, 1] and store.versions(POLICY, Kind.OPTIMIZER) == [1]
-    assert_holds(w.ctx.model, store, POLICY, 1)
+    assert_holds(w.ctx.trainer.model, store, POLICY, 1)
     old = store.fetch(POLICY, 0).tensors
     assert any(not torch.equal(t, old[k]) for k, t in store.fetch(POLICY, 1).tensors.items())  # the update moved
     assert set(adam_steps(w.ctx)) == {1.0}
@@ -455,8 +461,8 @@ def test_train_publishes_weights_and_optimizer_state_and_the_next_trainer_restor
     done = w2.shift(Role.TRAIN, 1)
     assert done.nbytes == store.fetch(POLICY, 1).nbytes + store.fetch(POLICY, 1, Kind.OPTIMIZER).nbytes
     assert adam_steps(w2.ctx) and set(adam_steps(w2.ctx)) == {1.0}  # AdamW state restored, not fresh
-    opt1, opt2 = w.ctx.trainer.trainer.optimizer, w2.ctx.trainer.trainer.optimizer
-    p1, p2 = dict(w.ctx.model.named_parameters()), dict(w2.ctx.model.named_parameters())
+    opt1, opt2 = w.ctx.trainer.replica.trainer.optimizer, w2.ctx.trainer.replica.trainer.optimizer
+    p1, p2 = dict(w.ctx.trainer.model.named_parameters()), dict(w2.ctx.trainer.model.named_parameters())
     for name, p in p2.items():
         assert torch.equal(opt2.state[p]["exp_avg"], opt1.state[p1[name]]["exp_avg"]), name
 
@@ -487,7 +493,7 @@ def test_the_driver_configures_the_trainer_before_the_run_and_not_after(store):
     w = make_worker(store)
     w.configure_train(planned(TrainConfig(backend="zero")))
     w.shift(Role.TRAIN, 1)
-    assert w.ctx.backend == "zero" and w.ctx.sharded is not None
+    assert w.ctx.trainer.traits.kind is TrainerKind.ZERO and w.ctx.trainer.shard is not None
     with pytest.raises(RuntimeError, match="configure it before the run"):
         w.configure_train(TrainConfig())
 

@@ -7,14 +7,11 @@ import torch
 
 from pivotrl.model import Decoder
 from pivotrl.sample import Sample
+from pivotrl.train.advantages import group_advantages
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import (
-    GRPOTrainer,
-    group_advantages,
-    host_stats,
-    token_logprobs,
-)
-from pivotrl.train.grpo import grpo_loss_sum as loss_terms
+from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.loss import grpo_loss_sum as loss_terms
+from pivotrl.train.loss import host_stats, token_logprobs
 from tests.conftest import tiny_config
 
 G = 4  # group size

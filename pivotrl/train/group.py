@@ -1,42 +1,21 @@
-"""Elastic data-parallel GRPO: the train role on however many devices hold it in a step.
-
-Why elastic. Devices shift between rollout, judge and train while a step runs,
-so the number of train devices changes from step to step. The update must not
-depend on it (up to floating-point reduction order): the policy after step v
-is the same whether 1, 2 or 7 devices trained it.
-
-Why that holds. :class:`~pivotrl.train.grpo.GRPOTrainer` backpropagates the
-*unnormalised* token-sum loss and divides once by the token count of the whole
-batch. Sums split over devices: each rank accumulates the groups it was given,
-:meth:`ElasticTrainer.step` all-reduces (SUM) the gradient sums, and every
-rank then runs the same ``GRPOTrainer.step(total_tokens)`` (divide, clip by
-global norm, AdamW) on identical gradients and identical optimizer state, so
-the replicas stay identical without ever exchanging weights.
-
-Layout: plain replicated data parallelism (``train.backend=replicated``). Every
-train device holds the full weights and the full AdamW state; the sharded
-alternative, for models a device cannot hold whole, is
-:mod:`pivotrl.runtime.sharded` (FSDP2), which uses the same :class:`TrainGroup`.
+"""A train group: one membership epoch of the train role, and the collectives its ranks run.
 
 Membership. A :class:`TrainGroup` is one *membership epoch*: the ranks that
 train while the set of train devices holds, over as many steps as it does
 (the drivers keep it; see :mod:`pivotrl.runtime.groups`). When the set
 changes the group is left and a new one joined (on a fresh port); a process
 may do this any number of times (checked with gloo: destroy then re-init in
-the same process).
-A device that newly takes the train role first loads the policy weights and
-optimizer state of the current version from the GPS
-(:meth:`ElasticTrainer.import_state`), published by one of the previous train
-devices (:meth:`ElasticTrainer.export_state`). Each step checks that every
-rank holds the same policy version, so a rank that skipped the import fails
-the step on every rank at once instead of silently diverging.
+the same process). Every trainer (:mod:`pivotrl.train.registry`) steps over
+one.
 
-What waits for what in one step::
+Joining. Rank 0 listens first (:func:`listen`), the others are told its port;
+each rank counts itself in at the rendezvous and waits for the rest, giving up
+when the driver says a member is lost (``abandon``) or when rank 0's end is
+gone (:class:`RendezvousGone`).
 
-    rank r: accumulate(its groups) ... accumulate  ──┐
-                                                     ├─ step(): gather stats (1 small collective, checks versions)
-    rank s: accumulate(its groups) ... accumulate  ──┘         all-reduce grads (1 collective per bucket)
-                                                               GRPOTrainer.step on every rank (no communication)
+:func:`gather_step_stats` is the one small collective of an optimizer step:
+every rank's policy version (checked equal), its loss sums and which
+parameters got a gradient.
 
 This is the one module that names distributed backends (``backend_for``).
 """
@@ -51,12 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from pivotrl.gps import Kind, ParameterStore, load_optimizer_state, publish_model, publish_optimizer
 from pivotrl.log import logger
-from pivotrl.sample import Sample
-from pivotrl.train.grpo import GRPOTrainer
 
 # device type -> torch.distributed backend; an unknown device type fails loudly
 _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
@@ -66,7 +42,6 @@ CONNECT_TIMEOUT_S = 15.0  # how long joining may take to reach a rank 0 that alr
 CONNECT_TRY_S = 2.0  # one try at it (a reset connection is looked at again, not retried blindly)
 ARRIVAL_POLL_S = 0.05  # how often a rank waiting for the others to arrive looks whether to give up
 ARRIVED = "pivotrl/arrived"  # the rendezvous store's count of the ranks that came
-DEFAULT_BUCKET_BYTES = 256 << 20  # gradient bytes per all-reduce; bounds the extra memory of the flat buffer
 # torch 2.13 names the single-tensor collectives *_single; older releases (2.11 on some GPU images) only *_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -403,175 +378,3 @@ def gather_step_stats(
     if ratio_max != float("-inf"):
         sums["ratio_max"], sums["ratio_min"] = ratio_max, ratio_min
     return sums, rows[:, _FLAGS:].amax(0).bool().tolist()
-
-
-def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Parameters grouped by (dtype, device), in model order, cut into buckets of at most ``bucket_bytes``.
-
-    Depends only on the model, so every replica builds the same buckets and
-    the collectives line up. A parameter larger than a bucket gets its own.
-    """
-    by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        by_kind.setdefault((p.dtype, p.device), []).append(p)
-    out: list[list[nn.Parameter]] = []
-    for group in by_kind.values():
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for p in group:
-            nbytes = p.numel() * p.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                out.append(bucket)
-                bucket, size = [], 0
-            bucket.append(p)
-            size += nbytes
-        if bucket:
-            out.append(bucket)
-    return out
-
-
-class ElasticTrainer:
-    """A :class:`GRPOTrainer` on one replica of the policy, stepping in lockstep with the rest of its group.
-
-    ``version`` is the policy version the replica's weights hold (the one
-    rollout used for this step's samples); each :meth:`step` advances it, and
-    it names what :meth:`export_state` publishes. ``group`` may be replaced
-    between steps when the membership changes; gradients accumulated so far
-    stay valid, since they are sums. Without a group the trainer is alone
-    (world size 1, no process group).
-    """
-
-    def __init__(
-        self,
-        trainer: GRPOTrainer,
-        group: TrainGroup | None = None,
-        version: int = 0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> None:
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
-        self.trainer = trainer
-        self.version = version
-        self._params = list(trainer.model.parameters())
-        self._buckets = _buckets(self._params, bucket_bytes)
-        self.group = TrainGroup.join(0, 1, device=trainer.device) if group is None else group
-
-    @property
-    def group(self) -> TrainGroup:
-        return self._group
-
-    @group.setter
-    def group(self, group: TrainGroup) -> None:
-        if self.trainer.device.type != group.device.type:
-            raise ValueError(
-                f"the policy is on {self.trainer.device} but the train group communicates over {group.device} "
-                f"({group.backend}); they must be the same kind of device"
-            )
-        self._group = group
-
-    @property
-    def model(self) -> nn.Module:
-        return self.trainer.model
-
-    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
-        """Backward this rank's share of the batch (local sums; nothing is communicated until :meth:`step`)."""
-        return self.trainer.accumulate(samples, advantages)
-
-    def global_tokens(self) -> int:
-        """Response tokens accumulated by the whole group since the last step (one collective; call on every rank)."""
-        count = torch.tensor([float(self.trainer.pending_tokens)], dtype=torch.float64, device=self.group.device)
-        return int(self.group.all_reduce_(count).item())
-
-    def _all_reduce_grads(self, has_grad: list[bool]) -> None:
-        """Sum every gradient over the group, one flat buffer per bucket; a missing gradient counts as zeros.
-
-        The reduced buffer becomes the gradients (views into it), so the extra
-        memory is one bucket, not a second copy of every gradient. A parameter
-        with no gradient on any rank keeps ``grad=None``, exactly as in
-        one-rank training (AdamW then leaves it and its state alone).
-        """
-        grad_of = dict(zip(map(id, self._params), has_grad, strict=True))
-        for bucket in self._buckets:
-            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-            offset = 0
-            views = []
-            for p in bucket:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                views.append(view)
-                offset += p.numel()
-            self.group.all_reduce_(flat)
-            for p, view in zip(bucket, views, strict=True):
-                if grad_of[id(p)]:
-                    p.grad = view
-
-    def step(self, total_tokens: int | None = None) -> dict[str, float]:
-        """All-reduce the gradient sums, then apply the same token-mean AdamW update on every rank.
-
-        ``total_tokens`` is the response-token count of the whole batch, which
-        the control plane knows; ``None`` takes what the group accumulated.
-        Call on every rank of the group, even one that got no samples: the
-        collectives need all of them. Returns the group's numbers (loss and
-        clip fraction over all ranks' tokens), identical on every rank, plus
-        ``world_size`` and the new ``version``.
-        """
-        group = self.group
-        if group.world_size > 1:
-            try:
-                sums, has_grad = gather_step_stats(
-                    group, self.version, self.trainer.pending_stats, [p.grad is not None for p in self._params]
-                )
-            except RuntimeError:
-                self.trainer.discard()
-                raise
-            accumulated = int(sums["tokens"])
-            if total_tokens is not None and total_tokens < accumulated:
-                raise ValueError(
-                    f"total_tokens={total_tokens} is less than the {accumulated} tokens the group accumulated"
-                )
-            if total_tokens is not None and total_tokens > accumulated:
-                logger.warning("total_tokens=%d, but the group accumulated only %d", total_tokens, accumulated)
-            if accumulated:
-                self._all_reduce_grads(has_grad)
-            out = self.trainer.step(total_tokens, sums)  # the group's sums: every rank reports the whole batch
-        else:
-            out = self.trainer.step(total_tokens)
-        self.version += 1
-        out["world_size"] = float(group.world_size)
-        out["version"] = float(self.version)
-        return out
-
-    def export_state(self, store: ParameterStore, model_name: str, *, weights: bool = True) -> int:
-        """Publish this replica's optimizer state (and weights) as ``self.version``; returns the bytes published.
-
-        Replicas are identical, so one rank of the group publishes (rank 0 by
-        convention). ``weights=False`` when the weights of this version are
-        published separately, e.g. by the publish phase for rollout.
-        """
-        if self.trainer.pending_tokens or any(p.grad is not None for p in self._params):
-            raise RuntimeError("export_state with accumulated gradients: step() first, the state would be mid-step")
-        nbytes = 0
-        if weights:
-            nbytes += publish_model(store, model_name, self.version, self.model).nbytes
-        nbytes += publish_optimizer(store, model_name, self.version, self.trainer.optimizer, self.model).nbytes
-        return nbytes
-
-    def import_state(self, store: ParameterStore, model_name: str, version: int, *, weights: bool = True) -> int:
-        """Take up the train role at ``version``: load its weights and optimizer state from the GPS.
-
-        ``weights=False`` when the replica already holds that version's
-        weights (e.g. it just served rollout with them). Returns the bytes loaded.
-        """
-        if self.trainer.pending_tokens or any(p.grad is not None for p in self._params):
-            raise RuntimeError("import_state with accumulated gradients: they belong to other weights; step() first")
-        start, nbytes = time.perf_counter(), 0
-        if weights:
-            snap = store.fetch(model_name, version)
-            snap.load_into(self.model)
-            nbytes += snap.nbytes
-        state = store.fetch(model_name, version, Kind.OPTIMIZER)
-        load_optimizer_state(state, self.trainer.optimizer, self.model)
-        self.version = version
-        logger.debug("train state of %s v%d imported in %.3f s", model_name, version, time.perf_counter() - start)
-        return nbytes + state.nbytes

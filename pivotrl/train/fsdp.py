@@ -68,44 +68,16 @@ from torch import Tensor, nn
 from pivotrl.gps import Deferred, Kind, ParameterStore, Snapshot, VersionError
 from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig
-from pivotrl.runtime.dist_train import TrainGroup
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import GRPOTrainer, _merge
+from pivotrl.train.group import TrainGroup
+from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.loss import merge_stats
+from pivotrl.train.protocol import StepResult, TrainSetup
+from pivotrl.train.shards import ShardedTrain, free_shards, row_range, shard_name
+from pivotrl.train.traits import TRAITS, TrainerKind
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def shard_name(model_name: str, rank: int, world_size: int, partial: bool = False) -> str:
-    """GPS name of rank ``rank``'s train-state shard in a group of ``world_size`` (``partial``: written in the
-    middle of a step, its gradient sums with it, under a name of its own: the version is still the one the
-    step started from, whose whole shards the group before may have written under the plain name)."""
-    return f"{model_name}.{'partial' if partial else 'shard'}{rank}of{world_size}"
-
-
-def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of a tensor of ``rows`` rows that rank ``rank`` of ``world_size`` holds.
-
-    ``torch.chunk``'s cut, which FSDP2 uses: chunks of ceil(rows / W) rows, the
-    last ones shorter or empty.
-    """
-    size = -(-rows // world_size)
-    start = min(rank * size, rows)
-    return start, min(start + size, rows)
-
-
-def free_shards(
-    store: ParameterStore, model_name: str, imported: tuple[int, int] | None, partial: bool = False
-) -> None:
-    """Drop the GPS shards of ``imported`` (version, world size) of a sharded train state, those still there."""
-    if imported is None:
-        return
-    version, world_size = imported
-    for r in range(world_size):
-        try:
-            store.free(shard_name(model_name, r, world_size, partial), version, Kind.OPTIMIZER)
-        except VersionError:
-            pass
 
 
 def balance(lengths: Sequence[int], world_size: int) -> list[list[int]]:
@@ -305,7 +277,7 @@ class ShardedTrainer:
         self.partial = {}
         if partial and self.rank == 0:  # the old ranks' loss sums, each counted once: by the new rank 0
             for snap in snaps:
-                _merge(self.partial, snap.manifest.meta.get("partial", {}))
+                merge_stats(self.partial, snap.manifest.meta.get("partial", {}))
         self.version, self.imported, self.exported = version, (version, world_size), False
         self.imported_partial = partial
         return nbytes
@@ -390,15 +362,15 @@ class ShardedTrainer:
         for i in range(passes):
             group.mark()  # (each pass gathers and reduces shards with the other ranks)
             if i < len(plans[self.rank]):
-                _merge(stats, self.trainer.backward(plans[self.rank][i]))
+                merge_stats(stats, self.trainer.backward(plans[self.rank][i]))
             else:
                 self.trainer.backward([pairs[0]], weight=0.0)  # nothing left here: match the others' collectives
-        _merge(self.partial, stats)
+        merge_stats(self.partial, stats)
         logger.debug("sharded backward of v%d on %d ranks: %d samples, %d passes", self.version, world, len(pairs),
                      passes)  # fmt: skip
         return sum(lengths), time.perf_counter() - start
 
-    def step(self, total_tokens: int | None = None) -> tuple[dict[str, float], int, float]:
+    def step(self, total_tokens: int | None = None) -> StepResult:
         """Backward every rank's buffered samples in lockstep, then the optimizer step on every rank, over the
         gradient sums of every backward of the step (those done ahead of it, here or by an earlier group).
 
@@ -415,11 +387,63 @@ class ShardedTrainer:
             dist.all_gather_object(every, stats)
             stats = {}
             for part in every:
-                _merge(stats, part)
+                merge_stats(stats, part)
         out = self.trainer.step(total_tokens, stats)
         self.version += 1
         self.exported = False
         out["world_size"] = float(world)
         out["version"] = float(self.version)
         logger.debug("sharded step v%d on %d ranks", self.version, world)
-        return out, tokens, backward_s
+        return StepResult(out, self.version, world, tokens, backward_s)
+
+
+class FsdpTrain(ShardedTrain):
+    """The train role on a device with FSDP2 (``train.backend=fsdp``). Nothing heavy is built at the shift:
+    the shards depend on the group, known at the step. Groups wait in ``pending`` until then; joining a group
+    new to it builds :class:`ShardedTrainer` over that group (``shard``), which lives until the group does."""
+
+    traits = TRAITS[TrainerKind.FSDP]
+
+    def __init__(self, setup: TrainSetup) -> None:
+        super().__init__(setup)
+        self.config = ModelConfig.from_hf(self.meta["config"])  # the policy's architecture
+        self.nbytes = 0
+        self.pending: list[tuple[list[Sample], list[float]]] = []
+        self.shard: ShardedTrainer | None = None
+
+    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
+        self.pending.append((samples, list(advantages)))  # (backpropagated in lockstep at the step)
+        return {}
+
+    def join(self, group: TrainGroup, state_world: int) -> None:
+        if self.shard is not None and self.shard.group is group:
+            return
+        s = self.setup
+        reference = s.store.fetch(s.reference, 0) if s.cfg.kl_coef > 0 else None
+        self.shard = ShardedTrainer(group, self.config, s.cfg, s.temperature, self.version, s.compute, reference)
+        self.load_state(state_world)
+
+    def load_state(self, state_world: int) -> int:
+        """The group's shards of this version: from those a group of ``state_world`` wrote, or (0) from the
+        published weights, with fresh AdamW state. The bytes read from shards."""
+        s, shard = self.setup, self.shard
+        assert shard is not None
+        if state_world:
+            return shard.import_shards(s.store, s.policy, self.version, state_world)
+        shard.load_weights(s.store.fetch(s.policy, self.version))
+        return 0
+
+    def step(self, total_tokens: int | None) -> StepResult:
+        assert self.shard is not None, "join() a group before the step"
+        for samples, advantages in self.pending:
+            self.shard.add(samples, advantages)
+        self.pending = []
+        result = self.shard.step(total_tokens)
+        self.version = result.version
+        return result
+
+    def leave(self) -> None:
+        self.shard = None  # its shards belong to the old group's mesh
+
+    def release(self) -> None:
+        self.shard, self.pending = None, []

@@ -20,12 +20,12 @@ import torch
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
-from pivotrl.runtime.sharded import ShardedTrainer, shard_name
-from pivotrl.runtime.zero import ZeroTrainer, check_dtypes
 from pivotrl.train.config import TrainConfig
+from pivotrl.train.fsdp import ShardedTrainer
+from pivotrl.train.shards import shard_name
+from pivotrl.train.zero import ZeroTrainer, check_dtypes
 from tests.runtime.ranks import spawn
-from tests.runtime.test_dist_train import Batch, batch_tokens, local_share, make_batch, max_diff
-from tests.runtime.test_sharded import (
+from tests.train.test_fsdp import (
     CFG,
     KL,
     MODEL,
@@ -41,10 +41,11 @@ from tests.runtime.test_sharded import (
 )
 
 # the same scenarios, names and bounds as the FSDP2 trainer's, run here on this module's ranks (``runs``)
-from tests.runtime.test_sharded import test_kl_against_a_sharded_reference as test_kl_against_the_reference  # noqa: F401, E402
-from tests.runtime.test_sharded import (  # noqa: F401, E402
+from tests.train.test_fsdp import test_kl_against_a_sharded_reference as test_kl_against_the_reference  # noqa: F401, E402
+from tests.train.test_fsdp import (  # noqa: F401, E402
     test_membership_change_moves_the_state_through_shards as test_membership_change_moves_the_state_through_ranges,
 )
+from tests.train.test_replicated import Batch, batch_tokens, local_share, make_batch, max_diff
 
 
 def compute_copy(snap: Snapshot, tied: bool, dtype: torch.dtype = torch.float32) -> Decoder:
@@ -90,7 +91,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
                 if i == 0:
                     trainer.bind(group)
                     trainer.load_weights(snap)
-                stats.append(trainer.step(batch_tokens(batch))[0])
+                stats.append(trainer.step(batch_tokens(batch)).stats)
             save(name, trainer, stats)
 
     run("w1", 1, CFG)
@@ -109,7 +110,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
             trainer.accumulate(*local_share(batches[0], 2, rank))
             trainer.bind(group)
             trainer.load_weights(weights(initial()))
-            stats.append(trainer.step(batch_tokens(batches[0]))[0])
+            stats.append(trainer.step(batch_tokens(batches[0])).stats)
             if rank == 0:
                 files.publish(trainer)
             files.export(trainer)
@@ -123,7 +124,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         with _group(rank, world, f"member-v{version}", out) as group:
             trainer.bind(group)
             trainer.import_shards(files.shards(old_world, version), MODEL, version, old_world)
-            stats.append(trainer.step(batch_tokens(batch))[0])
+            stats.append(trainer.step(batch_tokens(batch)).stats)
             if rank == 0:
                 files.publish(trainer)
             if world == 3:
@@ -230,7 +231,7 @@ def test_a_released_trainer_frees_its_weights_and_gradient_sum(batches):
 def test_shards_of_another_trainer_are_refused(batches):
     """Resuming with another train.backend than the one that wrote the state: one clear error."""
     store = LocalStore()
-    from pivotrl.runtime.dist_train import TrainGroup
+    from pivotrl.train.group import TrainGroup
 
     group = TrainGroup.join(0, 1, device="cpu", process_group=True)
     try:
@@ -256,7 +257,7 @@ def test_fp32_compute_from_bf16_rollout_weights_is_refused():
 
 def test_adamw_by_chunks_is_torch_adamw(monkeypatch):
     """The range's AdamW, chunk by chunk, is torch's AdamW element by element (weight decay on, three steps)."""
-    import pivotrl.runtime.zero as zero
+    import pivotrl.train.zero as zero
 
     monkeypatch.setattr(zero, "CHUNK", 7)
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.8, beta2=0.95, eps=1e-6)

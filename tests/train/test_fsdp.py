@@ -22,13 +22,14 @@ import torch
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, VersionError, module_tensors
 from pivotrl.model import Decoder, ModelConfig
-from pivotrl.runtime.dist_train import TrainGroup, listen
-from pivotrl.runtime.sharded import ShardedTrainer, balance, row_range, shard_name
 from pivotrl.train.config import TrainConfig
+from pivotrl.train.fsdp import ShardedTrainer, balance
+from pivotrl.train.group import TrainGroup, listen
 from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.shards import row_range, shard_name
 from tests.conftest import tiny_config, tiny_moe_config
 from tests.runtime.ranks import spawn
-from tests.runtime.test_dist_train import (
+from tests.train.test_replicated import (
     STAT_KEYS,
     Batch,
     G,
@@ -37,7 +38,7 @@ from tests.runtime.test_dist_train import (
     make_batch,
     max_diff,
 )
-from tests.runtime.test_dist_train import assert_same_stats as same_stats
+from tests.train.test_replicated import assert_same_stats as same_stats
 
 MODEL = "policy"
 CFG = TrainConfig(micro_batch=5, micro_batch_tokens=40, grad_clip=0.5)  # cuts by count and by tokens; clip active
@@ -117,9 +118,9 @@ def _group(rank: int, world: int, name: str, out: Path, staged: bool = False) ->
 
 def _step(trainer: ShardedTrainer, batch: Batch) -> dict[str, float]:
     trainer.add(*local_share(batch, trainer.group.world_size, trainer.rank))
-    stats, tokens, seconds = trainer.step(batch_tokens(batch))
-    assert tokens > 0 and seconds > 0
-    return stats
+    result = trainer.step(batch_tokens(batch))
+    assert result.tokens > 0 and result.backward_s > 0
+    return result.stats
 
 
 def _published(trainer: ShardedTrainer) -> dict[str, torch.Tensor]:
@@ -169,7 +170,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
                 tokens, seconds = trainer.backward_pending()
                 assert tokens > 0 and seconds > 0 and trainer.mid_step
                 trainer.add(*local_share(second, 2, rank))
-                stats.append(trainer.step(batch_tokens(b))[0])
+                stats.append(trainer.step(batch_tokens(b)).stats)
             save("ahead", trainer, stats)
 
     # ... and the step finished by another group: 2 ranks backpropagate half the batch and leave (their shards
@@ -188,7 +189,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         assert trainer.mid_step and bool(trainer.partial) == (rank == 0)
         _, second = halves(batches[0])
         trainer.add(*local_share(second, 3, rank))
-        save("moved", trainer, [trainer.step(batch_tokens(batches[0]))[0]])
+        save("moved", trainer, [trainer.step(batch_tokens(batches[0])).stats])
 
     # membership: 2 ranks step v0 -> v1, write shards; 3 ranks read them and step v1 -> v2; 2 ranks again for v3
     stats: list[dict[str, float]] = []

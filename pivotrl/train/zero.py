@@ -2,7 +2,7 @@
 
 Why. Shiftable mode wins by training while the rollout's tail still runs: a
 group is backpropagated as soon as its judgments are in, on whichever device
-holds the train role then. The FSDP2 trainer (:mod:`pivotrl.runtime.sharded`)
+holds the train role then. The FSDP2 trainer (:mod:`pivotrl.train.fsdp`)
 cannot do that: under FSDP every forward and backward is a collective, so it
 buffers the step's groups and backpropagates them all in lockstep after the
 last judgment. The replicated trainer can, but holds 16 bytes a parameter
@@ -57,11 +57,14 @@ from torch import Tensor, nn
 
 from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError, cast
 from pivotrl.log import logger
-from pivotrl.runtime.dist_train import TrainGroup, gather_step_stats
-from pivotrl.runtime.sharded import free_shards, row_range, shard_name
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import GRPOTrainer, step_report
+from pivotrl.train.group import TrainGroup, gather_step_stats
+from pivotrl.train.loss import GRPOLoss, step_report
+from pivotrl.train.models import policy_models
+from pivotrl.train.protocol import StepResult, TrainSetup
+from pivotrl.train.shards import ShardedTrain, free_shards, row_range, shard_name
+from pivotrl.train.traits import TRAITS, TrainerKind
 
 LAYOUT = "flat"  # the meta mark of this trainer's shards (FSDP2's are cut per parameter, by rows)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -89,7 +92,7 @@ class ZeroTrainer:
         self, model: nn.Module, cfg: TrainConfig, temperature: float, version: int, ref: nn.Module | None = None
     ) -> None:
         self.model, self.cfg, self.version = model, cfg, version
-        self.trainer = GRPOTrainer(model, cfg, temperature, ref_model=ref)  # (its AdamW is never stepped: no state)
+        self.trainer = GRPOLoss(model, cfg, temperature, ref_model=ref)  # (the step is its own: AdamW on a range)
         self.params = list(model.parameters())
         self.names = [n for n, _ in model.named_parameters()]
         self.spans: list[tuple[int, int]] = []
@@ -266,7 +269,7 @@ class ZeroTrainer:
         self.imported = None
 
     # -- the step ----------------------------------------------------------------------------------------------------
-    def step(self, total_tokens: int | None = None) -> tuple[dict[str, float], int, float]:
+    def step(self, total_tokens: int | None = None) -> StepResult:
         """The optimizer step over the bound group (call on every rank). Returns the group's numbers (identical on
         every rank, with ``world_size`` and the new ``version``), and 0 tokens and 0 seconds of backward: that ran
         before, as the groups came."""
@@ -327,7 +330,7 @@ class ZeroTrainer:
         self.exported = False
         out = step_report(sums, n, grad_norm, skipped)
         out["world_size"], out["version"] = float(world), float(self.version)
-        return out, 0, 0.0
+        return StepResult(out, self.version, world)
 
     def _gather(self, shard: Tensor, world: int) -> None:
         """Every rank's updated range into the full fp32 vector (the gradient buffer, free now), then into the
@@ -362,3 +365,51 @@ class ZeroTrainer:
         logger.debug("zero: published %s v%d (%d bytes) in %.3f s", model_name, self.version, nbytes,
                      time.perf_counter() - start)  # fmt: skip
         return nbytes
+
+
+class ZeroTrain(ShardedTrain):
+    """The train role on a device with ZeRO-1 (``train.backend=zero``): the weights in the compute dtype (from
+    the version rollout ran) and an fp32 gradient sum, built at the shift; groups are backpropagated as they
+    arrive. :class:`ZeroTrainer` (``shard``) takes its range of the master weights and AdamW state when it
+    joins a group, and keeps its weights and gradient sums when it leaves one."""
+
+    traits = TRAITS[TrainerKind.ZERO]
+
+    def __init__(self, setup: TrainSetup) -> None:
+        super().__init__(setup)
+        check_dtypes(setup.compute, setup.rollout)
+        model, ref, self.nbytes = policy_models(setup, setup.compute)
+        self.shard: ZeroTrainer | None = ZeroTrainer(model, setup.cfg, setup.temperature, setup.version, ref)
+
+    def _zero(self) -> ZeroTrainer:
+        assert self.shard is not None, "released"
+        return self.shard
+
+    def accumulate(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, float]:
+        return self._zero().accumulate(samples, advantages)  # (alone, now: no collective in the backward)
+
+    def join(self, group: TrainGroup, state_world: int) -> None:
+        zero = self._zero()
+        if zero.group is not group:  # the group's state: its range of it
+            zero.bind(group)
+            self.load_state(state_world)
+
+    def load_state(self, state_world: int) -> int:
+        """This rank's range of the state of this version: from the ranges a group of ``state_world`` wrote,
+        or (0) from the published weights, with fresh AdamW state. The bytes read from ranges."""
+        s, zero = self.setup, self._zero()
+        if state_world:
+            return zero.import_shards(s.store, s.policy, self.version, state_world)
+        zero.load_weights(s.store.fetch(s.policy, self.version))
+        return 0
+
+    def step(self, total_tokens: int | None) -> StepResult:
+        result = self._zero().step(total_tokens)
+        self.version = result.version
+        return result
+
+    def leave(self) -> None:
+        self._zero().detach()  # its weights and gradient sums stay for the next group
+
+    def release(self) -> None:
+        self.shard = None

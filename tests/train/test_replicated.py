@@ -22,18 +22,13 @@ import torch.distributed as dist
 
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
-from pivotrl.runtime.dist_train import (
-    ARRIVED,
-    ElasticTrainer,
-    JoinAbandoned,
-    RendezvousGone,
-    TrainGroup,
-    backend_for,
-    listen,
-)
 from pivotrl.sample import Sample
+from pivotrl.train.advantages import group_advantages
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.grpo import GRPOTrainer, group_advantages, token_logprobs
+from pivotrl.train.group import ARRIVED, JoinAbandoned, RendezvousGone, TrainGroup, backend_for, listen
+from pivotrl.train.grpo import GRPOTrainer
+from pivotrl.train.loss import token_logprobs
+from pivotrl.train.replicated import ElasticTrainer
 from tests.conftest import tiny_config
 from tests.runtime.ranks import spawn
 
@@ -95,7 +90,7 @@ def batch_tokens(batch: Batch) -> int:
 def train_step(trainer: ElasticTrainer, batch: Batch, known_total: bool) -> dict[str, float]:
     group = trainer.group
     trainer.accumulate(*local_share(batch, group.world_size, group.rank))
-    return trainer.step(batch_tokens(batch) if known_total else None)
+    return trainer.step(batch_tokens(batch) if known_total else None).stats
 
 
 def snapshot(trainer: ElasticTrainer) -> dict[str, torch.Tensor]:
@@ -294,7 +289,7 @@ def test_one_rank_makes_no_distributed_calls_and_equals_plain_grpo(batches, monk
         for batch in batches[:2]:
             elastic.accumulate(*batch)
             assert elastic.global_tokens() == batch_tokens(batch)
-            got = elastic.step()
+            got = elastic.step().stats
             want = plain.train_batch(*batch)
             assert got == want | {"world_size": 1.0, "version": got["version"]}
     assert elastic.version == 2
@@ -440,7 +435,7 @@ def test_listen_and_its_store_are_checked():
 
 def test_a_cuda_device_without_an_index_names_the_current_gpu(monkeypatch):
     """torch.cuda.set_device and NCCL's device_id refuse a bare ``cuda``, which is what a device is told."""
-    from pivotrl.runtime.dist_train import indexed
+    from pivotrl.train.group import indexed
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert indexed(torch.device("cuda")) == torch.device("cuda", 3)
