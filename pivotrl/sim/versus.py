@@ -148,12 +148,15 @@ def _ideal_split(cfg: JobConfig) -> Split:
 # -- the runs -------------------------------------------------------------------------------
 
 
-def _steady(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """A run's steady numbers (``steady_window``: its throughput and step time after its first step, busy
-    shares, shifts) and its floor."""
-    ideal = summary["sim"]["ideal"]
+def _steady(run_dir: Path, summary: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
+    """A run's steady numbers (``steady_window``: its throughput after its first step, busy shares, shifts) and
+    its floor. Its step time is the one its rate implies (a step's samples over it), so that the table's step
+    time and throughput say one thing."""
+    rate, ideal = summary["steady_samples_per_s"], summary["sim"]["ideal"]
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     return {
         **steady_window(run_dir),
+        "step_seconds": samples / rate if rate > 0 else math.inf,
         "instance_gpus": summary["sim"]["instance_gpus"],
         "floor_samples_per_s": ideal["floor_samples_per_s"],
         "floor_seconds": ideal["floor_seconds"],
@@ -225,7 +228,7 @@ class Versus:
             summary = run_simulation(cfg, run_dir)
         finally:
             quiet.setLevel(level)
-        return {**_steady(run_dir, summary), "wall_s": time.perf_counter() - t0}
+        return {**_steady(run_dir, summary, cfg), "wall_s": time.perf_counter() - t0}
 
     def search(self, tp: int, budget: int, steps: int) -> tuple[Split, list[dict[str, Any]]]:
         """The best static split at ``tp`` GPUs an instance, each candidate a run of ``steps`` steps."""
