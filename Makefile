@@ -39,16 +39,22 @@ lint: install
 bench: install
 	$(PY) benchmarks/engine.py
 
-# On a machine with one CUDA GPU: parity, engine, GPS load, shifts, a shared-GPU job (< 8 min);
-# writes benchmarks/results/gpu_check.json. Without CUDA it says so and exits 0.
+# On a machine with one CUDA GPU: the correctness tests (tests/gpu: parity, engine, GPS load, shifts, the
+# trainers, vLLM, a shared-GPU job), then the timings of the same sections (benchmarks/gpu_check.py, which
+# writes benchmarks/results/gpu_check.json); both run, and a failure of either fails the target. Without CUDA
+# the tests are skipped, the benchmark says so, and it exits 0.
 gpu-check: install
-	$(PY) benchmarks/gpu_check.py
+	rc=0; $(VENV)/bin/pytest -m gpu tests/gpu || rc=$$?; $(PY) benchmarks/gpu_check.py || rc=$$?; exit $$rc
 
 # The same on a GPU machine that cannot install packages (offline) but whose python3 holds a CUDA build of
 # torch: no venv, this checkout on the path. Without Ray the job runs one device in process; sections whose
-# packages are missing (Ray's object store, vLLM) say so and are skipped.
+# packages are missing (Ray's object store, vLLM) say so and are skipped; without pytest the tests are not run
+# (which it says) and the timings still are.
 gpu-check-system:
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" python3 benchmarks/gpu_check.py
+	export PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"; rc=0; \
+	if python3 -c "import pytest" 2>/dev/null; then python3 -m pytest -m gpu tests/gpu || rc=$$?; \
+	else echo "gpu-check: pytest is not installed for python3: tests/gpu not run"; fi; \
+	python3 benchmarks/gpu_check.py || rc=$$?; exit $$rc
 
 clean:
 	rm -rf runs models

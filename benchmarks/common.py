@@ -6,9 +6,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +52,6 @@ def ensure_models(config: Path, overrides: list[str] | None = None) -> None:
         )
     print("building the bundled policy and judge (pivotrl prepare, a few minutes) ...", flush=True)
     prepare(ROOT / "models", ROOT / "data/arithmetic")
-
-
-def simulate(config: Path, overrides: list[str], out: Path, timeout: float) -> tuple[float, str | None]:
-    """``pivotrl simulate`` in its own process: its wall seconds, and the error that stopped it (the
-    last line it printed, or the timeout), None if it finished."""
-    cmd = [sys.executable, "-m", "pivotrl.cli", "simulate", str(config), *overrides, "--out", str(out), "--quiet"]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return time.perf_counter() - t0, f"stopped after {timeout:.0f} s"
-    error = (
-        None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    )
-    return time.perf_counter() - t0, error
 
 
 def parse_size(text: str) -> int:

@@ -1,6 +1,6 @@
 """Where shiftable's gap to the step floor goes: role changes, migrations, and the schedule itself.
 
-For each of ``paper.py``'s model groups (128 simulated H100s, ``examples/sim128.yaml``), shiftable
+For each of ``paper.py``'s model groups (128 simulated H100s, ``examples/paper/*.yaml``), shiftable
 runs four times on the same seeds, each in its own process:
 
     modeled          the costs as ``RooflineCosts`` models them
@@ -15,7 +15,7 @@ migration at its re-prefill, so "free migrations" is what they take at least.
 
 Steady step = the mean of the steps after the first; ``--seeds`` repeats every run on more seeds
 (the table gives their mean, the JSON each). Instances of ``--tp`` GPUs, by default the size
-shiftable runs at in ``benchmarks/results/paper.json`` (4 where it has none).
+the group's job file names (the one shiftable runs fastest at).
 
     python benchmarks/gap.py                        # six groups, one seed: ~3.5 min on 2 cores (three: ~10)
     python benchmarks/gap.py --groups dense-7b --seeds 0 1 2
@@ -25,7 +25,6 @@ shiftable runs at in ``benchmarks/results/paper.json`` (4 where it has none).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,7 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from common import machine, write_report
-from paper import GROUPS, RESULTS, ideal, job_overrides, simulate
+
+from pivotrl.sim.groups import GROUPS, ideal, job_overrides
+from pivotrl.sim.versus import simulate_apart
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
 
 VARIANTS = {
     "modeled": (),
@@ -44,25 +47,11 @@ VARIANTS = {
 }
 
 
-def paper_shiftable(key: str) -> dict[str, Any]:
-    """A field of shiftable's run in the paper's report, per group (empty without one)."""
-    path = RESULTS / "paper.json"
-    if not path.is_file():
-        return {}
-    groups = json.loads(path.read_text()).get("groups", [])
-    return {g["name"]: g["modes"]["shiftable"][key] for g in groups if "shiftable" in g.get("modes", {})}
-
-
-def paper_tps() -> dict[str, int]:
-    """The instance size shiftable runs at in the paper's report, per group (empty without one)."""
-    return paper_shiftable("instance_gpus")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     ap.add_argument("--gpus", type=int, default=128)
-    ap.add_argument("--tp", type=int, default=0, help="GPUs per instance (0: shiftable's in paper.json, else 4)")
+    ap.add_argument("--tp", type=int, default=0, help="GPUs per instance (0: the group's job file's)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at once")
@@ -74,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         ap.error("--steps: at least 2 (the first step is left out of the steady step)")
     load, t0 = list(os.getloadavg()), time.perf_counter()
-    tps = paper_tps()
-    tp = {name: args.tp or tps.get(name, 4) for name in args.groups}
+    tp = {name: args.tp or GROUPS[name].instance_gpus for name in args.groups}
     plan = []  # (group, variant, seed, overrides)
     for name in args.groups:
         base = [*job_overrides(GROUPS[name], args.gpus, tp[name]), "mode=shiftable", f"steps={args.steps}", *args.set]
@@ -85,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     done = [0]
 
     def run(item: tuple[str, str, int, list[str]]) -> dict[str, Any]:
-        row = simulate(item[3], args.timeout)  # (paper.py's: its own process, the steady numbers or the error)
+        row = simulate_apart(GROUPS[item[0]].config, item[3], args.timeout)  # (the steady numbers or the error)
         done[0] += 1  # (the pool's threads only add: a lost count would only misprint the progress)
         what = f"{row['step_seconds']:.1f} s a step" if "step_seconds" in row else row["error"]
         print(f"gap: {done[0]}/{len(plan)} {item[0]}, {item[1]}, seed {item[2]}: {what} ({row['wall_s']:.0f} s)",
@@ -102,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'group':16s} {'floor':>7s}" + "".join(f" {v:>17s}" for v in args.variants)
     print(header)
     for name, g in groups.items():
-        floor = ideal([*job_overrides(GROUPS[name], args.gpus, g["instance_gpus"]), *args.set]).floor_seconds
+        group = GROUPS[name]
+        floor = ideal(group.config, [*job_overrides(group, args.gpus, g["instance_gpus"]), *args.set]).floor_seconds
         g["floor_seconds"] = floor
         line = f"{name:16s} {floor:6.1f}s"
         for v in g["variants"].values():

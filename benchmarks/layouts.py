@@ -17,7 +17,8 @@ Two things that could change its table are left out there, and measured here on 
 
 The question is whether the baselines were held back (a layout makes colocated or the split faster
 than ``paper.py``'s best) and whether a mechanism beside shifting could reach the reference's ratios.
-Each row is the mode's best layout found and its gain over its best run of one engine an instance.
+The layouts and the reading of their runs are ``pivotrl.sim.engine_layouts``. Each row is the mode's best
+layout found and its gain over its best run of one engine an instance.
 
     python benchmarks/layouts.py [--groups dense-7b] [--steps 6] [--jobs 2]
 """
@@ -33,26 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from common import machine, write_report
-from paper import EXAMPLE, GROUPS, RESULTS, Group, job_overrides, search_split, simulate, split_text, text_table
 
 from pivotrl.config import load_config
+from pivotrl.sim.engine_layouts import HEAD, Layout, divisors, label, overrides, rows, summarize
+from pivotrl.sim.groupreport import text_table
+from pivotrl.sim.groups import BASE, GROUPS, Group
+from pivotrl.sim.versus import search_split, simulate_apart, split_text
 
-Layout = tuple[int, int, int]  # (GPUs an instance, GPUs a rollout engine, GPUs a judge engine)
-
-
-def overrides(group: Group, gpus: int, layout: Layout, elastic: bool = False) -> list[str]:
-    tp, rollout, judge = layout
-    out = [*job_overrides(group, gpus, tp), f"sim.rollout_engine_gpus={rollout}", f"sim.genrm_engine_gpus={judge}"]
-    return [*out, "sim.elastic_engines=true"] if elastic else out
-
-
-def label(layout: Layout, elastic: bool = False) -> str:
-    tp, rollout, judge = layout
-    return f"TP{tp} elastic" if elastic else f"TP{tp} r{rollout} j{judge}"
-
-
-def divisors(tp: int) -> list[int]:
-    return [g for g in (1, 2, 4, 8) if g <= tp and tp % g == 0]
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
 
 
 def bench(group: Group, gpus: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> dict[str, Any]:
@@ -60,7 +49,8 @@ def bench(group: Group, gpus: int, args: argparse.Namespace, pool: ThreadPoolExe
     steps = [f"steps={args.steps}"]
 
     def run(mode: str, layout: Layout, elastic: bool = False, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-        r = simulate([*overrides(group, gpus, layout, elastic), f"mode={mode}", *steps, *extra], args.timeout)
+        r = simulate_apart(group.config, [*overrides(group, gpus, layout, elastic), f"mode={mode}", *steps, *extra],
+                           args.timeout)  # fmt: skip
         r["layout"], r["elastic"] = label(layout, elastic), elastic
         rate = f"{r['samples_per_s']:.2f} samples/s" if "samples_per_s" in r else r["error"].splitlines()[-1][:80]
         print(f"  {group.name} {mode} {r['layout']}{' ' + extra[0] if extra else ''}: {rate}", flush=True)
@@ -83,8 +73,9 @@ def bench(group: Group, gpus: int, args: argparse.Namespace, pool: ThreadPoolExe
         devices = gpus // layout[0]
 
         def evaluate(split: tuple[int, int, int]) -> float:
-            r = simulate([*overrides(group, gpus, layout), "mode=disaggregated", f"steps={args.search_steps}",
-                          f"split={split_text(split)}"], args.timeout)  # fmt: skip
+            r = simulate_apart(group.config, [*overrides(group, gpus, layout), "mode=disaggregated",
+                                              f"steps={args.search_steps}", f"split={split_text(split)}"],
+                               args.timeout)  # fmt: skip
             return r.get("step_seconds", float("inf")) if "error" not in r else float("inf")
 
         seed = (devices * 3 // 8, devices // 4, devices - devices * 3 // 8 - devices // 4)
@@ -107,53 +98,6 @@ def bench(group: Group, gpus: int, args: argparse.Namespace, pool: ThreadPoolExe
         runs[mode] += got if isinstance(got, list) else [got]
     return {"name": group.name, "policy": group.policy, "genrm": group.genrm, "gpus": gpus, "tp": tp,
             "runs": runs, "wall_s": time.perf_counter() - t0, **summarize(runs)}  # fmt: skip
-
-
-def _rate(r: dict[str, Any] | None) -> float:
-    return r.get("samples_per_s", 0.0) if r else 0.0
-
-
-ONE_ENGINE = {label((tp, tp, tp)) for tp in (1, 2, 4, 8)}
-
-
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per mode: its best run of one engine an instance, its best layout, its elastic bound (best over sizes)."""
-    out: dict[str, Any] = {}
-    for mode, rs in runs.items():
-        fixed = [r for r in rs if not r["elastic"]]
-        one = max((r for r in fixed if r["layout"] in ONE_ENGINE), key=_rate, default=None)
-        best = max(fixed, key=_rate, default=None)
-        elastic = max((r for r in rs if r["elastic"]), key=_rate, default=None)
-        out[mode] = {"one_engine": _rate(one) if one else None, "one_engine_layout": one["layout"] if one else None,
-                     "best": _rate(best), "best_layout": best["layout"] if best else None,
-                     "elastic": _rate(elastic) if elastic else None,
-                     "elastic_layout": elastic["layout"] if elastic else None}  # fmt: skip
-    best = {m: out[m]["best"] for m in out}
-    elastic = {m: max(out[m]["elastic"] or 0.0, best[m]) for m in out}  # the better of the bound and a layout
-    return {
-        "modes": out,
-        "speedup_vs_colocated": best["shiftable"] / best["colocated"],
-        "speedup_vs_disaggregated": best["shiftable"] / best["disaggregated"],
-        "elastic_speedup_vs_colocated": elastic["shiftable"] / elastic["colocated"],
-        "elastic_speedup_vs_disaggregated": elastic["shiftable"] / elastic["disaggregated"],
-    }
-
-
-HEAD = ("group", "mode", "one engine", "best layout", "samples/s", "gain", "elastic", "gain")
-
-
-def rows(g: dict[str, Any]) -> list[list[str]]:
-    out = []
-    for mode, m in g["modes"].items():
-        one = m["one_engine"]
-
-        def gain(x: float | None, one: float | None = one) -> str:
-            return f"{x / one - 1:+.1%}" if x and one else "-"
-
-        elastic = f"{m['elastic']:.1f}" if m["elastic"] else "-"
-        out.append([g["name"], mode, f"{one:.1f}" if one else "-", m["best_layout"] or "-", f"{m['best']:.1f}",
-                    gain(m["best"]), elastic, gain(m["elastic"])])  # fmt: skip
-    return out
 
 
 def main() -> None:
@@ -182,7 +126,7 @@ def main() -> None:
         print(f"{g['name']}: shiftable {g['speedup_vs_colocated']:.2f}x colocated, "
               f"{g['speedup_vs_disaggregated']:.2f}x the split at their best layouts; with the elastic bound "
               f"{g['elastic_speedup_vs_colocated']:.2f}x, {g['elastic_speedup_vs_disaggregated']:.2f}x")  # fmt: skip
-    rollout = load_config(EXAMPLE, []).rollout
+    rollout = load_config(BASE, []).rollout
     report = {"benchmark": "layouts", "steps": args.steps, "groups": groups, "wall_s": time.perf_counter() - t0,
               "samples_per_step": rollout.prompts_per_step * rollout.group_size, "machine": machine(load)}  # fmt: skip
     write_report(args.out, report)

@@ -58,10 +58,12 @@ import ray
 import torch
 from common import machine, parse_size, write_report
 
+from pivotrl.config import JobConfig
 from pivotrl.control.messages import Role, ShiftDone
 from pivotrl.engine import Engine
 from pivotrl.gps import Kind, LocalStore, ParameterStore, RayStore, publish_optimizer
 from pivotrl.model import Decoder, ModelConfig, char_tokenizer
+from pivotrl.resolve import Hardware, resolve
 from pivotrl.runtime.contexts import (
     DTYPES,
     JUDGE,
@@ -72,7 +74,6 @@ from pivotrl.runtime.contexts import (
     publish_checkpoint,
 )
 from pivotrl.runtime.worker import TrainSpec, Worker
-from pivotrl.train.config import TrainConfig
 from pivotrl.train.grpo import GRPOTrainer
 from pivotrl.train.replicated import ElasticTrainer
 
@@ -137,7 +138,8 @@ class Device:
     def __init__(self, store: ParameterStore, spec: ContextSpec, threads: int) -> None:
         torch.set_num_threads(threads)
         self.store, self.spec, self.threads = store, spec, threads
-        self.train_spec = TrainSpec(TrainConfig(), temperature=1.0)
+        train = resolve(JobConfig(), Hardware(spec.device)).train  # (as the job's plan configures a train device)
+        self.train_spec = TrainSpec(train, temperature=1.0)
         self.worker: Worker | None = None
 
     def reset(self) -> None:

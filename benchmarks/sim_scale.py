@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import machine, simulate, write_report
+from common import machine, write_report
+
+from pivotrl.sim.versus import run_apart
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples/sim128.yaml"
@@ -51,7 +53,7 @@ def overrides(mode: str, gpus: int, steps: int, tp: int = 1) -> list[str]:
 def run_one(mode: str, gpus: int, steps: int, timeout: float) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix=f"sim-{mode}-{gpus}-"))
     # an error is a control-plane one (e.g. a livelock the driver stopped) or the timeout
-    wall, error = simulate(EXAMPLE, overrides(mode, gpus, steps), out, timeout)
+    wall, error = run_apart(EXAMPLE, overrides(mode, gpus, steps), out, timeout)
     finished = error is None
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if out.exists() else []
     row: dict[str, Any] = {"mode": mode, "gpus": gpus, "steps": steps, "steps_done": len(metrics), "wall_s": wall}

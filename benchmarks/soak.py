@@ -29,6 +29,8 @@ from typing import Any
 
 from common import ROOT, machine, write_report
 
+from pivotrl.gpucheck.shapes import tiny_checkpoints
+
 RESULTS = ROOT / "benchmarks" / "results" / "soak.json"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -97,11 +99,9 @@ def main() -> None:
         ap.error("--steps must be >= 10 and --devices >= 2 (Ray devices)")
     out_json = args.out or (Path(tempfile.gettempdir()) / "pivotrl-soak-quick.json" if args.quick else RESULTS)
     load_at_start = list(os.getloadavg())
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_check import _tiny_checkpoints
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpts = _tiny_checkpoints(Path(tmp))
+        ckpts = tiny_checkpoints(Path(tmp))
         run = Path(tmp) / "run"
         shm_before, procs_before = set(os.listdir("/dev/shm")), processes()
         cmd = [

@@ -15,7 +15,9 @@ from tests.runtime.test_job import chat_checkpoints  # noqa: F401  (a fixture)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "name", sorted(str(p.relative_to(ROOT / "examples")) for p in (ROOT / "examples").rglob("*.yaml"))
+)
 def test_every_example_loads(name):
     load_config(ROOT / "examples" / name)
 

@@ -28,6 +28,8 @@ import json
 import logging
 import math
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -35,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.config import ConfigError, JobConfig, load_config
-from pivotrl.control import messages
 from pivotrl.errors import UserError
+from pivotrl.sim.steady import ROLES, steady_window
 
 MODES = ("deployed", "colocated", "disaggregated", "shiftable")
 # the colocated baseline as today's frameworks run it: each phase switch at its published cost (engines put
@@ -45,8 +47,7 @@ MODES = ("deployed", "colocated", "disaggregated", "shiftable")
 DEPLOYED = ("mode=colocated", "sim.costs=deployed", "rollout.rebalance=false")
 LABELS = {"deployed": "colocated, deployed", "colocated": "colocated, strong", "disaggregated": "disaggregated",
           "shiftable": "shiftable"}  # fmt: skip
-ROLES = tuple(r.value for r in messages.ROLES)  # the split's order, and the config's names
-Split = tuple[int, int, int]  # rollout, genrm, train devices
+Split = tuple[int, int, int]  # rollout, genrm, train devices (``ROLES``' order, the config's names)
 SEARCH_BUDGET = 12  # runs of the split search per instance size
 SEARCH_STEPS = 3  # steps of each (the first is left out of its step time)
 
@@ -147,18 +148,55 @@ def _ideal_split(cfg: JobConfig) -> Split:
 # -- the runs -------------------------------------------------------------------------------
 
 
-def _steady(summary: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
-    """A run's steady numbers: throughput and step time after its first step, and its floor."""
+def _steady(run_dir: Path, summary: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
+    """A run's steady numbers (``steady_window``: its throughput after its first step, busy shares, shifts) and
+    its floor. Its step time is the one its rate implies (a step's samples over it), so that the table's step
+    time and throughput say one thing."""
     rate, ideal = summary["steady_samples_per_s"], summary["sim"]["ideal"]
-    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size  # (the rate is a step's samples over its time)
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     return {
-        "samples_per_s": rate,
+        **steady_window(run_dir),
         "step_seconds": samples / rate if rate > 0 else math.inf,
         "instance_gpus": summary["sim"]["instance_gpus"],
-        "train_backend": summary.get("train_backend"),
         "floor_samples_per_s": ideal["floor_samples_per_s"],
         "floor_seconds": ideal["floor_seconds"],
     }
+
+
+def run_apart(config: str | Path, overrides: Sequence[str], out: Path, timeout: float) -> tuple[float, str | None]:
+    """``pivotrl simulate`` in its own process (a run that hangs or exhausts memory stops there, not here):
+    its wall seconds, and the error that stopped it (the last line it printed, or the timeout), None if it
+    finished."""
+    cmd = [sys.executable, "-m", "pivotrl.cli", "simulate", str(config), *overrides, "--out", str(out), "--quiet"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - t0, f"stopped after {timeout:.0f} s"
+    error = (
+        None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    )
+    return time.perf_counter() - t0, error
+
+
+def simulate_apart(
+    config: str | Path, overrides: Sequence[str], timeout: float, keep: Path | None = None
+) -> dict[str, Any]:
+    """One run in its own process (``run_apart``): its steady numbers (``steady_window``) and wall seconds, or
+    the error that stopped it. ``keep``: where its run directory goes (else it is removed)."""
+    out = Path(tempfile.mkdtemp(prefix="pivotrl-run-"))
+    wall, error = run_apart(config, overrides, out, timeout)
+    row: dict[str, Any] = {"wall_s": wall}
+    if error:
+        row["error"] = error
+    else:
+        row.update(steady_window(out))
+    if keep is not None and not error:
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(out), keep)
+    shutil.rmtree(out, ignore_errors=True)
+    return row
 
 
 class Versus:
@@ -190,7 +228,7 @@ class Versus:
             summary = run_simulation(cfg, run_dir)
         finally:
             quiet.setLevel(level)
-        return {**_steady(summary, cfg), "wall_s": time.perf_counter() - t0}
+        return {**_steady(run_dir, summary, cfg), "wall_s": time.perf_counter() - t0}
 
     def search(self, tp: int, budget: int, steps: int) -> tuple[Split, list[dict[str, Any]]]:
         """The best static split at ``tp`` GPUs an instance, each candidate a run of ``steps`` steps."""

@@ -1,25 +1,18 @@
-"""The layouts benchmark's helpers: the jobs it names and how it picks each mode's rows."""
+"""The engine layouts: the jobs they name and how each mode's rows are picked."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # scripts import their neighbours
-
-import layouts  # noqa: E402
-from paper import EXAMPLE, GROUPS  # noqa: E402
-
-from pivotrl.config import load_config  # noqa: E402
-from pivotrl.control.messages import Role  # noqa: E402
-from pivotrl.sim.run import build  # noqa: E402
+from pivotrl.control.messages import Role
+from pivotrl.sim.engine_layouts import overrides, rows, summarize
+from pivotrl.sim.groups import GROUPS
+from pivotrl.sim.run import build
 
 
 def test_each_layout_is_a_job_the_simulator_builds():
     for layout, elastic, engines in (((4, 2, 4), False, (2, 1)), ((4, 4, 4), False, (1, 1)), ((8, 0, 0), True, (8, 8))):
-        spec = build(load_config(EXAMPLE, layouts.overrides(GROUPS["judge-32b"], 128, layout, elastic))).spec
+        spec = build(GROUPS["judge-32b"].job(overrides(GROUPS["judge-32b"], 128, layout, elastic))).spec
         assert spec.tp == layout[0] and spec.elastic is elastic
         # elastic: the smallest engines that hold each model with its longest sequence (both on 1 GPU)
         assert (spec.engines(Role.ROLLOUT), spec.engines(Role.GENRM)) == engines
@@ -36,7 +29,7 @@ def test_summary_compares_each_modes_best_layout_with_its_best_single_engine():
                           {"layout": "TP4 r4 j2", "elastic": False, "error": "failed"}],
         "shiftable": [run("TP4 r4 j4", 100.0), run("TP4 r2 j4", 95.0), run("TP8 elastic", 99.0, True)],
     }  # fmt: skip
-    s = layouts.summarize(runs)
+    s = summarize(runs)
     colocated = {"one_engine": 80.0, "one_engine_layout": "TP4 r4 j4", "best": 82.0, "best_layout": "TP4 r4 j2",
                  "elastic": 90.0, "elastic_layout": "TP8 elastic"}  # fmt: skip
     assert s["modes"]["colocated"] == colocated
@@ -46,6 +39,6 @@ def test_summary_compares_each_modes_best_layout_with_its_best_single_engine():
     # the elastic ratio takes each mode's better of its bound and its best layout
     assert s["elastic_speedup_vs_colocated"] == pytest.approx(100 / 90)
     assert s["elastic_speedup_vs_disaggregated"] == pytest.approx(100 / 60)
-    table = layouts.rows({"name": "g", **s})
+    table = rows({"name": "g", **s})
     assert table[0] == ["g", "colocated", "80.0", "TP4 r4 j2", "82.0", "+2.5%", "90.0", "+12.5%"]
     assert table[1][-2:] == ["-", "-"]

@@ -1,0 +1,121 @@
+"""The GPU checks: every section of ``pivotrl.gpucheck`` on one CUDA GPU at its full size, its findings asserted.
+
+Marked ``gpu`` and run by ``make gpu-check`` (``pytest -m gpu tests/gpu``), in the order a maintainer reads
+them; skipped without CUDA, and a section whose packages this interpreter lacks (Ray, vLLM, orjson) is skipped
+with the reason. The timings of the same sections are ``benchmarks/gpu_check.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
+from pivotrl.gpucheck.sections import cannot_run
+from pivotrl.gpucheck.train import fsdp_check, job, zero_check
+from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (make gpu-check on a GPU machine)"),
+]
+DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def fp32_matmuls() -> Iterator[None]:
+    """An fp32 comparison means fp32 matmuls (no TF32); each section's cached device memory goes back after it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+    torch.cuda.empty_cache()
+
+
+def needs(section: str) -> None:
+    """Skip, saying why, where this interpreter lacks a package the section needs."""
+    reason = cannot_run(section)
+    if reason:
+        pytest.skip(reason)
+
+
+def test_parity_with_transformers_in_fp32_and_bf16() -> None:
+    """Logits of our decoder against transformers on one random checkpoint: within 1e-3 in fp32; in bf16 our
+    error against the fp32 reference at most 1.5x transformers' own; the KV-cached path beside the full forward."""
+    needs("parity")
+    r = parity(DEVICE)
+    assert r["float32"]["pass"], r["float32"]
+    assert r["float32"]["max_abs_vs_transformers"] <= 1e-3 and r["float32"]["cached_vs_full_max_abs"] <= 1e-3
+    assert r["bfloat16"]["pass"], r["bfloat16"]
+    assert r["bfloat16"]["ours_mean_abs_err"] <= 1.5 * r["bfloat16"]["transformers_mean_abs_err"] + 1e-4
+    assert r["pass"]
+
+
+def test_a_gps_version_loads_exactly_into_fp32_and_bf16_copies() -> None:
+    needs("gps_load")
+    r = gps_load(DEVICE)
+    assert r["float32"]["correct"] and r["bfloat16"]["correct"], r
+    assert r["pass"]
+
+
+def test_a_gps_version_loads_exactly_from_rays_object_store() -> None:
+    needs("gps_load_ray")
+    r = gps_load_ray(DEVICE)
+    assert r["float32"]["correct"] and r["bfloat16"]["correct"], r
+    assert r["pass"]
+
+
+def test_a_device_shifts_through_every_role_pair_of_a_step() -> None:
+    needs("shifts")
+    r = shifts(DEVICE)
+    pairs = r["pairs"]
+    expected = {"none->rollout", "rollout->genrm", "genrm->train", "train->rollout", "rollout->rollout"}
+    assert expected | {"rollout->train", "train->genrm", "genrm->rollout"} == set(pairs)
+    assert all(p["median_s"] > 0 for p in pairs.values()), pairs
+    assert r["rollout_dtype"] == "bfloat16" and all(p["held_gb_after"] is not None for p in pairs.values())
+
+
+def test_the_engine_generates_every_token_asked_for_beside_transformers() -> None:
+    """(The section itself asserts that each generator wrote each request's own number of tokens.)"""
+    needs("engine")
+    r = engine_throughput(DEVICE)
+    assert r["pivotrl"]["tokens_computed"] == r["tokens"] > 0
+    assert r["transformers"]["tokens_computed"] >= r["tokens"]  # static batches run to their longest request
+    assert 0 <= r["greedy_agreement"] <= 1
+
+
+def test_the_fsdp_trainer_updates_as_the_plain_one_and_shards_its_kl_reference() -> None:
+    needs("fsdp")
+    r = fsdp_check(DEVICE)
+    assert r["fp32_max_abs_vs_plain"] < 1e-5, r
+    assert r["ref_root_sharded"], r
+    assert r["pass"]
+
+
+def test_the_zero_trainer_updates_as_the_plain_one() -> None:
+    needs("zero")
+    r = zero_check(DEVICE)
+    assert r["fp32_max_abs_vs_plain"] < 1e-5, r
+    assert r["pass"]
+
+
+def test_the_vllm_backend_swaps_sleeps_wakes_and_builds_inside_a_train_group() -> None:
+    """Greedy output after a wake equals the same requests before the sleep; a wake beside another engine asleep
+    maps back its own memory only; an engine built while a train group holds the process's world leaves it
+    intact. (The section asserts that vLLM wrote each request's own number of tokens.)"""
+    needs("vllm")
+    r = vllm_backend(DEVICE)
+    assert r["after_wake_equal"], r
+    assert r["wake_own_only"], r
+    assert r["build_in_train_group"], r
+    assert r["pass"]
+
+
+def test_a_job_runs_every_step_with_its_devices_sharing_the_gpu(tmp_path) -> None:
+    """``pivotrl train`` in a subprocess: four device actors on the GPU (without Ray, one device in process)."""
+    needs("job")
+    r = job(DEVICE, tmp_path)
+    assert r["pass"], r.get("stderr_tail")
+    assert r["returncode"] == 0 and r["steps"] == 10

