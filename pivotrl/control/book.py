@@ -175,6 +175,12 @@ class StepBook:
             tuple(adv[i] for i in idx),
         )
 
+    def migrated(self, uids: list[int]) -> None:
+        """Sequences of samples ``uids`` moved to another device (generating or being judged)."""
+        for uid in uids:
+            self.by_uid[uid].migrations += 1
+        self.record.migrations += len(uids)
+
     def backward_lost(self, held: list[int], in_flight: int) -> None:
         """Gradients of samples ``held`` are gone (their device was lost; ``in_flight`` of them were in a backward
         not yet reported done): they go through backward again, first."""

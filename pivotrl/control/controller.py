@@ -45,7 +45,6 @@ from pivotrl.control.messages import (
     DeviceLost,
     Event,
     Generated,
-    GenRequest,
     Judged,
     Progress,
     Role,
@@ -53,7 +52,7 @@ from pivotrl.control.messages import (
     StepFailed,
     Trained,
 )
-from pivotrl.control.metrics import step_metrics
+from pivotrl.control.metrics import StepReports, step_metrics
 from pivotrl.control.modes import AllocationPolicy, Demand
 from pivotrl.control.profiles import Workload
 from pivotrl.control.recovery import Recovery
@@ -91,7 +90,7 @@ class Controller:
         self.recovery = Recovery(spec.sharded_train)
         self.version = 0
         self.book: StepBook | None = None  # the running step's (None once the last is trained)
-        self.pending_metrics: dict[int, dict[str, Any]] = {}  # finished steps waiting for their evaluation
+        self.reports = StepReports(spec.steps)
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
         self.finished_steps: list[StepRecord] = []  # finished steps' records, for the run's samples.jsonl; drained
         self.shift_log: list[ShiftDone] = []
@@ -203,16 +202,7 @@ class Controller:
 
     def _maybe_close(self) -> None:
         """Emit finished steps' metrics in order, each once its evaluation (if due) is in; end after the last."""
-        while self.pending_metrics:
-            step = min(self.pending_metrics)
-            if step in self.evaluation.running:
-                return
-            m = self.pending_metrics.pop(step)
-            if step in self.accuracy:
-                m["heldout_accuracy"] = self.accuracy[step]
-            self.metrics.append(m)
-            if step == self.spec.steps:
-                self.done = True
+        self.done |= self.reports.emit(self.metrics, self.evaluation.running, self.accuracy)
 
     # -- checkpoints ----------------------------------------------------------------
     def checkpoint(self) -> dict[str, Any]:
@@ -230,7 +220,7 @@ class Controller:
             "step": self.checkpoint_due,
             "version": self.version,
             "evaluating": sorted(self.evaluation.running),
-            "pending_metrics": {str(k): v for k, v in self.pending_metrics.items()},
+            "pending_metrics": {str(k): v for k, v in self.reports.pending.items()},
             "accuracy": {str(k): v for k, v in self.accuracy.items()},
             "measured": dict(self.stats.means),
             "judgments": self.stats.judgments,
@@ -243,7 +233,7 @@ class Controller:
             raise ValueError(f"the checkpoint is of step {step}, the last of {self.spec.steps}: nothing to resume")
         self.first_step, self.version = step + 1, version
         self._resume_evals = [int(k) for k in state["evaluating"]]
-        self.pending_metrics = {int(k): v for k, v in state["pending_metrics"].items()}
+        self.reports.pending = {int(k): v for k, v in state["pending_metrics"].items()}
         self.evaluation.accuracy = {int(k): float(v) for k, v in state["accuracy"].items()}
         self.stats.restore(state["measured"], state["judgments"])
         if state.get("planner") is not None and hasattr(self.policy, "restore"):
@@ -302,7 +292,7 @@ class Controller:
         rec.train_stats = e.stats
         self.stats.step_trained(rec.samples, rec.judge_prefill_tokens)
         rec.finished = self.clock()
-        self.pending_metrics[rec.step] = step_metrics(rec, self.top_reward)
+        self.reports.add(rec.step, step_metrics(rec, self.top_reward))
         self.finished_steps.append(rec)
         done_step = rec.step
         if self.evaluation.due(done_step):
@@ -340,11 +330,8 @@ class Controller:
             self.scheduler.finished(e.device, r.uid)
         for r in e.judge:  # a judgment moved reads its prompt again where it goes
             self.stats.ended(r.uid)
-        moved = [r for r in (*e.gen, *e.judge) if not is_eval(r.uid)]  # every sequence moved, either role
-        if self.book is not None:
-            for r in moved:
-                self.book.by_uid[r.uid].migrations += 1
-            self.book.record.migrations += len(moved)
+        if self.book is not None:  # every sequence moved, either role
+            self.book.migrated([r.uid for r in (*e.gen, *e.judge) if not is_eval(r.uid)])
         self.scheduler.submit_gen(list(e.gen), front=True)
         self.scheduler.submit_judge(list(e.judge), front=True)
 
@@ -354,26 +341,17 @@ class Controller:
         book, view = self.book, self.fleet[e.device]
         self.recovery.check(view, book.step if book is not None else self.spec.steps, e.reason)
         self.fleet.lose(e.device)
-        running = self.scheduler.running(e.device)
-        for uid in running:
+        for uid in self.scheduler.running(e.device):
             self.stats.ended(uid)
-        work = self.recovery.lost(view, running, self._gen_request, self._judge_request, self.clock(), e.reason)
-        self.scheduler.forget(e.device)
-        self.scheduler.submit_gen(work.gen, front=True)
-        self.scheduler.submit_judge(work.judge, front=True)
+        gen = lambda uid: self.evaluation.request(uid) if is_eval(uid) else book.gen_request(uid)  # noqa: E731
+        work = self.recovery.lost(
+            view, self.scheduler, gen, lambda uid: book.judge_request(uid), self.clock(), e.reason
+        )
         if book is not None:
             if work.held:  # its gradients are gone: those samples go through backward again
                 book.backward_lost(work.held, work.in_backward)
-            book.record.recovered += len(work.gen) + len(work.judge) + len(work.held)
+            book.record.recovered += len(work)
         self.requests.changed()
-
-    def _gen_request(self, uid: int) -> GenRequest:
-        assert is_eval(uid) or self.book is not None
-        return self.evaluation.request(uid) if is_eval(uid) else self.book.gen_request(uid)
-
-    def _judge_request(self, uid: int) -> Any:
-        assert self.book is not None
-        return self.book.judge_request(uid)
 
     def _on_step_failed(self, e: StepFailed) -> None:
         """The update did not happen: every sample of the step goes through backward again, on train devices

@@ -1,8 +1,9 @@
-"""A finished step's metrics row (what metrics.jsonl holds), from its record alone."""
+"""A finished step's metrics row (what metrics.jsonl holds), from its record alone, and the rows going out in order."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Container
 from typing import Any
 
 from pivotrl.control.book import StepRecord
@@ -66,3 +67,29 @@ def phase_times(rec: StepRecord) -> dict[str, float]:
         "train": end - (rec.train_start or end),
         "step": end - rec.started,
     }
+
+
+class StepReports:
+    """Finished steps' metrics waiting for their evaluation (``pending``: step -> row): a step's row goes out once
+    every step before it has gone out and its evaluation, if one is due, is in (with its held-out accuracy)."""
+
+    def __init__(self, last_step: int) -> None:
+        self.last_step = last_step
+        self.pending: dict[int, dict[str, Any]] = {}
+
+    def add(self, step: int, row: dict[str, Any]) -> None:
+        self.pending[step] = row
+
+    def emit(self, out: list[dict[str, Any]], evaluating: Container[int], accuracy: dict[int, float]) -> bool:
+        """Append to ``out`` the rows that may go out, in step order; True when the last step's went out."""
+        last = False
+        while self.pending:
+            step = min(self.pending)
+            if step in evaluating:  # its evaluation is still running
+                break
+            row = self.pending.pop(step)
+            if step in accuracy:
+                row["heldout_accuracy"] = accuracy[step]
+            out.append(row)
+            last |= step == self.last_step
+        return last

@@ -5,11 +5,12 @@ job resumes from its newest checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pivotrl.control.fleet import STEPPING, DeviceView
 from pivotrl.control.messages import GenRequest, JudgeRequest, Role
+from pivotrl.control.scheduler import Scheduler
 from pivotrl.control.spec import DeviceLostError
 
 
@@ -46,21 +47,25 @@ class Recovery:
     def lost(
         self,
         d: DeviceView,
-        running: Iterable[int],
+        scheduler: Scheduler,
         gen_request: Callable[[int], GenRequest],
         judge_request: Callable[[int], JudgeRequest],
         now: float,
         reason: str,
     ) -> LostWork:
-        """The work of lost device ``d`` (its view as it was) to begin again: ``running``, the uids in flight on it,
-        as requests from the start of its role; the samples of its gradients, unless the optimizer step that
-        consumed them was under way (it is done again, or was done: ``StepFailed`` or ``Trained`` tells)."""
+        """The work of lost device ``d`` (its view as it was): the requests in flight on it go back to the front of
+        their queue, from the start of its role; returned with the samples of its gradients, to go through
+        backward again, unless the optimizer step that consumed them was under way (it is done again, or was
+        done: ``StepFailed`` or ``Trained`` tells)."""
         work = LostWork()
-        for uid in sorted(running):
+        for uid in sorted(scheduler.running(d.id)):
             if d.role is Role.GENRM:
                 work.judge.append(judge_request(uid))
             else:
                 work.gen.append(gen_request(uid))
+        scheduler.forget(d.id)
+        scheduler.submit_gen(work.gen, front=True)
+        scheduler.submit_judge(work.judge, front=True)
         if d.state is not STEPPING:
             work.held, work.in_backward = d.held, d.in_backward
         self.log.append((now, d.id, reason))
