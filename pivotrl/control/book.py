@@ -92,7 +92,10 @@ class StepBook:
         return range(p * self.group_size, (p + 1) * self.group_size)
 
     def reads(self, uid: int) -> int:
-        """Tokens a sample's judgment (and its backward) reads: its prompt and its response."""
+        """Tokens a sample's judgment (and its backward) reads: its prompt and its response, fixed once it is
+        generated. This is the work of judging it: where a decode step is bound by reading KV caches (a GPU's
+        large batches), a judgment costs about its context at every step of its verdict and holds that much of
+        the paged cache."""
         s = self.by_uid[uid]
         return len(s.prompt_ids) + len(s.response_ids)
 

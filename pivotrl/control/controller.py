@@ -17,14 +17,15 @@ and return the commands the state allows (``pump``): shifts and aborts towards
 the allocation policy's targets, queued requests to the devices holding their
 role, backward and the optimizer step. The parts know nothing of the loop:
 
-    StepBook       one step's samples, groups, advantages, backward queue   book.py
-    Fleet          device views and roles; targets -> shifts and aborts      fleet.py
-    Scheduler      request queues, their spread over devices, migration      scheduler.py
+    StepBook         one step's samples, groups, advantages, backward queue   book.py
+    Fleet            device views and roles; targets -> shifts and aborts      fleet.py
+    Scheduler        request queues, their spread over devices, migration      scheduler.py
     RequestDispatch  queued requests to ready devices, the rollout rebalanced  dispatch.py
-    TrainDispatch  backward of judged groups, the optimizer step             training.py
-    Evaluation     held-out evaluation of a step's weights                   evaluation.py
-    LiveStats      running means and what running sequences have written    live.py
-    Recovery       lost devices: their work begins again                     recovery.py
+    TrainDispatch    backward of judged groups, the optimizer step             training.py
+    Evaluation       held-out evaluation of a step's weights                   evaluation.py
+    LiveStats        running means, what running sequences have written        live.py
+    Recovery         lost devices: their work begins again                     recovery.py
+    StepReports      finished steps' metrics, in order                         metrics.py
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ __all__ = ["Controller", "DeviceLostError", "LoopSpec", "StepRecord", "sequence_
 
 
 class Controller:
+    """The step loop over its parts. What drivers read: ``done``, ``metrics`` (finished steps' rows, in order),
+    ``accuracy``, ``finished_steps`` (their records, drained by the driver), ``version``, ``checkpoint_due`` and
+    ``checkpoint()``, ``first_step``, ``shift_log``, ``lost_log``; ``demand()`` and ``workload()`` for planning."""
+
     def __init__(
         self,
         spec: LoopSpec,
@@ -80,9 +85,8 @@ class Controller:
     ) -> None:
         self.spec, self.policy, self.genrm, self.train_set, self.clock = spec, policy, genrm, train_set, clock
         self.fleet = Fleet(policy.devices)
-        self.scheduler = Scheduler(
-            spec.per_device, spec.judge_per_device or None, self._judge_weight, spec.judge_kv or None
-        )
+        weight = lambda uid: float(self.book.reads(uid))  # noqa: E731  (the work of a judgment: StepBook.reads)
+        self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None, weight, spec.judge_kv or None)
         self.evaluation = Evaluation(heldout, spec.eval_params, spec.eval_every, spec.steps, spec.prompt, spec.check)
         self.stats = LiveStats(spec.judge.max_new_tokens, spec.rollout.max_new_tokens)
         self.requests = RequestDispatch(spec.rebalance)
@@ -183,14 +187,6 @@ class Controller:
         """Train devices the optimizer step waits for (``train_needed``)."""
         policy = self.policy
         return train_needed(self.fleet, policy.wants_view, policy.train_devices, self.spec.min_train_devices)
-
-    def _judge_weight(self, uid: int) -> float:
-        """The work of judging a sample: the tokens its judgment reads (the prompt and the response),
-        fixed once it is generated. Where a decode step is bound by reading KV caches (a GPU's large
-        batches), a judgment costs about its context at every step of its verdict and holds that much
-        of the paged cache."""
-        assert self.book is not None
-        return float(self.book.reads(uid))
 
     # -- steps and their close ------------------------------------------------------
     def _begin_step(self, step: int) -> None:
