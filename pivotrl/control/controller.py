@@ -143,7 +143,7 @@ class Controller:
         return self.pump()
 
     def _apply(self, event: Event) -> None:
-        kind = type(event)  # (a table, not a chain of isinstance: progress reports are half of a run's events)
+        kind = type(event)  # (a table, not a chain of isinstance: this runs for every event)
         handler = self._handlers.get(kind)
         if handler is None:
             raise TypeError(f"unknown event {event!r}")
