@@ -18,15 +18,8 @@ from dataclasses import replace
 
 import pytest
 
-from pivotrl.control.controller import (
-    EVAL_STRIDE,
-    EVAL_UID,
-    UPDATE_ATTEMPTS,
-    Controller,
-    DeviceLostError,
-    LoopSpec,
-    quantiles,
-)
+from pivotrl.control.controller import Controller
+from pivotrl.control.evaluation import EVAL_STRIDE, EVAL_UID
 from pivotrl.control.messages import (
     Abort,
     Aborted,
@@ -54,6 +47,8 @@ from pivotrl.control.messages import (
 )
 from pivotrl.control.modes import Colocated, Disaggregated
 from pivotrl.control.shiftable import Shiftable
+from pivotrl.control.spec import DeviceLostError, LoopSpec
+from pivotrl.control.training import UPDATE_ATTEMPTS, train_needed
 from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Problem, Status
 from pivotrl.task.rules import exact_match
@@ -151,7 +146,7 @@ class FakeCluster:
         elif isinstance(cmd, Accumulate):
             d = cmd.device
             assert (self.role[d], self.version[d]) == (T, cmd.version), f"backward on device {d}"
-            by_uid = {s.uid: s for s in self.ctl.step.samples}
+            by_uid = {s.uid: s for s in self.ctl.book.samples}
             uids = [resp[0] for resp in cmd.shard.response_ids]
             assert all(by_uid[u].status is Status.JUDGED for u in uids), "a backward before its group's rewards"
             self.accumulates.append(cmd)
@@ -162,7 +157,7 @@ class FakeCluster:
                 assert not self.work[d]
                 self.version[d] = cmd.version + 1
             assert not any(self.work[d] for d in range(len(self.role)) if self.role[d] is G), "judging still runs"
-            samples = self.ctl.step.samples
+            samples = self.ctl.book.samples
             assert all(s.status is Status.JUDGED for s in samples), "an update before every reward is in"
             self.trains.append((cmd, {s.uid: s.reward for s in samples}, self.accumulates))
             self.accumulates = []
@@ -412,8 +407,8 @@ def test_the_plan_sees_a_shifting_device_in_the_role_it_is_heading_to():
     ctl = controller(Steered())  # rollout: 0, 1; genrm: 2; train: 3
     shifts = [c for c in ctl.start() if isinstance(c, Shift)]
     assert [s.role for s in shifts] == [R, R, G, T]
-    view = ctl._plan_view()
-    assert view.roles == (R, R, G, T) and view.pinned == frozenset(range(4))
+    roles, pinned = ctl.fleet.layout()
+    assert roles == (R, R, G, T) and pinned == frozenset(range(4))
 
 
 def test_a_judged_backlog_goes_out_in_shares():
@@ -449,21 +444,22 @@ def test_a_backlog_is_shared_by_tokens_not_by_groups():
     groups would leave one device with the longest backward while the others wait."""
     ctl = controller(Disaggregated(4, {R: 1, G: 1, T: 2}), prompts_per_step=4, group_size=4)
     cluster, _ = in_roles(ctl)
-    step = ctl.step
+    step = ctl.book
     lengths = [40, 40, 40, 40] + [1] * 12  # group 0 long, groups 1-3 short
     for i, (s, n) in enumerate(zip(step.samples, lengths, strict=True)):
         s.prompt_ids, s.reward = [1] * 8, float(i % 2)
         s.response_ids = [i] + [7] * (n - 1)  # the first token names the sample
     for p in range(4):
-        ctl._queue_group(p)
-    backwards = [c for c in ctl._dispatch_train() if isinstance(c, Accumulate)]
+        step.queue_group(p)
+    dispatched = ctl.train.dispatch(step, ctl.fleet, ctl.version, ctl.policy.train_devices, lambda: 1)
+    backwards = [c for c in dispatched if isinstance(c, Accumulate)]
     assert [b.device for b in backwards] == [2, 3]
     took = [[resp[0] for resp in b.shard.response_ids] for b in backwards]
     tokens = [sum(len(p) + len(r) for p, r in zip(b.shard.prompt_ids, b.shard.response_ids, strict=True))
               for b in backwards]  # fmt: skip
     # at most every device's share of the step (4 samples' mean tokens, 75) each: the long group split
     assert took == [[0, 1], [2, 3]] and tokens == [96, 96]
-    assert sorted([*took[0], *took[1], *ctl.train_queue]) == list(range(16))  # the rest waits, nothing lost
+    assert sorted([*took[0], *took[1], *step.queue]) == list(range(16))  # the rest waits, nothing lost
     for b, mine in zip(backwards, took, strict=True):
         assert list(b.shard.advantages) == pytest.approx([1.0 if u % 2 else -1.0 for u in mine], abs=1e-4)
 
@@ -485,25 +481,25 @@ def test_a_group_generated_whole_is_judged_first():
     assert sent == [0]  # one judgment in flight, the rest queued
     assert [r.uid for r in ctl.scheduler.judge_queue] == [2, 3, 4, 6]
     # the plan sees which judgments run where: those finish on their device
-    w, zero = ctl.workload(), ctl.by_uid[0]
+    w, zero = ctl.workload(), ctl.book.by_uid[0]
     assert (w.judge_queued, w.judge_running, w.judge_holders) == (5, 1, 1)
     assert w.judge_read_running == len(zero.prompt_ids) + len(zero.response_ids) > 0
-    assert w.judge_read_tokens == sum(len(ctl.by_uid[u].prompt_ids) + len(ctl.by_uid[u].response_ids)
+    assert w.judge_read_tokens == sum(len(ctl.book.by_uid[u].prompt_ids) + len(ctl.book.by_uid[u].response_ids)
                                       for u in (0, 2, 3, 4, 6))  # fmt: skip
     # once its device reports it writing, the judgment has read its prompt there: only its verdict is left
     ctl.handle(Progress(1, Role.GENRM, 0.5, 3, 1, ((0, 3),), prefill_tokens=10, prefill_seconds=0.1))
     w = ctl.workload()
-    assert (w.judge_read_running, w.judge_left_running) == (0, ctl.measured["judge_tokens"] - 3)
+    assert (w.judge_read_running, w.judge_left_running) == (0, ctl.stats.means["judge_tokens"] - 3)
     assert w.judge_written == [3]  # (how long the running judgment may still run depends on what it wrote)
-    assert w.judge_read_tokens == sum(len(ctl.by_uid[u].prompt_ids) + len(ctl.by_uid[u].response_ids)
+    assert w.judge_read_tokens == sum(len(ctl.book.by_uid[u].prompt_ids) + len(ctl.book.by_uid[u].response_ids)
                                       for u in (2, 3, 4, 6))  # fmt: skip
     for c in ctl.handle(Judged(1, (JudgeResult(0, "VERDICT: yes", False, 5),))):
         if isinstance(c, Judge):
             sent += [r.uid for r in c.requests]
     assert sent == [0, 2]
-    assert 0 not in ctl.tokens_so_far  # a judged sample's progress is gone with it
-    assert ctl.workload().judge_left_running == ctl.measured["judge_tokens"]  # judgment 2 has not started
-    assert ctl.by_uid[0].judge_tokens == 5  # the judgment's length stays with its sample (samples.jsonl)
+    assert 0 not in ctl.stats.so_far  # a judged sample's progress is gone with it
+    assert ctl.workload().judge_left_running == ctl.stats.means["judge_tokens"]  # judgment 2 has not started
+    assert ctl.book.by_uid[0].judge_tokens == 5  # the judgment's length stays with its sample (samples.jsonl)
 
 
 def test_a_response_still_generating_trains_at_what_it_has_written_so_far():
@@ -512,7 +508,7 @@ def test_a_response_still_generating_trains_at_what_it_has_written_so_far():
     that the longest responses of a step, which end last, far exceed."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}), per_device=16)
     in_roles(ctl)
-    prompt = ctl.measured["prompt_tokens"]
+    prompt = ctl.stats.means["prompt_tokens"]
     before = ctl.workload()
     assert before.train_tokens_per_group == pytest.approx(prompt * GROUP)  # nothing written yet
     ctl.handle(Progress(0, R, 0.5, 100, 1, ((0, 100),)))  # sample 0 (group 0) has written 100 tokens
@@ -535,7 +531,7 @@ def test_judgment_lengths_are_averaged_over_whole_steps():
     running mean over judgments as they end reads the step's last ones. After a step the planner's
     judgment length is that step's mean; before, the mean of those seen."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
-    means = after_each_step(ReasoningJudge(ctl), lambda: ctl.measured["judge_tokens"])[1:]
+    means = after_each_step(ReasoningJudge(ctl), lambda: ctl.stats.means["judge_tokens"])[1:]
     assert means == [pytest.approx(50.0)] * len(means) and len(means) == ctl.spec.steps
 
 
@@ -544,9 +540,9 @@ def test_what_a_running_judgment_has_left_follows_the_last_steps_lengths():
     ones is one of the long ones, with their rest to come, not the mean's. (Judgments of 5 and 95
     tokens: one that wrote 10 has 85 left; one that wrote 2, 50 - 2 on average.)"""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
-    assert ctl._verdict_left(2) == ctl.measured["judge_tokens"] - 2  # no step yet: the prior mean
+    assert ctl.stats.verdict_left(2) == ctl.stats.means["judge_tokens"] - 2  # no step yet: the prior mean
     after_each_step(ReasoningJudge(ctl), lambda: None)
-    assert [ctl._verdict_left(n) for n in (0, 2, 10, 94, 95, 500)] == pytest.approx([50, 48, 85, 1, 1, 1])
+    assert [ctl.stats.verdict_left(n) for n in (0, 2, 10, 94, 95, 500)] == pytest.approx([50, 48, 85, 1, 1, 1])
 
 
 def after_each_step(cluster: FakeCluster, measure: Callable[[], object]) -> list[object]:
@@ -571,8 +567,8 @@ class RereadingJudge(FakeCluster):
 
     def next_events(self) -> list[Event]:
         out = super().next_events()
-        by_uid = self.ctl.by_uid
         for e in [e for e in out if isinstance(e, Judged)]:
+            by_uid = self.ctl.book.by_uid  # (judgments come in while a step runs)
             read = sum(len(by_uid[r.uid].prompt_ids) + len(by_uid[r.uid].response_ids) for r in e.results)
             out.insert(out.index(e), Progress(e.device, G, 0.1, 5, len(e.results), prefill_tokens=3 * read))
         return out
@@ -601,7 +597,7 @@ def test_progress_is_forgotten_once_a_sequence_ends():
     cluster = ReportingRollout(ctl, per_tick=3)
     after_each_step(cluster, lambda: None)
     assert any(uid >= EVAL_UID for uid in cluster.reported) and ctl.accuracy  # held-out answers reported too
-    assert ctl.tokens_so_far == {}
+    assert ctl.stats.so_far == {}
 
 
 def test_what_the_judge_reads_again_is_measured_per_step():
@@ -616,10 +612,10 @@ def test_a_judgment_weighs_the_context_it_reads():
     """On a GPU a judgment's decode steps cost about its context: a long response's judgment weighs more."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}))
     in_roles(ctl)
-    short, long = ctl.step.samples[:2]
+    short, long = ctl.book.samples[:2]
     short.prompt_ids, short.response_ids = [1] * 8, [2] * 2
     long.prompt_ids, long.response_ids = [1] * 8, [2] * 80
-    assert ctl._judge_weight(short.uid) == 8 + 2 and ctl._judge_weight(long.uid) == 8 + 80
+    assert ctl.scheduler.judge_weight(short.uid) == 8 + 2 and ctl.scheduler.judge_weight(long.uid) == 8 + 80
 
 
 @pytest.mark.parametrize("rebalance", [True, False])
@@ -638,7 +634,7 @@ def test_requests_in_flight_are_rebalanced_once_the_queue_is_empty(rebalance):
     held = {d: [r.uid for r in cluster.work[d]] for d in (0, 1)}
     n = len(held[0])  # the step's samples and the held-out evaluation, half each
     assert n > 2 and len(held[1]) == n and not ctl.scheduler.gen_queue
-    ctl.tokens_so_far.update({u: 100 - u for u in held[0]})  # the last sent have made the most progress
+    ctl.stats.so_far.update({u: 100 - u for u in held[0]})  # the last sent have made the most progress
     done = Generated(1, tuple(cluster.work[1]))
     cluster.work[1].clear()
     aborts = [c for c in ctl.handle(done) if isinstance(c, Abort)]
@@ -728,16 +724,9 @@ def test_how_long_groups_wait_for_the_judge_is_measured():
     ctl.handle(Judged(1, (JudgeResult(2, "VERDICT: yes", False, 5), JudgeResult(3, "VERDICT: no", False, 5))))
     now[0] = 20.0
     ctl.handle(Generated(0, tuple(work[u] for u in range(SAMPLES) if u not in (2, 3))))  # the rollout ends
-    rec = ctl.step
+    rec = ctl.book.record
     assert rec.group_waits == [3.0] and rec.groups_judged_at_rollout_end == 1
     assert rec.group_whole_at == {1: 10.0, 0: 20.0, 2: 20.0, 3: 20.0}
-
-
-def test_quantiles_of_the_waits():
-    assert quantiles([]) == {"median": 0.0, "p90": 0.0, "max": 0.0}
-    assert quantiles([4.0]) == {"median": 4.0, "p90": 4.0, "max": 4.0}
-    assert quantiles([3.0, 1.0, 2.0]) == pytest.approx({"median": 2.0, "p90": 2.8, "max": 3.0})
-    assert quantiles([float(x) for x in range(11)]) == pytest.approx({"median": 5.0, "p90": 9.0, "max": 10.0})
 
 
 def run_until_trained(ctl: Controller) -> FakeCluster:
@@ -759,21 +748,21 @@ def test_only_a_device_holding_its_shard_of_a_sharded_train_state_stops_the_atte
     its shard to the GPS, and one that joined the role after the step holds none: losing those costs nothing."""
     ctl = controller(Disaggregated(3, {R: 1, G: 1, T: 1}), sharded_train=True)
     run_until_trained(ctl)
-    assert [d.shard for d in ctl.devices] == [False, False, True]  # the train device stays in its role
+    assert [d.shard for d in ctl.fleet.devices] == [False, False, True]  # the train device stays in its role
     ctl.handle(DeviceLost(0, "its process died"))  # a rollout device: its sequences start again elsewhere
     with pytest.raises(DeviceLostError, match="device 2 \\(train\\) was lost holding its shard"):
         ctl.handle(DeviceLost(2, "its process died"))
 
     ctl = controller(Colocated(2), sharded_train=True)
     cluster = run_until_trained(ctl)
-    assert all(d.shard for d in ctl.devices)
+    assert all(d.shard for d in ctl.fleet.devices)
     for e in cluster.next_events():  # every device shifts to the rollout for the next step, its shard to the GPS
         ctl.handle(e)
-    assert not any(d.shard for d in ctl.devices)
+    assert not any(d.shard for d in ctl.fleet.devices)
     ctl.handle(ShiftDone(1, T, 1, 0.5, 1000))  # back in the train role before the next update: no shard yet
-    assert ctl.devices[1].role is T and not ctl.devices[1].shard
+    assert ctl.fleet.devices[1].role is T and not ctl.fleet.devices[1].shard
     ctl.handle(DeviceLost(1, "its process died"))
-    assert ctl.devices[1].lost
+    assert ctl.fleet.devices[1].lost
 
 
 def test_a_lockstep_trainer_leaves_every_group_to_the_step():
@@ -783,14 +772,14 @@ def test_a_lockstep_trainer_leaves_every_group_to_the_step():
     for lockstep in (False, True):
         ctl = controller(Colocated(2), lockstep_train=lockstep)
         run_until(ctl, Step)
-        groups, w, samples = ctl.spec.prompts_per_step, ctl.workload(), ctl.step.samples
+        groups, w, samples = ctl.spec.prompts_per_step, ctl.workload(), ctl.book.samples
         assert w.train_groups_left == (groups if lockstep else 0)
         if lockstep:  # (the buffered groups at their real tokens, not at a mean of what is not yet buffered)
             real = sum(len(x.prompt_ids) + len(x.response_ids) for x in samples) / len(samples) * GROUP
             assert w.train_tokens_per_group == pytest.approx(real)
-    before = ctl.measured["step_seconds"]
+    before = ctl.stats.means["step_seconds"]
     ctl.handle(Trained((0, 1), 1, {"loss": 0.0}, 5.0, 400, 4.5))
-    assert ctl.measured["step_seconds"] == pytest.approx(before + 0.2 * (0.5 - before))
+    assert ctl.stats.means["step_seconds"] == pytest.approx(before + 0.2 * (0.5 - before))
 
 
 class SteeredTrain(Steered):
@@ -809,7 +798,7 @@ def test_the_optimizer_step_waits_for_the_train_devices_it_needs():
     ctl = controller(policy, min_train_devices=2)
     cluster = FakeCluster(ctl)
     commands = ctl.start()
-    while not (ctl.step is not None and ctl.step.accumulated == SAMPLES and not commands and not cluster.ready):
+    while not (ctl.book is not None and ctl.book.record.accumulated == SAMPLES and not commands and not cluster.ready):
         for c in commands:
             cluster.submit(c)
         commands = [c for e in cluster.next_events() for c in ctl.handle(e)]
@@ -828,12 +817,16 @@ def test_a_static_layout_that_lost_a_train_device_steps_on_those_left():
     """Nothing brings a static layout's lost train device back before it rejoins: the step waits for no more
     than the train devices not lost (a planning policy waits for min_train_devices of every device not lost)."""
     ctl = controller(Disaggregated(4, {R: 1, G: 1, T: 2}), min_train_devices=2)
-    assert ctl._train_needed() == 2
-    ctl.devices[3].lost = True
-    assert ctl._train_needed() == 1
+
+    def needed(ctl: Controller) -> int:
+        return train_needed(ctl.fleet, ctl.policy.wants_view, ctl.policy.train_devices, ctl.spec.min_train_devices)
+
+    assert needed(ctl) == 2
+    ctl.fleet.lose(3)
+    assert needed(ctl) == 1
     planned = controller(SteeredTrain(), min_train_devices=3)
-    planned.devices[3].lost = True
-    assert planned._train_needed() == 3
+    planned.fleet.lose(3)
+    assert needed(planned) == 3
 
 
 @pytest.mark.parametrize("needed", [1, 2, 3])

@@ -10,6 +10,16 @@ import pytest
 
 CONTROL_PLANE = [
     "pivotrl.control.controller",
+    "pivotrl.control.book",
+    "pivotrl.control.dispatch",
+    "pivotrl.control.evaluation",
+    "pivotrl.control.fleet",
+    "pivotrl.control.live",
+    "pivotrl.control.metrics",
+    "pivotrl.control.recovery",
+    "pivotrl.control.remaining",
+    "pivotrl.control.spec",
+    "pivotrl.control.training",
     "pivotrl.control.scheduler",
     "pivotrl.control.modes",
     "pivotrl.control.planner",

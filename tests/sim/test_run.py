@@ -324,7 +324,7 @@ def test_the_pump_looking_at_touched_devices_decides_as_one_looking_at_all(tmp_p
 
     class EveryDevice(Sent):
         def pump(self):
-            self._looked = (None, -1)  # as if the targets had changed: every device is looked at
+            self.fleet.look_again()  # as if the targets had changed: every device is looked at
             return super().pump()
 
     seen = {}
