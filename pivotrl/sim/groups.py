@@ -21,6 +21,7 @@ from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.ideal import INSTANCE_SIZES, IdealStep, ideal_for_job, ideals_by_size
 from pivotrl.sim.models import MODELS
 from pivotrl.sim.workload import LengthDist
+from pivotrl.train.traits import TrainerKind
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "examples" / "paper"
@@ -86,7 +87,7 @@ def trainer(policy: str, gpus: int) -> str:
     cfg = load_config(BASE, [f"sim.policy_model={policy}", f"sim.gpus={gpus}", f"devices={gpus}", "train.backend=zero"])
     shape = MODELS[policy].train_config()
     fits = shape is not None and not resolve(cfg, Hardware(CUDA, GPUS[cfg.sim.gpu].hbm_bytes), shape).too_big
-    return "zero" if fits else "fsdp"
+    return (TrainerKind.ZERO if fits else TrainerKind.FSDP).value
 
 
 def ideal(config: str | Path, overrides: list[str]) -> IdealStep:
