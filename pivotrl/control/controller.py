@@ -314,7 +314,7 @@ class Controller:
         # state, its load, its target and the policy version: with the same targets and version as the
         # last pump, only the devices that had an event or a command since can do something else
         # (a thousand devices, thousands of pumps a run, most of them after progress reports)
-        version, preempt, rollout, genrm = self.version, self.policy.preempt, Role.ROLLOUT, Role.GENRM
+        version, preempt, rollout, genrm = self.version, self.policy.preempt, Role.ROLLOUT, Role.JUDGE
         if targets != self._looked[0] or version != self._looked[1]:
             visit: Iterable[int] = range(len(self.devices))
             self._looked = (dict(targets), version)
@@ -358,7 +358,7 @@ class Controller:
         s = self.scheduler
         if s.gen_queue or s.judge_queue:
             wanted = self._wanted
-            for role, queue in ((Role.ROLLOUT, s.gen_queue), (Role.GENRM, s.judge_queue)):
+            for role, queue in ((Role.ROLLOUT, s.gen_queue), (Role.JUDGE, s.judge_queue)):
                 if not queue:
                     continue
                 ready = sorted(self._ready[role])
@@ -393,7 +393,7 @@ class Controller:
         s = self.scheduler
         loads = s.loads(len(self.devices))
         gen = len(s.gen_queue) + self._role_load(Role.ROLLOUT, loads)
-        judge = len(s.judge_queue) + self._role_load(Role.GENRM, loads)
+        judge = len(s.judge_queue) + self._role_load(Role.JUDGE, loads)
         view = self._plan_view() if self.policy.wants_view else None
         return Demand(gen, judge, self.train_ready, self.training, loads, view)
 
@@ -431,7 +431,7 @@ class Controller:
         rollout = sorted(self._holders[Role.ROLLOUT])  # (in device order, as a pass over the devices gives)
         running = [uid for d in rollout for uid in s.running(d)]
         gen_uids = [r.uid for r in s.gen_queue] + running
-        judge_devs = sorted(self._holders[Role.GENRM])
+        judge_devs = sorted(self._holders[Role.JUDGE])
         judging = [uid for d in judge_devs for uid in s.running(d)]
         step, g = self.step, self.spec.group_size
         groups_left = 0
@@ -553,7 +553,7 @@ class Controller:
     def _on_progress(self, e: Progress) -> None:
         """Live measurements; the planner of shiftable mode learns its profiles from them."""
         self.tokens_so_far.update(e.tokens_so_far)  # (uid, tokens) pairs: responses, or verdicts being written
-        if e.role is Role.GENRM and self.step is not None:
+        if e.role is Role.JUDGE and self.step is not None:
             self.step.judge_prefill_tokens += e.prefill_tokens
 
     def _on_lost(self, e: DeviceLost) -> None:
@@ -574,7 +574,7 @@ class Controller:
         redo_gen, redo_judge = [], []
         for uid in sorted(self.scheduler.running(e.device)):
             self.tokens_so_far.pop(uid, None)
-            if d.role is Role.GENRM:
+            if d.role is Role.JUDGE:
                 s = self.by_uid[uid]
                 redo_judge.append(
                     JudgeRequest(

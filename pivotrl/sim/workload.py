@@ -333,7 +333,7 @@ class SimWorkload:
         out = self.judge_output_len
         if not isinstance(out, LengthDist) and (not _is_int(out) or out < 1):
             raise ValueError(f"judge_output_len: got {out!r}, must be a LengthDist or an int >= 1")
-        for name in ("policy", "genrm"):
+        for name in ("policy", "judge"):
             if getattr(self, name) not in MODELS:
                 raise ValueError(f"{name}: got {getattr(self, name)!r}, known models: {', '.join(MODELS)}")
 
@@ -351,7 +351,7 @@ class SimWorkload:
         return MODELS[self.policy]
 
     @property
-    def genrm_model(self) -> ModelSpec:
+    def judge_model(self) -> ModelSpec:
         return MODELS[self.genrm]
 
     def judge_prompt_len(self, response_len: int) -> int:

@@ -50,7 +50,7 @@ def small_job(ckpt: dict[str, Path], *extra: str):
 def test_job_runs_end_to_end_and_writes_its_outputs(tiny_checkpoints, tmp_path):
     cfg = small_job(tiny_checkpoints)
     summary = run_job(cfg, tmp_path, progress=False)
-    for key in ("mode", "steps", "samples_per_s", "accuracy_start", "accuracy_end", "genrm_agreement"):
+    for key in ("mode", "steps", "samples_per_s", "accuracy_start", "accuracy_end", "judge_agreement"):
         assert key in summary
     assert summary["samples"] == 3 * 4 * 3 and summary["samples_per_s"] > 0
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -61,13 +61,13 @@ def test_job_runs_end_to_end_and_writes_its_outputs(tiny_checkpoints, tmp_path):
         assert set(m["time_s"]) >= {"rollout", "judge", "train"}
     # a random judge writes garbage: every failure is counted, none is fatal, each got the fallback reward
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["genrm_parse_failures"] == sum(m["parse_failures"] for m in lines) > 0
+    assert on_disk["judge_parse_failures"] == sum(m["parse_failures"] for m in lines) > 0
     assert (tmp_path / "policy" / "model.safetensors").is_file()
     for name in ("events.jsonl", "trace.json", "timeline.png", "config.json"):
         assert (tmp_path / name).is_file(), name
     roles = {json.loads(x)["role"] for x in (tmp_path / "events.jsonl").read_text().splitlines()}
-    assert roles == {"rollout", "genrm", "train", "shift"}  # evaluation is greedy generation in the rollout role
-    # colocated on one device: rollout -> genrm -> train -> rollout ..., every shift loads from the GPS
+    assert roles == {"rollout", "judge", "train", "shift"}  # evaluation is greedy generation in the rollout role
+    # colocated on one device: rollout -> judge -> train -> rollout ..., every shift loads from the GPS
     assert on_disk["shifts"] >= 3 * 3 and on_disk["shift_seconds"]["max"] > 0
     assert 0 < sum(on_disk["role_busy_fraction"].values()) <= 1.0
 
@@ -144,7 +144,7 @@ def test_shiftable_run_writes_its_decision_log(tiny_checkpoints, tmp_path):
     run_job(small_job(tiny_checkpoints, "steps=1", "mode=shiftable"), tmp_path, progress=False)
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert decisions and all(d["moves"] and d["reason"] for d in decisions)
-    assert {m[2] for d in decisions for m in d["moves"]} == {"rollout", "genrm", "train"}
+    assert {m[2] for d in decisions for m in d["moves"]} == {"rollout", "judge", "train"}
 
 
 def test_kl_to_the_initial_policy_is_trained_and_reported(tiny_checkpoints, tmp_path):
