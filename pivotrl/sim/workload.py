@@ -317,7 +317,7 @@ class SimWorkload:
     judge_template_len: int  # tokens the GenRM prompt adds to question and response (instructions, reference)
     judge_output_len: LengthDist | int  # tokens the GenRM writes per judgment: rationale and verdict
     policy: str  # name of the policy in ``MODELS``
-    genrm: str  # name of the GenRM in ``MODELS``
+    judge: str  # name of the judge in ``MODELS``
 
     def __post_init__(self) -> None:
         self.validate()
@@ -352,7 +352,7 @@ class SimWorkload:
 
     @property
     def judge_model(self) -> ModelSpec:
-        return MODELS[self.genrm]
+        return MODELS[self.judge]
 
     def judge_prompt_len(self, response_len: int) -> int:
         """Tokens the GenRM prefills for one judgment: the question, the response, its template."""

@@ -248,7 +248,7 @@ def test_commands_for_the_wrong_role_or_version_are_refused():
     shifted(d, Role.ROLLOUT, 0)
     with pytest.raises(RuntimeError, match="holds policy v0, requests need v1"):
         d.submit(Generate(0, requests(1), 1))
-    with pytest.raises(RuntimeError, match="cannot serve genrm requests"):
+    with pytest.raises(RuntimeError, match="cannot serve judge requests"):
         d.submit(Judge(0, (JudgeRequest(1, "q", "1", "a", 5, GenParams(8)),)))
     d.submit(Generate(0, requests(1), 0))
     with pytest.raises(RuntimeError, match="shift to train with sequences in flight"):

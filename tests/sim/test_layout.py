@@ -208,6 +208,6 @@ def test_a_runs_summary_says_how_its_instances_run_their_roles(tmp_path, capsys)
     assert summary["engine_gpus"] == {"rollout": 2, "judge": 4} and summary["elastic_engines"] is False
     assert main(["simulate", EXAMPLE, *job, "sim.elastic_engines=true", "--out", str(tmp_path / "b"),
                  "--quiet"]) == 0  # fmt: skip
-    assert "engines elastic from 1 (rollout), 1 (genrm) GPUs to 4: a bound" in capsys.readouterr().out
+    assert "engines elastic from 1 (rollout), 1 (judge) GPUs to 4: a bound" in capsys.readouterr().out
     assert main(["simulate", EXAMPLE, *job, "--out", str(tmp_path / "c"), "--quiet"]) == 0
     assert "(2 instances of 4 GPU)," in capsys.readouterr().out

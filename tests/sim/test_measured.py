@@ -46,7 +46,7 @@ def test_round_trips_through_a_dict_and_a_file(tmp_path):
         (("rollout", "step_per_seq_s"), "rollout.step_per_seq_s: missing key"),
         (("train", "optimizer_step_s"), "train.optimizer_step_s: missing key"),
         (("shift", "judge->train"), "shift.judge->train: missing key"),
-        (("judge",), "genrm: missing key"),
+        (("judge",), "judge: missing key"),
     ],
 )
 def test_a_missing_key_is_named(path, message):
@@ -78,7 +78,7 @@ def test_a_bad_value_is_named(change, message):
 def test_load_names_the_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"rollout": {}}')
-    with pytest.raises(ValueError, match="bad.json: genrm: missing key"):
+    with pytest.raises(ValueError, match="bad.json: judge: missing key"):
         MeasuredCosts.load(path)
 
 
@@ -288,7 +288,7 @@ def test_shifts_are_means_with_named_fallbacks(tmp_path):
     assert sorted(fit.report["fallbacks"]) == [
         "shift judge->rollout: mean shift into rollout",
         "shift rollout->train: mean shift into train",
-        "shift train->judge: mean shift into genrm",
+        "shift train->judge: mean shift into judge",
     ]
 
 
