@@ -51,7 +51,7 @@ from pivotrl.sim.run import run_simulation
 from pivotrl.sim.workload import group_correlation
 
 ROOT = Path(__file__).resolve().parents[1]
-BEST_SPLIT = "rollout:1,genrm:2,train:1"  # benchmarks/modes.py's best static split of 4 devices
+BEST_SPLIT = "rollout:1,judge:2,train:1"  # benchmarks/modes.py's best static split of 4 devices
 PHASES = ("rollout", "judge", "train", "shift")
 
 

@@ -4,7 +4,7 @@
 Two things that could change its table are left out there, and measured here on its four model groups
 (128 simulated H100s, 512 x 16 samples a step), every mode beside the others in one run:
 
-* **Per-role engines** (``sim.rollout_engine_gpus``, ``sim.genrm_engine_gpus``): an instance of 4 GPUs
+* **Per-role engines** (``sim.rollout_engine_gpus``, ``sim.judge_engine_gpus``): an instance of 4 GPUs
   may roll out on 2 engines of 2 and judge on one of 4, as a deployment with its own tensor-parallel
   size per model would. Colocated runs every pair of engine sizes that divides its instance and holds
   the models; shiftable the pairs one halving away from one engine; the disaggregated split is searched
@@ -96,7 +96,7 @@ def bench(group: Group, gpus: int, args: argparse.Namespace, pool: ThreadPoolExe
     for mode, f in futures:
         got = f.result()
         runs[mode] += got if isinstance(got, list) else [got]
-    return {"name": group.name, "policy": group.policy, "genrm": group.genrm, "gpus": gpus, "tp": tp,
+    return {"name": group.name, "policy": group.policy, "judge": group.genrm, "gpus": gpus, "tp": tp,
             "runs": runs, "wall_s": time.perf_counter() - t0, **summarize(runs)}  # fmt: skip
 
 

@@ -33,7 +33,7 @@ def splits(devices: int) -> list[str]:
     for r, g in itertools.product(range(1, devices), repeat=2):
         t = devices - r - g
         if t >= 1:
-            out.append(f"rollout:{r},genrm:{g},train:{t}")
+            out.append(f"rollout:{r},judge:{g},train:{t}")
     return out
 
 

@@ -238,7 +238,7 @@ def _bars(
 
 def _tick(g: dict[str, Any], label: str) -> str:
     sizes = "/".join(str(mode_tp(g, m)) for m in modes_of(g))
-    return f"{g[label]}\n{short(g['policy'])} + {short(g['genrm'])} judge, TP {sizes}"
+    return f"{g[label]}\n{short(g['policy'])} + {short(g['judge'])} judge, TP {sizes}"
 
 
 def plot(items: list[dict[str, Any]], path: Path, title: str, label: str) -> None:

@@ -66,7 +66,7 @@ def main() -> None:
             "migrations",
             "accuracy_start",
             "accuracy_end",
-            "genrm_agreement",
+            "judge_agreement",
         )  # (what the README quotes)
         runs[name] = {k: s[k] for k in keys}
         print(f"{name}: {s['mode']} on {s['devices']} device(s): {s['steady_samples_per_s']:.0f} samples/s, "

@@ -6,7 +6,7 @@ release the current context, rebuild the next one from the GPS. The pairs are
 the eight a step can produce, run as one cycle so every measurement starts
 from the role it names::
 
-    none -> rollout -> genrm -> train -> rollout -> rollout(v1) -> train -> genrm -> rollout
+    none -> rollout -> judge -> train -> rollout -> rollout(v1) -> train -> judge -> rollout
 
 ``rollout->rollout`` is the weight refresh of a new policy version (same model,
 engine and KV cache kept, only the bytes reloaded); every other pair releases
@@ -79,7 +79,7 @@ from pivotrl.train.replicated import ElasticTrainer
 
 RESULTS = Path(__file__).parent / "results" / "shift.json"
 HEAD_DIM = 64
-R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+R, G, T = Role.ROLLOUT, Role.JUDGE, Role.TRAIN
 # (from, to, policy version): one cycle; each shift starts from the role the previous one left
 CYCLE: tuple[tuple[Role | None, Role, int], ...] = (
     (None, R, 0),

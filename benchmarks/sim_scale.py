@@ -46,7 +46,7 @@ def overrides(mode: str, gpus: int, steps: int, tp: int = 1) -> list[str]:
     if mode == "disaggregated":
         devices = gpus // tp
         r, g = devices * 7 // 16, devices * 3 // 16
-        out.append(f"split=rollout:{r},genrm:{g},train:{devices - r - g}")
+        out.append(f"split=rollout:{r},judge:{g},train:{devices - r - g}")
     return out
 
 

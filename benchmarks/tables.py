@@ -110,10 +110,10 @@ def train_memory(results: Path) -> str:
 
 def shift(results: Path) -> str:
     r = load("shift", results)
-    pairs = ["none->rollout", "rollout->genrm", "genrm->train", "train->rollout"]
+    pairs = ["none->rollout", "rollout->judge", "judge->train", "train->rollout"]
 
     def label(p: str) -> str:
-        a, b = (x.replace("genrm", "judge") for x in p.split("->"))
+        a, b = (x.replace("judge", "judge") for x in p.split("->"))
         return f"{a} to {b} ms"
 
     rows = []
@@ -157,7 +157,7 @@ def semantics(results: Path) -> str:
     for x in r["runs"].values():
         rows.append([x["mode"], str(x["devices"]), str(x["steps"]), f"{x['samples_per_s']:.1f}", str(x["shifts"]),
                      str(x["migrations"]), f"{x['accuracy_start']:.2f} to {x['accuracy_end']:.3f}",
-                     f"{x['genrm_agreement']:.3f}"])  # fmt: skip
+                     f"{x['judge_agreement']:.3f}"])  # fmt: skip
     head = ["mode", "devices", "steps", "samples/s", "shifts", "migrations", "held-out accuracy", "judge agreement"]
     c = r["comparison"]
     return md(head, rows) + (

@@ -185,7 +185,7 @@ def format_summary(s: dict, out: Path) -> str:
         [
             f"{s['mode']} on {s['devices']} device(s), {s['steps']} steps",
             f"held-out accuracy {s['accuracy_start']:.3f} -> {s['accuracy_end']:.3f} ({s['accuracy_gain']:+.3f}); "
-            f"judge agreement {s['genrm_agreement']:.4f}, {s['genrm_parse_failures']} unparsable verdicts",
+            f"judge agreement {s['judge_agreement']:.4f}, {s['judge_parse_failures']} unparsable verdicts",
             f"{s['samples_per_s']:.0f} samples/s{steady}; "
             f"{s['shifts']} shifts (mean {shift['mean'] * 1000:.0f} ms, max {shift['max'] * 1000:.0f} ms), "
             f"{s['migrations']} migrations",

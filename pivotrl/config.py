@@ -35,7 +35,7 @@ from pivotrl.sim.config import SimConfig
 from pivotrl.task.checkers import CHECKERS
 from pivotrl.train.config import TrainConfig
 
-ROLES = ("rollout", "genrm", "train")
+ROLES = ("rollout", "judge", "train")
 Mode = Literal["colocated", "disaggregated", "shiftable"]
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cuda", "cpu"]
@@ -75,16 +75,17 @@ def _check_template(name: str, template: str, allowed: Sequence[str], required: 
 
 
 def parse_split(spec: str) -> dict[str, int]:
-    """Devices per role for disaggregated mode, from ``"rollout:2,genrm:1,train:1"``; ``""`` gives ``{}``."""
+    """Devices per role for disaggregated mode, from ``"rollout:2,judge:1,train:1"``; ``""`` gives ``{}``."""
     out: dict[str, int] = {}
     if not spec.strip():
         return out
     for item in spec.split(","):
         role, sep, count = (s.strip() for s in item.partition(":"))
         if not sep or not role or not count:
-            raise ConfigError(f"split: {item.strip()!r} must look like role:count (e.g. 'rollout:2,genrm:1,train:1')")
+            raise ConfigError(f"split: {item.strip()!r} must look like role:count (e.g. 'rollout:2,judge:1,train:1')")
         if role not in ROLES:
-            raise ConfigError(f"split: unknown role {role!r} (allowed: {', '.join(ROLES)})")
+            hint = " (the judge's role is named judge)" if role == "genrm" else ""
+            raise ConfigError(f"split: unknown role {role!r} (allowed: {', '.join(ROLES)}){hint}")
         if role in out:
             raise ConfigError(f"split: role {role!r} given twice in {spec!r}")
         if not (count.isascii() and count.isdigit()) or int(count) < 1:
@@ -270,7 +271,7 @@ class JobConfig:
     # cluster declares GPUs; under auto one whose torch sees no CUDA computes on the CPU, under cuda it is an error
     gpus_per_device: float = 1.0  # share of one GPU each cuda device holds, in (0, 1]; 0.25 puts 4 devices on a GPU
     threads_per_device: int = 0  # torch threads per device; 0 = the node's cores shared among its devices (>= 1)
-    split: str = ""  # disaggregated role layout, e.g. "rollout:2,genrm:1,train:1"; "" = automatic
+    split: str = ""  # disaggregated role layout, e.g. "rollout:2,judge:1,train:1"; "" = automatic
     steps: int = 60  # training steps
     task: TaskConfig = field(default_factory=TaskConfig)  # data and prompt format
     policy: ModelRef = field(default_factory=ModelRef)  # the model being trained

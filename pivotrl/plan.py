@@ -73,7 +73,7 @@ def measured(run_dir: Path) -> dict[str, float]:
         if not isinstance(role, str):
             raise UserError(f"--profile: {events} line {line}: no 'role'")
         busy[role] = busy.get(role, 0.0) + _number(events, line, e, "end") - _number(events, line, e, "start")
-    tokens = {"rollout": sum(m["response_tokens"] for m in metrics), "genrm": sum(m["judge_tokens"] for m in metrics)}
+    tokens = {"rollout": sum(m["response_tokens"] for m in metrics), "judge": sum(m["judge_tokens"] for m in metrics)}
     for role, t in tokens.items():
         if busy.get(role):
             out[f"{role}_rate"] = t / busy[role]
@@ -145,8 +145,8 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
             profiles.lengths.observe(max(1, round(resp)))
         if "rollout_rate" in m:
             profiles.rollout.observe(round(m["rollout_rate"]), 1.0, r.max_batch)
-        if "genrm_rate" in m:
-            profiles.judge.observe(round(m["genrm_rate"]), 1.0, r.max_batch)
+        if "judge_rate" in m:
+            profiles.judge.observe(round(m["judge_rate"]), 1.0, r.max_batch)
     work = Workload(
         rollout_remaining=[0] * seqs,
         judge_future=seqs,
@@ -160,7 +160,7 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
     if isinstance(layout, Disaggregated):
         profiles.costs = ShiftCosts(prior=math.inf)  # (no device leaves its role: a shift would never end)
         allocs = [
-            {Role.ROLLOUT: n_r, Role.GENRM: n_g, Role.TRAIN: cfg.devices - n_r - n_g}
+            {Role.ROLLOUT: n_r, Role.JUDGE: n_g, Role.TRAIN: cfg.devices - n_r - n_g}
             for n_r in range(1, cfg.devices)
             for n_g in range(1, cfg.devices - n_r - min_train + 1)
         ]
@@ -180,7 +180,7 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
         rows = []
         for n_r in range(cfg.devices + 1):
             for n_g in range(cfg.devices + 1 - n_r):
-                alloc = {Role.ROLLOUT: n_r, Role.GENRM: n_g, Role.TRAIN: cfg.devices - n_r - n_g}
+                alloc = {Role.ROLLOUT: n_r, Role.JUDGE: n_g, Role.TRAIN: cfg.devices - n_r - n_g}
                 rows.append(estimate(work, profiles, alloc, r.max_batch))
         rows.sort(key=lambda e: e.total)
         report["recommended"] = {role.value: best[role] for role in ROLES}
@@ -205,7 +205,7 @@ def _row(e: Estimate) -> dict[str, Any]:
 
 
 def _timeline(e: Estimate) -> str:
-    """``r2 g1 t1: rollout 1.68s judge 2.73s ...``, or why the step never completes with that split."""
+    """``r2 j1 t1: rollout 1.68s judge 2.73s ...``, or why the step never completes with that split."""
     if math.isfinite(e.total):
         return e.describe()
     if not math.isfinite(e.rollout_end):
@@ -227,7 +227,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [
             f"split: {split} ({given}); no device changes role",
             f"expected step (phases end at):  {report['timeline']['timeline']}",
-            "best splits (split=rollout:R,genrm:G,train:T):",
+            "best splits (split=rollout:R,judge:G,train:T):",
         ]
         lines += [f"  {e['timeline']}" for e in report["estimates"]]
     elif report["mode"] == "colocated":

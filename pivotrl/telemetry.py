@@ -32,7 +32,7 @@ from pivotrl.errors import UserError
 
 ROLE_COLORS = {
     "rollout": "#4c78a8",
-    "genrm": "#f58518",
+    "judge": "#f58518",
     "train": "#54a24b",
     "shift": "#e45756",
     "migrate": "#222222",

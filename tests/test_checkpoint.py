@@ -29,9 +29,16 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def drop(row: dict, key: str) -> dict:
+    return {k: v for k, v in row.items() if k != key}
+
+
 def same_run(a: Path, b: Path) -> None:
     """Every sample identical, every step's sampled quantities identical, the update equal within rounding."""
-    assert rows(a / "samples.jsonl") == rows(b / "samples.jsonl")
+    # (how often a sequence migrated is the schedule's, which wall-clock timing decides; what it produced is not)
+    assert [drop(r, "migrations") for r in rows(a / "samples.jsonl")] == [
+        drop(r, "migrations") for r in rows(b / "samples.jsonl")
+    ]
     ma, mb = rows(a / "metrics.jsonl"), rows(b / "metrics.jsonl")
     assert [m["step"] for m in ma] == [m["step"] for m in mb]
     for x, y in zip(ma, mb, strict=True):

@@ -96,7 +96,7 @@ def test_run_summary_lines_name_the_outputs():
     from pivotrl.cli import format_summary
 
     s = {"mode": "colocated", "devices": 1, "steps": 3, "accuracy_start": 0.59, "accuracy_end": 0.7,
-         "accuracy_gain": 0.11, "genrm_agreement": 0.999, "genrm_parse_failures": 2, "samples_per_s": 300.0,
+         "accuracy_gain": 0.11, "judge_agreement": 0.999, "judge_parse_failures": 2, "samples_per_s": 300.0,
          "steady_samples_per_s": 320.0, "shifts": 9, "shift_seconds": {"mean": 0.012, "max": 0.03},
          "migrations": 0}  # fmt: skip
     text = format_summary(s, Path("runs/latest"))
@@ -108,7 +108,7 @@ def test_run_summary_lines_name_the_outputs():
 @pytest.mark.parametrize(
     "layout, message",
     [
-        (["mode=disaggregated", "devices=4", "split=rollout:2,genrm:1,train:1"], "split: train:1 is fewer than the 2"),
+        (["mode=disaggregated", "devices=4", "split=rollout:2,judge:1,train:1"], "split: train:1 is fewer than the 2"),
         (["devices=1"], "train.min_devices: the optimizer step needs 2 devices, but the job has 1"),
     ],
 )
@@ -368,7 +368,7 @@ def test_the_rate_after_the_first_step_is_shown_only_when_there_were_later_steps
     from pivotrl.cli import format_summary
 
     s = {"mode": "colocated", "devices": 1, "steps": steps, "accuracy_start": 0.5, "accuracy_end": 0.5,
-         "accuracy_gain": 0.0, "genrm_agreement": 1.0, "genrm_parse_failures": 0, "samples_per_s": 75.0,
+         "accuracy_gain": 0.0, "judge_agreement": 1.0, "judge_parse_failures": 0, "samples_per_s": 75.0,
          "steady_samples_per_s": 78.0, "shifts": 4, "shift_seconds": {"mean": 0.01, "max": 0.02},
          "migrations": 0}  # fmt: skip
     if resumed_from is not None:

@@ -42,7 +42,7 @@ def test_relative_paths_resolve_against_cwd(tmp_path, monkeypatch):
 
 def test_yaml_and_overrides_merge_with_override_winning(tmp_path):
     path = write(tmp_path, "seed: 3\nsteps: 5\nrollout:\n  group_size: 4\n  top_k: 20\n")
-    cfg = load_config(path, ["rollout.group_size=6", "mode=disaggregated", "split=rollout:2,genrm:1,train:1"])
+    cfg = load_config(path, ["rollout.group_size=6", "mode=disaggregated", "split=rollout:2,judge:1,train:1"])
     assert (cfg.seed, cfg.steps, cfg.mode) == (3, 5, "disaggregated")
     assert (cfg.rollout.group_size, cfg.rollout.top_k) == (6, 20)
     assert cfg.rollout.prompts_per_step == 32  # untouched fields keep their defaults
@@ -248,7 +248,7 @@ def test_override_without_key_value_shape(override):
     ("spec", "expected"),
     [
         ("", {}),
-        ("rollout:2,genrm:1,train:1", {"rollout": 2, "genrm": 1, "train": 1}),
+        ("rollout:2,judge:1,train:1", {"rollout": 2, "judge": 1, "train": 1}),
         (" rollout : 3 , train:1 ", {"rollout": 3, "train": 1}),
     ],
 )
@@ -261,10 +261,14 @@ def test_parse_split(spec, expected):
     [
         ("rollout2", "split: 'rollout2' must look like role:count"),
         ("rollout:2,", "split: '' must look like role:count"),
-        ("rollout:2,critic:1", "split: unknown role 'critic' (allowed: rollout, genrm, train)"),
+        ("rollout:2,critic:1", "split: unknown role 'critic' (allowed: rollout, judge, train)"),
+        (
+            "rollout:2,genrm:1,train:1",
+            "split: unknown role 'genrm' (allowed: rollout, judge, train) (the judge's role is named judge)",
+        ),
         ("train:1,train:2", "split: role 'train' given twice"),
-        ("genrm:0", "split: count of genrm must be an integer >= 1, got '0'"),
-        ("genrm:x", "split: count of genrm must be an integer >= 1, got 'x'"),
+        ("judge:0", "split: count of judge must be an integer >= 1, got '0'"),
+        ("judge:x", "split: count of judge must be an integer >= 1, got 'x'"),
     ],
 )
 def test_bad_split(spec, expected):

@@ -23,21 +23,21 @@ def report_of(*overrides: str, run_dir: Path | None = None) -> dict:
 
 
 def test_disaggregated_estimates_the_default_split_and_recommends_only_splits_that_train():
-    """It recommended rollout:2, genrm:2, train:0, which split= refuses and which cannot train."""
+    """It recommended rollout:2, judge:2, train:0, which split= refuses and which cannot train."""
     report = report_of("mode=disaggregated", "devices=4")
-    assert report["split"] == {"rollout": 2, "genrm": 1, "train": 1} and not report["split_given"]
-    assert report["timeline"]["split"] == "r2 g1 t1"
+    assert report["split"] == {"rollout": 2, "judge": 1, "train": 1} and not report["split_given"]
+    assert report["timeline"]["split"] == "r2 j1 t1"
     assert min(report["recommended"].values()) >= 1
     assert report["estimates"] and all("0" not in e["split"] for e in report["estimates"])  # (r0, g0, t0)
     text = format_report(report)
-    assert "split: rollout:2,genrm:1,train:1 (the default; split= sets another)" in text
+    assert "split: rollout:2,judge:1,train:1 (the default; split= sets another)" in text
     assert "recommended start split" not in text
 
 
 def test_disaggregated_estimates_the_split_given():
-    report = report_of("mode=disaggregated", "devices=5", "split=rollout:1,genrm:2,train:2")
-    assert report["split"] == {"rollout": 1, "genrm": 2, "train": 2} and report["split_given"]
-    assert report["timeline"]["timeline"].startswith("r1 g2 t2: rollout ")
+    report = report_of("mode=disaggregated", "devices=5", "split=rollout:1,judge:2,train:2")
+    assert report["split"] == {"rollout": 1, "judge": 2, "train": 2} and report["split_given"]
+    assert report["timeline"]["timeline"].startswith("r1 j2 t2: rollout ")
     # no device changes role: the static split is slower than the same start split in shiftable mode
     shiftable = report_of("devices=5")["estimates"]
     assert report["timeline"]["seconds"] > min(e["seconds"] for e in shiftable)
@@ -46,10 +46,10 @@ def test_disaggregated_estimates_the_split_given():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["split=rollout:2,genrm:1,train:1"], "split: only used with mode=disaggregated"),
-        (["mode=colocated", "split=rollout:2,genrm:1,train:1"], "split: only used with mode=disaggregated"),
+        (["split=rollout:2,judge:1,train:1"], "split: only used with mode=disaggregated"),
+        (["mode=colocated", "split=rollout:2,judge:1,train:1"], "split: only used with mode=disaggregated"),
         (["mode=disaggregated", "devices=2"], "disaggregated mode needs at least 3 devices"),
-        (["mode=disaggregated", "split=rollout:2,genrm:1,train:2"], "uses 5 devices, but devices=4"),
+        (["mode=disaggregated", "split=rollout:2,judge:1,train:2"], "uses 5 devices, but devices=4"),
     ],
 )
 def test_a_layout_train_refuses_is_refused(overrides, message, capsys):
@@ -62,7 +62,7 @@ def test_a_layout_train_refuses_is_refused(overrides, message, capsys):
 
 def test_colocated_runs_every_phase_on_every_device():
     report = report_of("mode=colocated", "devices=4")
-    assert "recommended" not in report and report["timeline"]["split"] == "r4 g0 t0"
+    assert "recommended" not in report and report["timeline"]["split"] == "r4 j0 t0"
     text = format_report(report)
     assert "every device generates, then judges, then trains (phases end at): rollout " in text
 
@@ -73,7 +73,7 @@ def test_a_split_that_never_completes_is_infeasible_not_infinitely_slow(capsys):
     assert never and all(set(e["phases"].values()) == {None} for e in never)
     json.dumps(report, allow_nan=False)  # (Infinity is not JSON)
     text = format_report(report)
-    assert "r0 g0 t1: infeasible, the step never completes (no device generates)" in text
+    assert "r0 j0 t1: infeasible, the step never completes (no device generates)" in text
     assert "infs" not in text and "inf " not in text
     assert main(["plan", CONFIG, "devices=1", "--json"]) == 0
     assert "Infinity" not in capsys.readouterr().out
@@ -94,7 +94,7 @@ def write_run(where: Path, metrics: str, events: str) -> Path:
 
 
 METRICS = '{"response_tokens": 400, "response_length": 20.0, "judge_tokens": 900, "time_s": {"train": 2.0}}\n'
-EVENTS = '{"role": "rollout", "start": 0.0, "end": 1.0}\n{"role": "genrm", "start": 1.0, "end": 2.5}\n'
+EVENTS = '{"role": "rollout", "start": 0.0, "end": 1.0}\n{"role": "judge", "start": 1.0, "end": 2.5}\n'
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ def test_with_device_memory_the_train_devices_at_the_step_are_those_a_run_takes(
         return plan_report(load_config(CONFIG, [policy, *extra]), device_gb=80.0)
 
     with pytest.raises(UserError, match=r"train:1 is fewer than the 3 devices the optimizer step needs"):
-        plan("mode=disaggregated", "split=rollout:2,genrm:1,train:1")
+        plan("mode=disaggregated", "split=rollout:2,judge:1,train:1")
     report = plan("mode=disaggregated", "devices=8")
     assert report["min_train_devices"] == 3 and report["split"]["train"] >= 3
     assert all(int(e["split"].split("t")[-1]) >= 3 for e in report["estimates"])

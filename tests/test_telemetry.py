@@ -19,7 +19,7 @@ from pivotrl.telemetry import (
 def slices() -> list[Slice]:
     return [
         Slice(0, "rollout", "rollout step 1", 0.0, 0.5),
-        Slice(0, "genrm", "judge step 1", 0.5, 1.25, {"tokens": 120}),
+        Slice(0, "judge", "judge step 1", 0.5, 1.25, {"tokens": 120}),
         Slice(1, "train", "train step 1", 1.25, 2.0),
     ]
 
@@ -29,9 +29,9 @@ def test_trace_is_chrome_trace_event_json(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(complete) == 3
-    judge = next(e for e in complete if e["cat"] == "genrm")
+    judge = next(e for e in complete if e["cat"] == "judge")
     assert (judge["ts"], judge["dur"], judge["tid"]) == (500000.0, 750000.0, 0)
-    assert judge["args"] == {"role": "genrm", "tokens": 120}
+    assert judge["args"] == {"role": "judge", "tokens": 120}
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     assert names == {"device 0", "device 1"}
 
@@ -45,7 +45,7 @@ def test_trace_writes_non_finite_arguments_as_null(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text(), parse_constant=strict)
     step = next(e for e in trace["traceEvents"] if e.get("name") == "step")
     assert step["args"] == {"role": "train", "loss": None, "nested": {"x": None}}
-    assert next(e for e in trace["traceEvents"] if e.get("cat") == "genrm")["args"]["tokens"] == 120
+    assert next(e for e in trace["traceEvents"] if e.get("cat") == "judge")["args"]["tokens"] == 120
 
 
 def lines_of(data: bytes) -> list:
@@ -99,16 +99,16 @@ def test_many_devices_are_painted_as_pixel_rows_shifts_on_top(tmp_path):
         Slice(0, "rollout", "r", 0.0, 4.0),
         Slice(0, "migrate", "m", 4.0, 4.0),
         Slice(0, "rollout", "r", 4.001, 10.0),
-        Slice(99, "genrm", "g", 5.0, 10.0),
+        Slice(99, "judge", "g", 5.0, 10.0),
     ]
     ax = FakeAxes()
     roles = _raster(ax, many, [0, 99], 0.0, 10.0)
     image, per_s = ax.image, RASTER_COLUMNS // 10
     code = {r: i + 1 for i, r in enumerate(ROLE_COLORS)}
-    assert roles == {"rollout", "migrate", "genrm"} and image.shape == (100, RASTER_COLUMNS)
+    assert roles == {"rollout", "migrate", "judge"} and image.shape == (100, RASTER_COLUMNS)
     assert image[0, 4 * per_s] == code["migrate"]  # painted last: the later rollout slice does not hide it
     assert (image[0, : 4 * per_s] == code["rollout"]).all() and (image[0, 4 * per_s + 1 :] == code["rollout"]).all()
-    assert (image[99, 5 * per_s :] == code["genrm"]).all() and not image[99, : 5 * per_s].any()
+    assert (image[99, 5 * per_s :] == code["judge"]).all() and not image[99, : 5 * per_s].any()
     assert not image[1:99].any()  # devices with no slice stay idle (white)
     draw_timeline(many + [Slice(d, "train", "t", 1.0, 2.0) for d in range(1, 99)], tmp_path / "t.png", "many")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -174,7 +174,7 @@ class Controller:
         s, fleet = self.scheduler, self.fleet
         loads = s.loads(len(fleet))
         gen = len(s.gen_queue) + fleet.role_load(Role.ROLLOUT, loads)
-        judge = len(s.judge_queue) + fleet.role_load(Role.GENRM, loads)
+        judge = len(s.judge_queue) + fleet.role_load(Role.JUDGE, loads)
         view = PlanView(self.clock(), fleet.layout, self.workload) if self.policy.wants_view else None
         return Demand(gen, judge, self.train.ready, self.train.stepping, loads, view)
 
@@ -314,7 +314,7 @@ class Controller:
     def _on_progress(self, e: Progress) -> None:
         """Live measurements; the planner of shiftable mode learns its profiles from them."""
         self.stats.progress(e.tokens_so_far)  # (uid, tokens) pairs: responses, or verdicts being written
-        if e.role is Role.GENRM and self.book is not None:
+        if e.role is Role.JUDGE and self.book is not None:
             self.book.record.judge_prefill_tokens += e.prefill_tokens
 
     def _on_aborted(self, e: Aborted) -> None:

@@ -32,7 +32,7 @@ class RequestDispatch:
         cmds: list[Command] = []
         s = scheduler
         if s.gen_queue or s.judge_queue:
-            for role, queue in ((Role.ROLLOUT, s.gen_queue), (Role.GENRM, s.judge_queue)):
+            for role, queue in ((Role.ROLLOUT, s.gen_queue), (Role.JUDGE, s.judge_queue)):
                 if not queue:
                     continue
                 ready = fleet.ready(role)

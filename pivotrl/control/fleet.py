@@ -150,7 +150,7 @@ class Fleet:
             visit = sorted(self._touched)
         self._touched = set()
         cmds: list[Command] = []
-        devices, ready_sets, rollout, genrm = self.devices, self._ready.values(), Role.ROLLOUT, Role.GENRM
+        devices, ready_sets, rollout, genrm = self.devices, self._ready.values(), Role.ROLLOUT, Role.JUDGE
         for i in visit:
             d = devices[i]
             for ready in ready_sets:  # (looked at again: ready for its role's work below, or not)

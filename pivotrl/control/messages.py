@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 class Role(enum.Enum):
     ROLLOUT = "rollout"
-    GENRM = "genrm"
+    JUDGE = "judge"
     TRAIN = "train"
 
     # members are singletons, equal only to themselves: identity hashing, in C, instead of Enum's

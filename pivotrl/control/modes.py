@@ -65,7 +65,7 @@ class Colocated(StaticPolicy):
         if demand.gen_pending:
             role = Role.ROLLOUT
         elif demand.judge_pending:
-            role = Role.GENRM
+            role = Role.JUDGE
         elif demand.train_ready or demand.training:
             role = Role.TRAIN
         else:
@@ -85,7 +85,7 @@ def default_split(devices: int, train: int = 1) -> dict[Role, int]:
             f"judge), got {devices}"
         )
     genrm = max(1, round((devices - train) / 3))
-    return {Role.ROLLOUT: devices - train - genrm, Role.GENRM: genrm, Role.TRAIN: train}
+    return {Role.ROLLOUT: devices - train - genrm, Role.JUDGE: genrm, Role.TRAIN: train}
 
 
 class Disaggregated(StaticPolicy):

@@ -59,7 +59,7 @@ class Recovery:
         done: ``StepFailed`` or ``Trained`` tells)."""
         work = LostWork()
         for uid in sorted(scheduler.running(d.id)):
-            if d.role is Role.GENRM:
+            if d.role is Role.JUDGE:
                 work.judge.append(judge_request(uid))
             else:
                 work.gen.append(gen_request(uid))

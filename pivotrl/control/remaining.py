@@ -24,7 +24,7 @@ def remaining_work(
     rollout = fleet.holders(Role.ROLLOUT)  # (in device order, as a pass over the devices gives)
     running = [uid for d in rollout for uid in s.running(d)]
     gen_uids = [r.uid for r in s.gen_queue] + running
-    judge_devs = fleet.holders(Role.GENRM)
+    judge_devs = fleet.holders(Role.JUDGE)
     judging = [uid for d in judge_devs for uid in s.running(d)]
     g = spec.group_size
     lockstep = spec.lockstep_train

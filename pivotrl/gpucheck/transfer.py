@@ -156,8 +156,8 @@ def _shift_cycles(device: str, shape: Shape, cycles: int) -> dict[str, Any]:
     train = resolve(JobConfig(), Hardware(device)).train  # (as the job's plan configures a train device)
     worker = Worker(0, store, spec, TrainSpec(train, 1.0), origin=time.time(), threads=torch.get_num_threads())
     cycle = [
-        (Role.ROLLOUT, 0), (Role.GENRM, 0), (Role.TRAIN, 0), (Role.ROLLOUT, 0),
-        (Role.ROLLOUT, 1), (Role.TRAIN, 1), (Role.GENRM, 1), (Role.ROLLOUT, 1),
+        (Role.ROLLOUT, 0), (Role.JUDGE, 0), (Role.TRAIN, 0), (Role.ROLLOUT, 0),
+        (Role.ROLLOUT, 1), (Role.TRAIN, 1), (Role.JUDGE, 1), (Role.ROLLOUT, 1),
     ]  # fmt: skip
     pairs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(cycles):

@@ -3,7 +3,7 @@
 | role    | context                                                        |
 | ------- | -------------------------------------------------------------- |
 | rollout | policy weights of version v, generation engine with its KV cache |
-| genrm   | judge weights (frozen), engine with its KV cache                |
+| judge   | judge weights (frozen), engine with its KV cache                |
 | train   | policy weights of version v, gradients, optimizer state         |
 
 A shift releases one context and loads the next, always from the Global
@@ -14,7 +14,7 @@ Device memory across shifts (generation contexts):
 
 * staying in rollout (a new policy version): weights and KV cache are kept
   and the new version is copied into the same buffers (``refresh``);
-* leaving rollout or genrm: the KV cache, the engine and the weights' device
+* leaving rollout or judge: the KV cache, the engine and the weights' device
   storage are all freed, so the next role (or another device actor sharing the
   GPU) can take the memory; the worker then hands torch's cached blocks back to
   the device in one place (``Worker._release``). What is kept is a

@@ -121,7 +121,7 @@ class Worker:
         if self.pending:
             raise RuntimeError(f"device {self.device}: shift to {role.value} with sequences in flight")
         self._drop_shadows()
-        name, want = (JUDGE, 0) if role is Role.GENRM else (POLICY, version)
+        name, want = (JUDGE, 0) if role is Role.JUDGE else (POLICY, version)
         if want not in self.store.versions(name):  # check before releasing anything: a refused shift changes nothing
             have = self.store.versions(name)
             raise VersionError(f"device {self.device}: {name} has no weights version {want} (available: {have})")
@@ -129,13 +129,13 @@ class Worker:
         before = self.role
         if role is self.role and role is Role.ROLLOUT and isinstance(self.ctx, GenerationContext):
             nbytes = self.ctx.refresh(self.store, version)  # same model, new weights: keep engine and cache
-        elif role is self.role and role is Role.GENRM:
+        elif role is self.role and role is Role.JUDGE:
             nbytes = 0
         else:
             self._release()
             if role is Role.ROLLOUT:
                 self.ctx = GenerationContext(POLICY, version, self.store, self.spec, self.kept.pop(POLICY, None))
-            elif role is Role.GENRM:
+            elif role is Role.JUDGE:
                 self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec, self.kept.pop(JUDGE, None))
             else:
                 train = self.train_spec
@@ -182,7 +182,7 @@ class Worker:
                 self.shadows[shadow] = r.uid
 
     def judge(self, cmd: Judge) -> None:
-        ctx = self._generation_ctx(Role.GENRM)
+        ctx = self._generation_ctx(Role.JUDGE)
         stop = tuple(ctx.tokenizer.eos_token_ids)
         spec = self.spec
         for r in cmd.requests:

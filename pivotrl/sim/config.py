@@ -75,12 +75,12 @@ class SimConfig:
     # GPUs of each engine an instance runs a role on (0: one engine of all its GPUs): an instance of 4 GPUs
     # may roll out on 2 engines of 2 and judge on 1 of 4; its sequences are spread evenly over its engines
     rollout_engine_gpus: int = 0
-    genrm_engine_gpus: int = 0
+    judge_engine_gpus: int = 0
     # a bound, not a mechanism: every decode span runs on the fastest layout of engines (of the sizes above
     # and their doublings up to the instance), changed for free; what elastic tensor parallelism could give
     elastic_engines: bool = False
     policy_model: str = "Qwen2.5-7B"  # policy shape, a name in pivotrl.sim.models.MODELS
-    genrm_model: str = "Qwen2.5-7B"  # judge shape, a name in MODELS
+    judge_model: str = "Qwen2.5-7B"  # judge shape, a name in MODELS
     lengths: LengthsConfig = field(default_factory=LengthsConfig)  # response length distribution
     lengths_file: str = ""  # JSONL trace of response lengths (an int or {"length": int} per line); overrides lengths
     # replay the trace: a response gets the length of the row with its step and uid ({"step", "uid",
@@ -114,12 +114,12 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
             raise ValueError(f"gpu: expected one of {', '.join(GPUS)}, got {self.gpu!r}")
-        for name in ("policy_model", "genrm_model"):
+        for name in ("policy_model", "judge_model"):
             if getattr(self, name) not in MODELS:
                 raise ValueError(f"{name}: expected one of {', '.join(MODELS)}, got {getattr(self, name)!r}")
         _int_at_least(self, 1, "gpus", "instance_gpus", "prompt_len", "judge_output_len")
-        _int_at_least(self, 0, "judge_template_len", "rollout_engine_gpus", "genrm_engine_gpus")
-        for name in ("rollout_engine_gpus", "genrm_engine_gpus"):
+        _int_at_least(self, 0, "judge_template_len", "rollout_engine_gpus", "judge_engine_gpus")
+        for name in ("rollout_engine_gpus", "judge_engine_gpus"):
             if self.instance_gpus % (getattr(self, name) or self.instance_gpus):
                 raise ValueError(
                     f"{name}: expected 0 (one engine of the instance) or a divisor of instance_gpus "

@@ -494,9 +494,9 @@ class DeployedCosts(RooflineCosts):
     more than GPU speed.
     """
 
-    _NOT_NUMBERS = ("gpu", "_lines", "policy_model", "genrm_model")
+    _NOT_NUMBERS = ("gpu", "_lines", "policy_model", "judge_model")
     policy_model: ModelSpec | None = None  # the models whose engines sleep: set by the simulator
-    genrm_model: ModelSpec | None = None
+    judge_model: ModelSpec | None = None
     gpus: int = 0  # GPUs of the job, over which the trainer's state is sharded (0: one)
     # vLLM sleep mode (level 1) moves an engine's weights to and from host memory. Qwen3-235B-A22B-FP8 at
     # TP4 (~59 GB a GPU) woke in 5.3-5.7 s and slept in 5.8-6.0 s, about 10 GB/s a GPU each way (vLLM blog,
@@ -557,7 +557,7 @@ class DeployedCosts(RooflineCosts):
         if src is Role.TRAIN:
             seconds += self.trainer_swap(self.policy_model or model, offload=True)
         elif src is not None:
-            leaving = (self.policy_model if src is Role.ROLLOUT else self.genrm_model) or model
+            leaving = (self.policy_model if src is Role.ROLLOUT else self.judge_model) or model
             seconds += self.engine_switch_s + leaving.weight_bytes / tp / self.sleep_bw
         if dst is Role.TRAIN:
             return seconds + self.trainer_swap(model, offload=False)

@@ -133,7 +133,7 @@ class SimSpec:
         if out is None:
             out = self.costs
             if role is not Role.TRAIN:
-                out = role_costs(self.costs, self.tp, self.engine_tp[role is Role.GENRM], self.elastic,
+                out = role_costs(self.costs, self.tp, self.engine_tp[role is Role.JUDGE], self.elastic,
                                  self.max_batch)  # fmt: skip
             self._role_costs[role] = out
         return out
@@ -154,7 +154,7 @@ class SimSpec:
         """Tokens a group's judge prompts begin with alike, which a paged judge cache (a prefix cache) reads once
         a group: the template and the question (and its reference) come before the response, as the default
         judge template has them. 0 where the cache is not paged."""
-        return self.prompt_len + self.judge_template_len if self.kv_tokens(Role.GENRM) is not None else 0
+        return self.prompt_len + self.judge_template_len if self.kv_tokens(Role.JUDGE) is not None else 0
 
     def capacity(self, role: Role) -> int:
         """Sequences one instance of ``role`` runs at once: its engines' slots, or fewer if KV memory says
@@ -256,7 +256,7 @@ class SimDriver:
                 raise RuntimeError(f"device {dev.id} holds policy v{dev.version}, requests need v{cmd.version}")
             self._add(dev, [self._gen_seq(r, cmd.version) for r in cmd.requests])
         elif isinstance(cmd, Judge):
-            self._add(self._generation_device(cmd.device, Role.GENRM), [self._judge_seq(r) for r in cmd.requests])
+            self._add(self._generation_device(cmd.device, Role.JUDGE), [self._judge_seq(r) for r in cmd.requests])
         elif isinstance(cmd, Abort):
             self._abort(self.devices[cmd.device], set(cmd.uids))
         elif isinstance(cmd, Accumulate):
@@ -318,7 +318,7 @@ class SimDriver:
         dev, spec = self.devices[cmd.device], self.spec
         if dev.engine is not None and dev.engine.has_work or dev.slice is not None:
             raise RuntimeError(f"device {dev.id}: shift to {cmd.role.value} with sequences in flight")
-        model = spec.genrm if cmd.role is Role.GENRM else spec.policy
+        model = spec.genrm if cmd.role is Role.JUDGE else spec.policy
         src, costs = dev.role, spec.role_costs(cmd.role)
         if src is cmd.role is Role.ROLLOUT:
             seconds = costs.refresh(model, spec.tp)
@@ -328,7 +328,7 @@ class SimDriver:
             seconds = costs.shift(model, src, cmd.role, spec.tp)
         seconds = self._drawn(seconds, "shift", dev.id)
         # the weights; a trainer's optimizer shard comes at its optimizer step (``CostModel.optimizer_step``)
-        nbytes = 0 if src is cmd.role is Role.GENRM else int(model.weight_bytes)
+        nbytes = 0 if src is cmd.role is Role.JUDGE else int(model.weight_bytes)
         t0 = max(self.now, dev.free_at)
         dev.free_at = t1 = t0 + seconds
 

@@ -16,7 +16,7 @@ Layout = tuple[int, int, int]  # (GPUs an instance, GPUs a rollout engine, GPUs 
 
 def overrides(group: Group, gpus: int, layout: Layout, elastic: bool = False) -> list[str]:
     tp, rollout, judge = layout
-    out = [*job_overrides(group, gpus, tp), f"sim.rollout_engine_gpus={rollout}", f"sim.genrm_engine_gpus={judge}"]
+    out = [*job_overrides(group, gpus, tp), f"sim.rollout_engine_gpus={rollout}", f"sim.judge_engine_gpus={judge}"]
     return [*out, "sim.elastic_engines=true"] if elastic else out
 
 

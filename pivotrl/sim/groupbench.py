@@ -94,7 +94,7 @@ def bench(
         "name": group.name,
         "what": group.what,
         "policy": group.policy,
-        "genrm": group.genrm,
+        "judge": group.genrm,
         "gpus": gpus,
         "config": str(group.config),
         "instance_gpus": tp0,
@@ -131,7 +131,7 @@ def disaggregated(
             return r.get("step_seconds", math.inf)
 
         seed = sizes[tp].split(devices)
-        searched[tp] = search_split(evaluate, devices, (seed["rollout"], seed["genrm"], seed["train"]),
+        searched[tp] = search_split(evaluate, devices, (seed["rollout"], seed["judge"], seed["train"]),
                                     settings.search_levels, settings.search_budget)  # fmt: skip
         step_s = min(v for _, v in searched[tp][1])
         return sizes[tp].samples / step_s if step_s < math.inf else 0.0

@@ -56,7 +56,7 @@ def rate_text(r: dict[str, Any]) -> str:
     return f"{r['samples_per_s']:.1f} samples/s, {r['step_seconds']:.1f} s/step" if "samples_per_s" in r else r["error"]
 
 
-HEAD = ("group", "mode", "layout", "samples/s", "step s", "rollout s", "of ideal", "of floor", "rollout", "genrm",
+HEAD = ("group", "mode", "layout", "samples/s", "step s", "rollout s", "of ideal", "of floor", "rollout", "judge",
         "train", "shift", "idle", "shifts/step", "moves/step", "shift s/step")  # fmt: skip
 
 
@@ -85,7 +85,7 @@ def rows(g: dict[str, Any], label: str | None = None) -> list[list[str]]:
     i = g["ideal"]
     shares = {k: v / sum(i["gpu_seconds_by_role"].values()) for k, v in i["gpu_seconds_by_role"].items()}
     floor = f"{i['spread_rollout_s']:.1f}" if "spread_rollout_s" in i else ""  # the spread path's generation
-    out.append([label or g["name"], "ideal", f"TP{g['instance_gpus']}, batch {i['rollout_batch']}/{i['genrm_batch']}",
+    out.append([label or g["name"], "ideal", f"TP{g['instance_gpus']}, batch {i['rollout_batch']}/{i['judge_batch']}",
                 f"{i['samples_per_s']:.1f}", f"{i['step_seconds']:.1f}", floor, "100%", "",
                 *(f"{shares[k]:.0%}" for k in ROLES), "0%", "0%", "", "", ""])  # fmt: skip
     return out
@@ -179,8 +179,8 @@ def gap(g: dict[str, Any]) -> str | None:
                  f"against the floor's {floor:.1f} s")  # fmt: skip
     judge = ""
     if "busy_fraction" in r and "gpu_seconds" in i:  # the judge's busy time against the floor's price of its work
-        busy = r["busy_fraction"]["genrm"] * r["step_seconds"]
-        work = (i["gpu_seconds"]["genrm_prefill"] + i["gpu_seconds"]["genrm_decode"]) / g["gpus"]
+        busy = r["busy_fraction"]["judge"] * r["step_seconds"]
+        work = (i["gpu_seconds"]["judge_prefill"] + i["gpu_seconds"]["judge_decode"]) / g["gpus"]
         judge = (f"; the judge keeps it {busy:.1f} s against the floor's {work:.1f} s, and it idles "
                  f"{r['idle_fraction'] * r['step_seconds']:.1f} s")  # fmt: skip
     if r.get("group_wait_s"):
@@ -250,7 +250,7 @@ def report_text(report: dict[str, Any]) -> tuple[list[list[str]], list[str], str
         title = f"dense-7b sensitivity (base {gpus} GPUs): tail, judge size, judgment length, cluster size"
         return sweep_rows(items), notes, title, "point"
     items = report["groups"]
-    notes = [f"{g['name']} ({g['policy']} + {g['genrm']} judge): {speedups(g)}" for g in items]
+    notes = [f"{g['name']} ({g['policy']} + {g['judge']} judge): {speedups(g)}" for g in items]
     notes += [f"{g['name']}: {line}" for g in items if (line := gap(g))]
     title = f"{report['settings']['gpus']} x H100: steady samples/s by mode and the ideal"
     return [r for g in items for r in rows(g)], notes, title, "name"

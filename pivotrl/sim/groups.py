@@ -47,7 +47,7 @@ class Group:
 
     @property
     def genrm(self) -> str:
-        return self.job().sim.genrm_model
+        return self.job().sim.judge_model
 
     @property
     def instance_gpus(self) -> int:
@@ -156,7 +156,7 @@ def sweep_points(gpus: int, cluster: list[int], axes: tuple[str, ...]) -> list[t
         slug = "tail-" + label.replace(" ", "-").replace("=", "")
         points.append(("length tail", label, Group(slug, base.what, base.config, tuple(extra)), gpus))
     for judge in ("Qwen2.5-1.5B", "Qwen2.5-14B", "Qwen2.5-32B"):
-        group = Group(f"judge-{short(judge)}", "judge size", base.config, (f"sim.genrm_model={judge}",))
+        group = Group(f"judge-{short(judge)}", "judge size", base.config, (f"sim.judge_model={judge}",))
         points.append(("judge size", short(judge), group, gpus))
     for label, extra in reasoning_points():
         slug = "reasoning-" + label.split(" ")[0]

@@ -5,7 +5,7 @@ all. The ideal prices every piece of a step's work with the job's own cost
 model and workload, at the most efficient batch the memory allows, and spreads
 it over every GPU with no idle time and no shift cost:
 
-    GPU-seconds of a step  W = W_rollout + W_genrm + W_train
+    GPU-seconds of a step  W = W_rollout + W_judge + W_train
     ideal samples/s           = N / (W / G)          N samples per step, G GPUs
 
 with, for N responses of length L (drawn from the job's capped distribution),
@@ -21,7 +21,7 @@ them once a group (S = 0 without one; their attention is priced at the whole
 prompt, which only lowers it):
 
     W_rollout = tp * N * [prefill(B prompts of P) / B + E[L - 1] * decode_step(B, c) / B]
-    W_genrm   = tp * N * [prefill(Bj prompts of E[J] - S (G - 1) / G) / Bj + E[O - 1] * decode_step(Bj, cj) / Bj]
+    W_judge   = tp * N * [prefill(Bj prompts of E[J] - S (G - 1) / G) / Bj + E[O - 1] * decode_step(Bj, cj) / Bj]
     W_train   = train_tokens(N * (P + E[L]) tokens on 1 GPU, sequences of P + E[L])
                 + tp * optimizer_step(tp GPUs)
 
@@ -140,9 +140,9 @@ class IdealStep:
     samples: int  # responses per step
     gpus: int
     rollout_batch: int  # B: the batch decode is priced at
-    genrm_batch: int  # Bj
+    judge_batch: int  # Bj
     mean_response: float  # E[L], tokens
-    gpu_seconds: dict[str, float]  # rollout_prefill, rollout_decode, genrm_prefill, genrm_decode, train, optimizer
+    gpu_seconds: dict[str, float]  # rollout_prefill, rollout_decode, judge_prefill, judge_decode, train, optimizer
     critical_path_s: float = 0.0  # the longest response generated and judged alone
     spread_path_s: float = 0.0  # ... generated beside its even share of the others, judged, trained, and the update
     spread_rollout_s: float = 0.0  # of which its generation
@@ -164,7 +164,7 @@ class IdealStep:
         g = self.gpu_seconds
         return {
             Role.ROLLOUT.value: g["rollout_prefill"] + g["rollout_decode"],
-            Role.GENRM.value: g["genrm_prefill"] + g["genrm_decode"],
+            Role.JUDGE.value: g["judge_prefill"] + g["judge_decode"],
             Role.TRAIN.value: g["train"] + g["optimizer"],
         }
 
@@ -202,7 +202,7 @@ class IdealStep:
             "gpu_seconds": dict(self.gpu_seconds),
             "gpu_seconds_by_role": self.by_role,
             "rollout_batch": self.rollout_batch,
-            "genrm_batch": self.genrm_batch,
+            "judge_batch": self.judge_batch,
             "mean_response": self.mean_response,
             "critical_path_s": self.critical_path_s,
             "spread_path_s": self.spread_path_s,
@@ -228,8 +228,8 @@ def ideal_step(
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= samples:
         raise ValueError(f"group_size: got {group_size!r}, must be an int in [1, samples={samples}]")
     costs, tp, p = spec.costs, spec.tp, spec.prompt_len
-    rc, jc = spec.role_costs(Role.ROLLOUT), spec.role_costs(Role.GENRM)  # an instance's, over its engines
-    b, bj = spec.capacity(Role.ROLLOUT), spec.capacity(Role.GENRM)
+    rc, jc = spec.role_costs(Role.ROLLOUT), spec.role_costs(Role.JUDGE)  # an instance's, over its engines
+    b, bj = spec.capacity(Role.ROLLOUT), spec.capacity(Role.JUDGE)
     if b < 1 or bj < 1:
         raise ValueError(f"an instance of {tp} GPU(s) holds no sequence (rollout {b}, judge {bj})")
     mean_len, _ = length_moments(spec.lengths, rollout_tokens, grid)
@@ -246,8 +246,8 @@ def ideal_step(
     gpu_seconds = {
         "rollout_prefill": tp * n * rc.prefill(spec.policy, tp, b * p, p) / b,
         "rollout_decode": tp * n * decode_steps * rc.decode_step(spec.policy, tp, b, context) / b,
-        "genrm_prefill": tp * n * jc.prefill(spec.genrm, tp, round(bj * judge_read), round(judge_prompt)) / bj,
-        "genrm_decode": tp * n * (out_len - 1) * jc.decode_step(spec.genrm, tp, bj, judge_context) / bj,
+        "judge_prefill": tp * n * jc.prefill(spec.genrm, tp, round(bj * judge_read), round(judge_prompt)) / bj,
+        "judge_decode": tp * n * (out_len - 1) * jc.decode_step(spec.genrm, tp, bj, judge_context) / bj,
         "train": costs.train_tokens(spec.policy, round(n * (p + mean_len)), 1, round(p + mean_len)),
         "optimizer": tp * costs.optimizer_step(spec.policy, tp),
     }
@@ -350,7 +350,7 @@ def ideals_by_size(cfg: JobConfig, sizes: tuple[int, ...] = INSTANCE_SIZES) -> d
     for tp in sizes:
         if cfg.sim.gpus % tp:
             continue
-        sim = dataclasses.replace(cfg.sim, instance_gpus=tp, rollout_engine_gpus=0, genrm_engine_gpus=0,
+        sim = dataclasses.replace(cfg.sim, instance_gpus=tp, rollout_engine_gpus=0, judge_engine_gpus=0,
                                   elastic_engines=False)  # fmt: skip
         try:  # (colocated: the job's split names devices of its own size)
             out[tp] = ideal_for_job(dataclasses.replace(cfg, mode="colocated", split="", sim=sim))

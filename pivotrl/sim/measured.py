@@ -118,9 +118,9 @@ class MeasuredCosts:
         {"device": "cpu, 1 torch thread",
          "rollout": {"model": "policy", "step_base_s": ..., "step_per_seq_s": ..., "step_per_kv_token_s": ...,
                      "prefill_per_token_s": ..., "max_batch": 64, "max_len": 256},
-         "genrm":   {"model": "genrm", ...the same keys...},
+         "judge":   {"model": "judge", ...the same keys...},
          "train":   {"per_token_s": ..., "optimizer_step_s": ..., "per_call_s": ...},
-         "shift":   {"rollout->genrm": 0.4, "rollout->train": ..., ...every ordered pair of roles...},
+         "shift":   {"rollout->judge": 0.4, "rollout->train": ..., ...every ordered pair of roles...},
          "spread":  {"shift": 0.8, "accumulate": 0.4, "optimizer": 0.9}}
 
     The model arguments of the protocol pick the role by name (``rollout.model`` or
@@ -166,7 +166,7 @@ class MeasuredCosts:
     def from_dict(cls, data: dict[str, Any]) -> MeasuredCosts:
         if not isinstance(data, dict):
             raise ValueError(f"measured costs: expected an object, got {type(data).__name__}")
-        required = ("rollout", "genrm", "train", "shift")
+        required = ("rollout", "judge", "train", "shift")
         allowed = ("device", *required, "spread")
         for key in data:
             if key not in allowed:
@@ -178,7 +178,7 @@ class MeasuredCosts:
             raise ValueError(f"shift: expected an object, got {type(data['shift']).__name__}")
         return cls(
             rollout=_parse(GenMeasure, data["rollout"], "rollout"),
-            genrm=_parse(GenMeasure, data["genrm"], "genrm"),
+            genrm=_parse(GenMeasure, data["judge"], "judge"),
             train=_parse(TrainMeasure, data["train"], "train"),
             shifts=dict(data["shift"]),
             device=data.get("device", "unspecified"),
@@ -189,7 +189,7 @@ class MeasuredCosts:
         return {
             "device": self.device,
             "rollout": _as_dict(self.rollout),
-            "genrm": _as_dict(self.genrm),
+            "judge": _as_dict(self.genrm),
             "train": _as_dict(self.train),
             "shift": dict(self.shifts),
             **({"spread": dict(self.spreads)} if self.spreads else {}),
@@ -309,7 +309,7 @@ class MeasuredCosts:
 #   steps      when not logged (older runs): decode = steps * (load - finished / 2)
 
 
-GEN_ROLES = ("rollout", "genrm")
+GEN_ROLES = ("rollout", "judge")
 
 
 @dataclass(slots=True)
@@ -617,7 +617,7 @@ def replay_overrides(run_dir: str | Path, fit: RunFit) -> list[str]:
     out = []
     if isinstance(devices := fit.report.get("devices"), int):  # (one instance of one GPU a device, as measured)
         out.append(f"sim.gpus={devices}")
-    prompt, judge_prompt = (fit.report.get(role, {}).get("prompt_tokens") for role in ("rollout", "genrm"))
+    prompt, judge_prompt = (fit.report.get(role, {}).get("prompt_tokens") for role in ("rollout", "judge"))
     if prompt:
         out.append(f"sim.prompt_len={max(1, round(prompt))}")
     path = Path(run_dir) / "metrics.jsonl"
@@ -702,7 +702,7 @@ def _fit_run(run_dir: str | Path) -> RunFit:
     spreads["shift"] = _shift_spread(events, steady, shifts)
     mode, devices = config.get("mode", "?"), config.get("devices", "?")
     device = f"fitted to {Path(run_dir).name}: {mode} on {devices} device(s)"
-    costs = MeasuredCosts(gen["rollout"], gen["genrm"], train, shifts, device, {k: spreads[k] for k in SPREAD_KINDS})
+    costs = MeasuredCosts(gen["rollout"], gen["judge"], train, shifts, device, {k: spreads[k] for k in SPREAD_KINDS})
     period = [g.end - g.start + g.gap_s for g in slices if g.gap_s is not None and g.start >= steady]
     slice_s = median(period) if period else median([g.end - g.start for g in slices])
     return RunFit(costs, slice_s, report)

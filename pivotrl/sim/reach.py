@@ -121,8 +121,8 @@ def replay(
     backpropagate the groups judged so far, in lockstep among themselves, and at the last judgment the
     rest join them after ``regroup_s`` (a new group meets, the state resharded). Returns the step's seconds,
     the instance-seconds the judge held, and when the rollout and judging ended."""
-    jc, model, tp = spec.role_costs(Role.GENRM), spec.genrm, spec.tp
-    capacity = spec.capacity(Role.GENRM)
+    jc, model, tp = spec.role_costs(Role.JUDGE), spec.genrm, spec.tp
+    capacity = spec.capacity(Role.JUDGE)
     n, d = len(step.ends), step.devices
     arrivals = sorted(range(n), key=lambda i: step.ends[i])
     rollout = _Rollout(step)
@@ -130,7 +130,7 @@ def replay(
     for g in step.groups:
         members[g] += 1
     judged = [0] * len(step.group_work)
-    floor_price = (step.floor.gpu_seconds["genrm_prefill"] + step.floor.gpu_seconds["genrm_decode"]) / tp / n
+    floor_price = (step.floor.gpu_seconds["judge_prefill"] + step.floor.gpu_seconds["judge_decode"]) / tp / n
     queue: deque[int] = deque()
     reading: deque[list[float]] = deque()  # batched: [judgment, prefill instance-seconds left]
     decoding: list[tuple[float, int]] = []  # batched: (progress at which it is done, judgment)
@@ -240,12 +240,12 @@ def reach(
     (``cohort``: ``replay``'s what-if for a lockstep trainer, its regroup at the cost model's price)."""
     spec = build(cfg, warn=False).spec
     step = step_of(cfg, spec, seed)
-    capacity = spec.capacity(Role.GENRM)
+    capacity = spec.capacity(Role.JUDGE)
     regroup = spec.costs.regroup(spec.policy, spec.devices * spec.tp) if cohort else 0.0
     check = replay(step, spec, None, dt, cohort, regroup)
     tried = {b: replay(step, spec, b, dt, cohort, regroup) for b in sorted({min(b, capacity) for b in targets})}
     best = min(tried, key=lambda b: tried[b]["seconds"])
-    price = (step.floor.gpu_seconds["genrm_prefill"] + step.floor.gpu_seconds["genrm_decode"]) / spec.tp
+    price = (step.floor.gpu_seconds["judge_prefill"] + step.floor.gpu_seconds["judge_decode"]) / spec.tp
     return {
         "floor_seconds": step.floor.floor_seconds,
         "joint_floor_seconds": step.floor.joint_floor_s,

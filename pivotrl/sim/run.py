@@ -66,7 +66,7 @@ def _costs(cfg: JobConfig) -> CostModel:
     if sim.costs == "roofline":
         return RooflineCosts(GPUS[sim.gpu])
     if sim.costs == "deployed":
-        return DeployedCosts(GPUS[sim.gpu], policy_model=MODELS[sim.policy_model], genrm_model=MODELS[sim.genrm_model],
+        return DeployedCosts(GPUS[sim.gpu], policy_model=MODELS[sim.policy_model], judge_model=MODELS[sim.judge_model],
                              gpus=sim.gpus)  # fmt: skip
     if not Path(sim.costs).is_file():
         raise UserError(
@@ -107,11 +107,11 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
     already built, which would say it again for each."""
     sim = cfg.sim
     costs = _costs(cfg)
-    policy_model, genrm_model = MODELS[sim.policy_model], MODELS[sim.genrm_model]
+    policy_model, judge_model = MODELS[sim.policy_model], MODELS[sim.judge_model]
     measured = isinstance(costs, MeasuredCosts)
     if measured:  # measured costs tell the roles apart by model name
         policy_model = dataclasses.replace(policy_model, name=costs.rollout.model)
-        genrm_model = dataclasses.replace(genrm_model, name=costs.genrm.model)
+        judge_model = dataclasses.replace(judge_model, name=costs.genrm.model)
     shape = policy_model.train_config()
     # the job resolved as the runtime would on the modeled GPUs, a device each (train.backend=auto: ZeRO-1 in
     # shiftable mode where it fits, else FSDP2); a measured CPU profile's runtime trains replicated
@@ -142,7 +142,7 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         tp=sim.instance_gpus,
         costs=costs,
         policy=policy_model,
-        genrm=genrm_model,
+        genrm=judge_model,
         lengths=lengths,
         group_correlation=float(sim.group_correlation),
         replay=replay,
@@ -166,13 +166,13 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         ),
         engine_tp=(
             _engine_gpus(sim, costs, policy_model, sim.rollout_engine_gpus, rollout_context),
-            _engine_gpus(sim, costs, genrm_model, sim.genrm_engine_gpus, judge_context),
+            _engine_gpus(sim, costs, judge_model, sim.judge_engine_gpus, judge_context),
         ),  # fmt: skip
         elastic=sim.elastic_engines,
         lockstep_train=plan.traits.lockstep,
     )
     checks = ((Role.ROLLOUT, sim.policy_model, spec.rollout_context, "rollout_engine_gpus"),
-              (Role.GENRM, sim.genrm_model, spec.judge_context, "genrm_engine_gpus"))  # fmt: skip
+              (Role.JUDGE, sim.judge_model, spec.judge_context, "judge_engine_gpus"))  # fmt: skip
     for role, name, context, key in checks:
         if spec.capacity(role) >= 1:
             continue
@@ -204,7 +204,7 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         )
     # an engine runs no more sequences than its KV memory holds; handing it more only queues them
     # inside it, out of reach of devices that join the role later
-    judge_batch, judge_kv = spec.capacity(Role.GENRM), spec.kv_tokens(Role.GENRM)
+    judge_batch, judge_kv = spec.capacity(Role.JUDGE), spec.kv_tokens(Role.JUDGE)
     r = dataclasses.replace(r, max_batch=spec.capacity(Role.ROLLOUT))
     # the fewest train devices (the plan's: the fewest GPUs the trainer's state fits on, over the GPUs of an
     # instance): the optimizer step waits for as many instances, as the runtime's train.min_devices=auto
@@ -287,10 +287,10 @@ def _startup_profile(profiles: Profiles, spec: SimSpec) -> None:
     judge_prompt = spec.prompt_len + response + spec.judge_template_len
     profiles.rollout = profile(Role.ROLLOUT, spec.prompt_len + response)
     judgment = spec.judge_lengths.quantile(0.5)
-    profiles.judge = profile(Role.GENRM, judge_prompt + judgment // 2)
+    profiles.judge = profile(Role.JUDGE, judge_prompt + judgment // 2)
     tokens = 16 * (spec.prompt_len + response)
     profiles.train = TrainProfile(device_rate=tokens / spec.costs.train_tokens(spec.policy, tokens, tp))
-    rollout, judge = spec.role_costs(Role.ROLLOUT), spec.role_costs(Role.GENRM)
+    rollout, judge = spec.role_costs(Role.ROLLOUT), spec.role_costs(Role.JUDGE)
     profiles.rollout.prefill_rate = 4096 / rollout.prefill(spec.policy, tp, 4096, spec.prompt_len + response)
     profiles.judge.prefill_rate = judge_prompt / judge.prefill(spec.genrm, tp, judge_prompt)
 
@@ -348,10 +348,10 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     summary["train_backend"], summary["train_min_devices"] = job.train.backend, s.loop.min_train_devices  # (as a run's)
     summary["gps_bytes"] = gps_bytes(spec)
     summary["sim"] = {"gpu": job.sim.gpu, "gpus": job.sim.gpus, "instance_gpus": spec.tp,
-                      "policy_model": job.sim.policy_model, "genrm_model": job.sim.genrm_model,
+                      "policy_model": job.sim.policy_model, "judge_model": job.sim.judge_model,
                       "lengths": spec.lengths.describe(), "slice_s": spec.slice_s, "events": stats.events,
                       "kv_cache": job.sim.kv_cache, "preemptions": driver.preemptions(),
-                      "engine_gpus": {"rollout": spec.engine_tp[0] or spec.tp, "genrm": spec.engine_tp[1] or spec.tp},
+                      "engine_gpus": {"rollout": spec.engine_tp[0] or spec.tp, "judge": spec.engine_tp[1] or spec.tp},
                       "elastic_engines": spec.elastic, "costs": job.sim.costs,
                       "shift_scale": job.sim.shift_scale, "migration_scale": job.sim.migration_scale,
                       "train_forwards": _train_forwards(spec.costs)}  # fmt: skip
@@ -397,7 +397,7 @@ def format_sizes(job: JobConfig) -> str | None:
     own = floors.get(sim.instance_gpus)
     # (an engine of all the instance's GPUs is one engine a role)
     engines = sim.elastic_engines or any(
-        0 < g < sim.instance_gpus for g in (sim.rollout_engine_gpus, sim.genrm_engine_gpus)
+        0 < g < sim.instance_gpus for g in (sim.rollout_engine_gpus, sim.judge_engine_gpus)
     )
     if own is not None and engines:
         own = ideal_for_job(job).floor_samples_per_s  # its instances run a role on several engines
@@ -408,7 +408,7 @@ def format_sizes(job: JobConfig) -> str | None:
     sizes = ", ".join(f"{rate:.1f} samples/s on {what.format(tp)}" for tp, rate in sorted(better.items()))
     best = max(better, key=lambda tp: better[tp])
     try_ = f"sim.instance_gpus={best}"
-    for key, off in (("rollout_engine_gpus", 0), ("genrm_engine_gpus", 0), ("elastic_engines", "false")):
+    for key, off in (("rollout_engine_gpus", 0), ("judge_engine_gpus", 0), ("elastic_engines", "false")):
         if engines and getattr(sim, key):
             try_ += f" sim.{key}={off}"
     return (
@@ -464,7 +464,7 @@ def format_sim(summary: dict[str, Any]) -> str:
     return (
         f"simulated {summary['sim_seconds']:.1f} s ({per_step:.1f} s/step) on {sim['gpus']} x {sim['gpu']} "
         f"({summary['devices']} instances of {sim['instance_gpus']} GPU{_engines(sim)}), {sim['policy_model']} policy, "
-        f"{sim['genrm_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions)"
+        f"{sim['judge_model']} judge, {sim['kv_cache']} KV cache ({sim['preemptions']} preemptions)"
         f"{_costs_text(sim.get('costs', 'roofline'))}{_training_text(sim)}{_what_if_text(sim)}; "
         f"{summary['wall_seconds']:.1f} s of wall time\n"
         f"ideal {ideal['samples_per_s']:.1f} samples/s; no schedule's step is shorter than "

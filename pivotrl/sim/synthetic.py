@@ -58,7 +58,7 @@ def response_tokens(text: str) -> int:
 
 
 def verdict_text(genrm: GenRM, label: str) -> str | None:
-    """A short judgment that ``genrm`` parses to ``label`` (its verdict pattern's group), or None."""
+    """A short judgment that ``judge`` parses to ``label`` (its verdict pattern's group), or None."""
     candidates = []
     for one in (True, False):
         try:

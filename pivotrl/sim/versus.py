@@ -142,7 +142,7 @@ def _ideal_split(cfg: JobConfig) -> Split:
         raise UserError(f"{devices} instance(s) of {cfg.sim.instance_gpus} GPU(s) cannot hold one a role; a static "
                         "split needs 3 or more (more sim.gpus, or smaller instances)")  # fmt: skip
     s = ideal_for_job(cfg).split(devices)
-    return s["rollout"], s["genrm"], s["train"]
+    return s["rollout"], s["judge"], s["train"]
 
 
 # -- the runs -------------------------------------------------------------------------------

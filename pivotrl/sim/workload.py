@@ -317,7 +317,7 @@ class SimWorkload:
     judge_template_len: int  # tokens the GenRM prompt adds to question and response (instructions, reference)
     judge_output_len: LengthDist | int  # tokens the GenRM writes per judgment: rationale and verdict
     policy: str  # name of the policy in ``MODELS``
-    genrm: str  # name of the GenRM in ``MODELS``
+    judge: str  # name of the judge in ``MODELS``
 
     def __post_init__(self) -> None:
         self.validate()
@@ -333,7 +333,7 @@ class SimWorkload:
         out = self.judge_output_len
         if not isinstance(out, LengthDist) and (not _is_int(out) or out < 1):
             raise ValueError(f"judge_output_len: got {out!r}, must be a LengthDist or an int >= 1")
-        for name in ("policy", "genrm"):
+        for name in ("policy", "judge"):
             if getattr(self, name) not in MODELS:
                 raise ValueError(f"{name}: got {getattr(self, name)!r}, known models: {', '.join(MODELS)}")
 
@@ -351,8 +351,8 @@ class SimWorkload:
         return MODELS[self.policy]
 
     @property
-    def genrm_model(self) -> ModelSpec:
-        return MODELS[self.genrm]
+    def judge_model(self) -> ModelSpec:
+        return MODELS[self.judge]
 
     def judge_prompt_len(self, response_len: int) -> int:
         """Tokens the GenRM prefills for one judgment: the question, the response, its template."""

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_MODES = ("colocated", "disaggregated", "shiftable")  # reports before the deployed baseline
-ROLES = ("rollout", "genrm", "train")
+ROLES = ("rollout", "judge", "train")
 
 
 def paper(*argv: str) -> subprocess.CompletedProcess:
@@ -27,9 +27,9 @@ def fake_report(tmp_path: Path) -> Path:
     modes = {m: {"samples_per_s": rate, "step_seconds": 8192 / rate, "busy_fraction": dict.fromkeys(
         (*ROLES, "shift"), 0.2), "idle_fraction": 0.2, "shifts_per_step": 1.0, "moves_per_step": 1.0,
         "shift_seconds_per_step": 1.0} for m, rate in zip(OLD_MODES, (10.0, 8.0, 12.0), strict=True)}  # fmt: skip
-    overrides = ["sim.policy_model=Qwen2.5-7B", "sim.genrm_model=Qwen2.5-7B", "sim.gpus=32", "sim.instance_gpus=1",
+    overrides = ["sim.policy_model=Qwen2.5-7B", "sim.judge_model=Qwen2.5-7B", "sim.gpus=32", "sim.instance_gpus=1",
                  "train.backend=zero", "eval.size=16"]  # fmt: skip
-    group = {"name": "dense-7b", "what": "dense pair", "policy": "Qwen2.5-7B", "genrm": "Qwen2.5-7B", "gpus": 32,
+    group = {"name": "dense-7b", "what": "dense pair", "policy": "Qwen2.5-7B", "judge": "Qwen2.5-7B", "gpus": 32,
              "instance_gpus": 1, "devices": 32, "overrides": overrides, "ideal": {}, "modes": modes}  # fmt: skip
     report = {"code": "abc", "settings": {"gpus": 32}, "wall_s": 60.0, "groups": [group]}
     path = tmp_path / "paper.json"

@@ -53,7 +53,7 @@ from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Problem, Status
 from pivotrl.task.rules import exact_match
 
-R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+R, G, T = Role.ROLLOUT, Role.JUDGE, Role.TRAIN
 TEMPLATE = "Q: {question}\nA:"
 TRAIN_SET = [Problem(f"{a}+{a}", str(2 * a)) for a in range(1, 7)]
 HELDOUT = [Problem(f"{a}*3", str(3 * a)) for a in range(1, 5)]
@@ -216,7 +216,7 @@ def controller(policy, **overrides) -> Controller:
 
 def phases(log: list[Command | Event]) -> list[str]:
     """The kinds of work commands in order, repeats collapsed."""
-    names = {Generate: "rollout", Judge: "genrm", Accumulate: "train", Step: "train"}
+    names = {Generate: "rollout", Judge: "judge", Accumulate: "train", Step: "train"}
     kinds = [names[type(x)] for x in log if type(x) in names]
     return [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
 
@@ -263,7 +263,7 @@ def test_colocated_runs_every_phase_on_every_device(devices):
     check_results(ctl, cluster)
     for roles in cluster.roles_after_batch:
         assert len(set(roles)) == 1, f"devices hold different roles at once: {roles}"
-    assert phases(cluster.log) == ["rollout", "genrm", "train"] * STEPS + ["rollout"]  # last: evaluation of v3
+    assert phases(cluster.log) == ["rollout", "judge", "train"] * STEPS + ["rollout"]  # last: evaluation of v3
     shifts = [x for x in cluster.log if isinstance(x, Shift)]
     assert len(shifts) == devices * (3 * STEPS + 1)
     for step, part in enumerate(per_step(cluster.log)):
@@ -487,7 +487,7 @@ def test_a_group_generated_whole_is_judged_first():
     assert w.judge_read_tokens == sum(len(ctl.book.by_uid[u].prompt_ids) + len(ctl.book.by_uid[u].response_ids)
                                       for u in (0, 2, 3, 4, 6))  # fmt: skip
     # once its device reports it writing, the judgment has read its prompt there: only its verdict is left
-    ctl.handle(Progress(1, Role.GENRM, 0.5, 3, 1, ((0, 3),), prefill_tokens=10, prefill_seconds=0.1))
+    ctl.handle(Progress(1, Role.JUDGE, 0.5, 3, 1, ((0, 3),), prefill_tokens=10, prefill_seconds=0.1))
     w = ctl.workload()
     assert (w.judge_read_running, w.judge_left_running) == (0, ctl.stats.means["judge_tokens"] - 3)
     assert w.judge_written == [3]  # (how long the running judgment may still run depends on what it wrote)

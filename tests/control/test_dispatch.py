@@ -9,7 +9,7 @@ from pivotrl.control.fleet import DeviceState, Fleet
 from pivotrl.control.messages import Abort, Generate, GenParams, GenRequest, Judge, JudgeRequest, Role, ShiftDone
 from pivotrl.control.scheduler import Scheduler
 
-R, G = Role.ROLLOUT, Role.GENRM
+R, G = Role.ROLLOUT, Role.JUDGE
 
 
 def ready_fleet(roles: list[Role]) -> Fleet:

@@ -7,7 +7,7 @@ import pytest
 from pivotrl.control.fleet import DeviceState, Fleet
 from pivotrl.control.messages import Abort, Accumulate, Role, Shift, ShiftDone, Step
 
-R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+R, G, T = Role.ROLLOUT, Role.JUDGE, Role.TRAIN
 S = DeviceState
 
 

@@ -7,7 +7,7 @@ import pytest
 from pivotrl.control.messages import Role
 from pivotrl.control.modes import Colocated, Demand, Disaggregated, default_split, make_policy
 
-R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+R, G, T = Role.ROLLOUT, Role.JUDGE, Role.TRAIN
 
 
 def demand(gen: int = 0, judge: int = 0, train_ready: bool = False, training: bool = False) -> Demand:
@@ -47,7 +47,7 @@ SPLITS = [
 
 
 @pytest.mark.parametrize(("devices", "split", "roles"), SPLITS)
-def test_disaggregated_lays_out_rollout_then_genrm_then_train(devices, split, roles):
+def test_disaggregated_lays_out_rollout_then_judge_then_train(devices, split, roles):
     policy = Disaggregated(devices, split)
     expected = dict(enumerate(roles))
     for snapshot in (demand(gen=3), demand(judge=3), demand(train_ready=True), demand(training=True), demand()):
@@ -88,7 +88,7 @@ ERRORS = [
         lambda: Disaggregated(4, {R: 2, G: 1, T: 2}), r"split: .* uses 5 devices, but devices=4", id="sum>devices"
     ),
     pytest.param(lambda: Disaggregated(5, {R: 2, G: 1, T: 1}), r"uses 4 devices, but devices=5", id="sum<devices"),
-    pytest.param(lambda: Disaggregated(4, {R: 3, G: 0, T: 1}), r"at least one device for genrm", id="genrm:0"),
+    pytest.param(lambda: Disaggregated(4, {R: 3, G: 0, T: 1}), r"at least one device for judge", id="judge:0"),
     pytest.param(lambda: Disaggregated(4, {R: 3, G: 1}), r"at least one device for train", id="train-missing"),
     pytest.param(lambda: Disaggregated(4, {R: 0, G: 2, T: 2}), r"at least one device for rollout", id="rollout:0"),
     pytest.param(lambda: Disaggregated(2), r"needs at least 3 devices .* got 2", id="2dev-default"),
@@ -101,7 +101,7 @@ ERRORS = [
     ),
     pytest.param(lambda: make_policy("disaggregated", 2), r"needs at least 3 devices", id="make-disagg-2dev"),
     pytest.param(
-        lambda: make_policy("disaggregated", 4, {"rollout": 2, "genrm": 1, "train": 1}, min_train=2),
+        lambda: make_policy("disaggregated", 4, {"rollout": 2, "judge": 1, "train": 1}, min_train=2),
         r"split: train:1 is fewer than the 2 devices the optimizer step needs \(train.min_devices\)",
         id="split-below-min-train",
     ),
@@ -131,7 +131,7 @@ MAKE = [
     pytest.param(
         "disaggregated",
         4,
-        {"rollout": 1, "genrm": 2, "train": 1},
+        {"rollout": 1, "judge": 2, "train": 1},
         Disaggregated,
         {0: R, 1: G, 2: G, 3: T},
         id="disaggregated-split-by-name",

@@ -9,7 +9,7 @@ import pytest
 from pivotrl.control.messages import Role
 from pivotrl.control.profiles import LengthModel, RoleProfile, ShiftCosts, TrainProfile
 
-R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+R, G, T = Role.ROLLOUT, Role.JUDGE, Role.TRAIN
 
 
 # -- LengthModel ------------------------------------------------------------------------------
@@ -314,7 +314,7 @@ def test_learned_profiles_survive_a_checkpoint_as_json():
     for n in (12, 40, 96, 7, 55) * 10:
         p.lengths.observe(n)
         p.judgments.observe(n // 2)
-    p.costs.observe(Role.ROLLOUT, Role.GENRM, 0.3)
+    p.costs.observe(Role.ROLLOUT, Role.JUDGE, 0.3)
     p.costs.observe(None, Role.TRAIN, 0.9)
     state = json.loads(json.dumps(learned.state()))
     fresh.restore(state)
@@ -326,7 +326,7 @@ def test_learned_profiles_survive_a_checkpoint_as_json():
         p.lengths.expected_remaining(t) for t in (0, 30, 90)
     ]
     assert q.judgments.expected_longest({0: 8}) == p.judgments.expected_longest({0: 8}) != 24.0
-    assert q.costs.cost(Role.ROLLOUT, Role.GENRM) == p.costs.cost(Role.ROLLOUT, Role.GENRM)
+    assert q.costs.cost(Role.ROLLOUT, Role.JUDGE) == p.costs.cost(Role.ROLLOUT, Role.JUDGE)
     assert q.costs.cost(None, Role.TRAIN) == p.costs.cost(None, Role.TRAIN)
     assert json.loads(json.dumps(fresh.state())) == json.loads(json.dumps(learned.state()))  # caches alike too
 

@@ -51,7 +51,7 @@ def test_a_lost_devices_work_begins_again_from_the_start_of_its_role():
     assert work.gen == [gen(3), gen(5), gen(9)] and work.judge == [] and len(work) == 3
     assert scheduler.load(0) == 0 and [r.uid for r in scheduler.gen_queue] == [3, 5, 9]  # from the start
     assert [r.output_ids for r in scheduler.gen_queue] == [[], [], []]
-    work = recovery.lost(DeviceView(1, Role.GENRM), scheduler, gen, judge, 2.0, "hung")
+    work = recovery.lost(DeviceView(1, Role.JUDGE), scheduler, gen, judge, 2.0, "hung")
     assert work.judge == [judge(4)] and [r.uid for r in scheduler.judge_queue] == [4, 7]
     train = DeviceView(2, Role.TRAIN, state=DeviceState.ACCUMULATING, held=[6, 7, 8], in_backward=1)
     work = recovery.lost(train, scheduler, gen, judge, 3.0, "died")

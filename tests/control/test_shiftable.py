@@ -8,7 +8,7 @@ from pivotrl.control.modes import Demand
 from pivotrl.control.planner import Workload
 from pivotrl.control.shiftable import REPLAN_SHARE, PlanView, Shiftable
 
-R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+R, G, T = Role.ROLLOUT, Role.JUDGE, Role.TRAIN
 
 
 class Counting:

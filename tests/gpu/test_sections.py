@@ -71,8 +71,8 @@ def test_a_device_shifts_through_every_role_pair_of_a_step() -> None:
     needs("shifts")
     r = shifts(DEVICE)
     pairs = r["pairs"]
-    expected = {"none->rollout", "rollout->genrm", "genrm->train", "train->rollout", "rollout->rollout"}
-    assert expected | {"rollout->train", "train->genrm", "genrm->rollout"} == set(pairs)
+    expected = {"none->rollout", "rollout->judge", "judge->train", "train->rollout", "rollout->rollout"}
+    assert expected | {"rollout->train", "train->judge", "judge->rollout"} == set(pairs)
     assert all(p["median_s"] > 0 for p in pairs.values()), pairs
     assert r["rollout_dtype"] == "bfloat16" and all(p["held_gb_after"] is not None for p in pairs.values())
 

@@ -39,8 +39,8 @@ def test_gps_load_section_on_cpu() -> None:
 def test_shifts_section_on_cpu() -> None:
     r = shifts("cpu", TINY, cycles=1)
     pairs = r["pairs"]
-    expected = {"none->rollout", "rollout->genrm", "genrm->train", "train->rollout", "rollout->rollout"}
-    assert expected | {"rollout->train", "train->genrm", "genrm->rollout"} == set(pairs)
+    expected = {"none->rollout", "rollout->judge", "judge->train", "train->rollout", "rollout->rollout"}
+    assert expected | {"rollout->train", "train->judge", "judge->rollout"} == set(pairs)
     assert all(p["median_s"] > 0 and p["gb"] > 0 for p in pairs.values())
     assert pairs["rollout->train"]["gb"] > pairs["rollout->rollout"]["gb"]  # v1 train brings its AdamW state too
 

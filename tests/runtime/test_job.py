@@ -14,6 +14,7 @@ from pivotrl.model import CheckpointError, Tokenizer
 from pivotrl.model.chat import load_chat_template
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import job
+from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.job import chat_templates, context_spec, run_job
 from pivotrl.task import checkers
 from pivotrl.task.data import read_jsonl, read_problems, write_parquet
@@ -50,7 +51,7 @@ def small_job(ckpt: dict[str, Path], *extra: str):
 def test_job_runs_end_to_end_and_writes_its_outputs(tiny_checkpoints, tmp_path):
     cfg = small_job(tiny_checkpoints)
     summary = run_job(cfg, tmp_path, progress=False)
-    for key in ("mode", "steps", "samples_per_s", "accuracy_start", "accuracy_end", "genrm_agreement"):
+    for key in ("mode", "steps", "samples_per_s", "accuracy_start", "accuracy_end", "judge_agreement"):
         assert key in summary
     assert summary["samples"] == 3 * 4 * 3 and summary["samples_per_s"] > 0
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -61,13 +62,13 @@ def test_job_runs_end_to_end_and_writes_its_outputs(tiny_checkpoints, tmp_path):
         assert set(m["time_s"]) >= {"rollout", "judge", "train"}
     # a random judge writes garbage: every failure is counted, none is fatal, each got the fallback reward
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["genrm_parse_failures"] == sum(m["parse_failures"] for m in lines) > 0
+    assert on_disk["judge_parse_failures"] == sum(m["parse_failures"] for m in lines) > 0
     assert (tmp_path / "policy" / "model.safetensors").is_file()
     for name in ("events.jsonl", "trace.json", "timeline.png", "config.json"):
         assert (tmp_path / name).is_file(), name
     roles = {json.loads(x)["role"] for x in (tmp_path / "events.jsonl").read_text().splitlines()}
-    assert roles == {"rollout", "genrm", "train", "shift"}  # evaluation is greedy generation in the rollout role
-    # colocated on one device: rollout -> genrm -> train -> rollout ..., every shift loads from the GPS
+    assert roles == {"rollout", "judge", "train", "shift"}  # evaluation is greedy generation in the rollout role
+    # colocated on one device: rollout -> judge -> train -> rollout ..., every shift loads from the GPS
     assert on_disk["shifts"] >= 3 * 3 and on_disk["shift_seconds"]["max"] > 0
     assert 0 < sum(on_disk["role_busy_fraction"].values()) <= 1.0
 
@@ -144,7 +145,7 @@ def test_shiftable_run_writes_its_decision_log(tiny_checkpoints, tmp_path):
     run_job(small_job(tiny_checkpoints, "steps=1", "mode=shiftable"), tmp_path, progress=False)
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert decisions and all(d["moves"] and d["reason"] for d in decisions)
-    assert {m[2] for d in decisions for m in d["moves"]} == {"rollout", "genrm", "train"}
+    assert {m[2] for d in decisions for m in d["moves"]} == {"rollout", "judge", "train"}
 
 
 def test_kl_to_the_initial_policy_is_trained_and_reported(tiny_checkpoints, tmp_path):
@@ -172,15 +173,20 @@ def test_auto_min_train_devices_follow_the_policy_and_the_gpu_memory(tmp_path):
     from tests.test_cli import write_qwen7b_config
 
     policy = write_qwen7b_config(tmp_path)
-    cfg = load_config(None, [f"policy.path={policy}", "devices=8", "train.activation_checkpointing=true"])
-    assert job.train_min_devices(cfg, "cuda", False, 80e9) == 3  # FSDP2, bf16, 16k-token micro batches
-    auto = load_config(None, [f"policy.path={policy}", "devices=8"])  # (checkpointing auto: on, on 80 GB)
-    assert job.train_min_devices(auto, "cuda", False, 80e9) == 3
-    assert job.train_min_devices(cfg, "cpu", False, None) == 1
-    assert job.train_min_devices(replace(cfg, train=replace(cfg.train, min_devices=2)), "cuda", False, 80e9) == 2
+    paths = [f"policy.path={policy}", f"judge.path={policy}"]  # (the judge's architecture: for its limits)
+
+    def min_train(cfg, kind: str, memory: float | None) -> int:
+        return job.resolve_run(cfg, kind, memory, ContextSpec()).min_train_devices
+
+    cfg = load_config(None, [*paths, "devices=8", "train.activation_checkpointing=true"])
+    assert min_train(cfg, "cuda", 80e9) == 3  # FSDP2, bf16, 16k-token micro batches
+    auto = load_config(None, [*paths, "devices=8"])  # (checkpointing auto: on, on 80 GB)
+    assert min_train(auto, "cuda", 80e9) == 3
+    assert min_train(cfg, "cpu", None) == 1
+    assert min_train(replace(cfg, train=replace(cfg.train, min_devices=2)), "cuda", 80e9) == 2
     with pytest.raises(UserError, match=r"train.min_devices=auto: training 7.62B parameters with train.backend=fsdp "
                        r"needs \d+ GB a device even on all 8 devices, more than 90% of their 10 GB"):  # fmt: skip
-        job.train_min_devices(cfg, "cuda", False, 10e9)
+        min_train(cfg, "cuda", 10e9)
 
 
 @pytest.fixture

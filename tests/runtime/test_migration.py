@@ -104,10 +104,10 @@ class LeaveMidRollout(StaticPolicy):
         if demand.gen_pending:
             self.most = max(self.most, demand.gen_pending)
             leave = demand.gen_pending < self.most and demand.loads[0] > 0
-            return {0: Role.GENRM if leave else Role.ROLLOUT, 1: Role.ROLLOUT}
+            return {0: Role.JUDGE if leave else Role.ROLLOUT, 1: Role.ROLLOUT}
         self.most = 0
         if demand.judge_pending:
-            return {0: Role.GENRM, 1: Role.GENRM}
+            return {0: Role.JUDGE, 1: Role.JUDGE}
         return {0: Role.TRAIN, 1: Role.ROLLOUT}
 
     def train_devices(self):
@@ -145,7 +145,7 @@ def test_a_judgment_moved_mid_way_resumes_with_identical_text():
 
     def judge_worker(device):
         w = Worker(device, s, spec, TrainSpec(planned(), 1.0), origin=0.0)
-        w.shift(Role.GENRM, 0)
+        w.shift(Role.JUDGE, 0)
         return w
 
     reqs = tuple(JudgeRequest(u, f"{u:02d}+11=", str(u + 11), str(u + 10), 7 + u, GenParams(20, 0.0)) for u in range(6))

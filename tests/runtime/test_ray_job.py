@@ -39,7 +39,7 @@ def test_four_ray_devices_match_one_local_device(mode, one_device, tiny_checkpoi
     if mode == "disaggregated":  # a static split: each device only ever does its own role's work
         roles = {d: {e["role"] for e in events if e["device"] == d and e["role"] not in ("shift", "migrate")}
                  for d in range(4)}  # fmt: skip
-        assert roles == {0: {"rollout"}, 1: {"rollout"}, 2: {"genrm"}, 3: {"train"}}
+        assert roles == {0: {"rollout"}, 1: {"rollout"}, 2: {"judge"}, 3: {"train"}}
         # sequences may move between the two rollout devices (rebalancing, when their loads part), never elsewhere
         assert {e["device"] for e in events if e["role"] == "migrate"} <= {0, 1}
     json.loads((tmp_path / "trace.json").read_text())
@@ -79,7 +79,7 @@ def test_sharded_trainer_on_ray_devices_matches_one_local_device(
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero"])
 def test_sharded_bf16_on_a_static_split_keeps_its_group(backend, tiny_checkpoints, tmp_path, ray_cluster):
-    extra = ("steps=3", "mode=disaggregated", "devices=4", "split=rollout:1,genrm:1,train:2", "rollout.max_batch=4",
+    extra = ("steps=3", "mode=disaggregated", "devices=4", "split=rollout:1,judge:1,train:2", "rollout.max_batch=4",
              f"train.backend={backend}", "train.precision=bf16", "train.kl_coef=0.05")  # fmt: skip
     if backend == "zero":  # its compute copy is loaded from the weights rollout runs
         extra += ("policy.rollout_dtype=bfloat16",)

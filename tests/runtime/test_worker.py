@@ -43,7 +43,7 @@ from tests.conftest import planned, tiny_model
 SPEC = ContextSpec(judge_template="Q:{question}\nR:{reference}\nA:{response}\nJ:")
 GREEDY = GenParams(max_new_tokens=6, temperature=0.0)
 SAMPLED = GenParams(max_new_tokens=6, temperature=1.0)
-CONTEXT_TYPE = {Role.ROLLOUT: GenerationContext, Role.GENRM: GenerationContext, Role.TRAIN: TrainContext}
+CONTEXT_TYPE = {Role.ROLLOUT: GenerationContext, Role.JUDGE: GenerationContext, Role.TRAIN: TrainContext}
 
 
 def train(w: Worker, device: int, version: int, shard: TrainShard, tokens: int):
@@ -107,7 +107,7 @@ def drain(worker: Worker) -> list[GenResult | JudgeResult]:
 
 def loaded_bytes(store: LocalStore, role: Role, version: int) -> int:
     """What a fresh context of ``role`` at ``version`` brings onto the device."""
-    if role is Role.GENRM:
+    if role is Role.JUDGE:
         return store.fetch(JUDGE, 0).nbytes
     nbytes = store.fetch(POLICY, version).nbytes
     if role is Role.TRAIN and version in store.versions(POLICY, Kind.OPTIMIZER):
@@ -136,8 +136,8 @@ def adam_steps(ctx: TrainContext) -> list[float]:
 
 SHIFT_CASES = [
     pytest.param(before, after, id=f"{label(before)}->{label(after)}")
-    for before in (None, Role.ROLLOUT, Role.GENRM, Role.TRAIN)
-    for after in (Role.ROLLOUT, Role.GENRM, Role.TRAIN)
+    for before in (None, Role.ROLLOUT, Role.JUDGE, Role.TRAIN)
+    for after in (Role.ROLLOUT, Role.JUDGE, Role.TRAIN)
 ]
 
 
@@ -153,13 +153,13 @@ def test_shift_loads_the_role_at_its_version(store, before, after):
 
     assert (done.device, done.role, done.version) == (0, after, 1)
     assert w.role is after and type(w.ctx) is CONTEXT_TYPE[after]
-    if after is Role.GENRM:  # the judge is frozen: the requested version does not apply to it
+    if after is Role.JUDGE:  # the judge is frozen: the requested version does not apply to it
         assert w.ctx.name == JUDGE and w.ctx.version == 0
         assert_holds(w.ctx.model, store, JUDGE, 0)
     else:
         assert w.ctx.version == 1
         assert_holds(model_of(w.ctx), store, POLICY, 1)
-    if before is after is Role.GENRM:  # nothing to load: same judge, same engine
+    if before is after is Role.JUDGE:  # nothing to load: same judge, same engine
         assert w.ctx is old and done.nbytes == 0 and done.seconds >= 0
     elif before is after is Role.ROLLOUT:  # new weights into the same engine
         assert w.ctx is old and done.nbytes == store.fetch(POLICY, 1).nbytes and done.seconds > 0
@@ -172,7 +172,7 @@ def test_shift_loads_the_role_at_its_version(store, before, after):
     assert s.args == {"bytes": done.nbytes, "version": 1} and s.end >= s.start
 
 
-@pytest.mark.parametrize("before", [None, Role.ROLLOUT, Role.GENRM, Role.TRAIN], ids=label)
+@pytest.mark.parametrize("before", [None, Role.ROLLOUT, Role.JUDGE, Role.TRAIN], ids=label)
 def test_generation_works_after_a_shift_to_rollout(store, before):
     w = make_worker(store)
     if before is not None:
@@ -191,12 +191,12 @@ def test_generation_works_after_a_shift_to_rollout(store, before):
     assert work[0].args["running"] == 3 and work[0].args["prefill_tokens"] == sum(len(r.prompt_ids) for r in results)
 
 
-@pytest.mark.parametrize("before", [None, Role.ROLLOUT, Role.GENRM, Role.TRAIN], ids=label)
-def test_judging_works_after_a_shift_to_genrm(store, before):
+@pytest.mark.parametrize("before", [None, Role.ROLLOUT, Role.JUDGE, Role.TRAIN], ids=label)
+def test_judging_works_after_a_shift_to_judge(store, before):
     w = make_worker(store)
     if before is not None:
         w.shift(before, 0)
-    w.shift(Role.GENRM, 0)
+    w.shift(Role.JUDGE, 0)
     w.judge(Judge(0, judge_requests(3)))
     results = drain(w)
     assert [r.uid for r in results] == [0, 1, 2]
@@ -229,7 +229,7 @@ def test_leaving_a_generation_role_frees_its_memory_at_once(store):
     weight = weakref.ref(w.ctx.model.model.layers[0].mlp.up_proj.weight)
     gc.disable()
     try:
-        w.shift(Role.GENRM, 0)
+        w.shift(Role.JUDGE, 0)
         assert cache() is None and weight() is None
     finally:
         gc.enable()
@@ -237,7 +237,7 @@ def test_leaving_a_generation_role_frees_its_memory_at_once(store):
     assert {p.device.type for p in skeleton.model.parameters()} == {"meta"}
 
 
-@pytest.mark.parametrize("via", [Role.GENRM, Role.TRAIN], ids=label)
+@pytest.mark.parametrize("via", [Role.JUDGE, Role.TRAIN], ids=label)
 def test_returning_to_a_generation_role_reloads_into_its_skeleton(store, via):
     w = make_worker(store)
     w.shift(Role.ROLLOUT, 0)
@@ -262,13 +262,13 @@ def test_rollout_runs_in_its_own_dtype(store):
     assert w.ctx.engine.cache.k.dtype == torch.bfloat16
     w.generate(Generate(0, gen_requests(2), version=0))
     assert all(r.output_ids for r in drain(w))
-    w.shift(Role.GENRM, 0)
+    w.shift(Role.JUDGE, 0)
     assert {p.dtype for p in w.ctx.model.parameters()} == {torch.float32}  # the judge keeps judge.dtype
     w.shift(Role.TRAIN, 0)
     assert {p.dtype for p in w.ctx.trainer.model.parameters()} == {torch.float32}  # the trainer keeps policy.dtype
 
 
-@pytest.mark.parametrize("role", [Role.ROLLOUT, Role.GENRM], ids=label)
+@pytest.mark.parametrize("role", [Role.ROLLOUT, Role.JUDGE], ids=label)
 def test_a_kv_budget_below_one_sequence_names_its_key(store, role):
     spec = replace(SPEC, kv_cache_bytes=1000)
     w = Worker(0, store, spec, TrainSpec(planned(), 1.0), origin=time.time())
@@ -279,7 +279,7 @@ def test_a_kv_budget_below_one_sequence_names_its_key(store, role):
 def test_a_kv_budget_limits_the_slots_of_every_generation_engine(store):
     per_seq = bytes_per_token(tiny_model().config, torch.float32) * SPEC.judge_max_len
     w = Worker(0, store, replace(SPEC, kv_cache_bytes=3 * per_seq), TrainSpec(planned(), 1.0), time.time())
-    w.shift(Role.GENRM, 0)
+    w.shift(Role.JUDGE, 0)
     assert w.ctx.engine.max_batch == 3 and w.ctx.engine.cache.nbytes <= 3 * per_seq
     w.judge(Judge(0, judge_requests(5)))  # more requests than slots: they wait their turn
     assert len(drain(w)) == 5
@@ -294,7 +294,7 @@ def test_shifts_on_a_cpu_never_touch_cuda(store, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", no_cuda)
     monkeypatch.setattr(torch.cuda, "mem_get_info", no_cuda)
     w = make_worker(store)
-    for role in (Role.ROLLOUT, Role.GENRM, Role.TRAIN, Role.ROLLOUT):
+    for role in (Role.ROLLOUT, Role.JUDGE, Role.TRAIN, Role.ROLLOUT):
         w.shift(role, 0)
 
 
@@ -345,7 +345,7 @@ def test_train_for_another_version_is_refused(store):
         pytest.param(None, Role.TRAIN, id="none->train"),
         pytest.param(Role.ROLLOUT, Role.ROLLOUT, id="rollout->rollout"),
         pytest.param(Role.ROLLOUT, Role.TRAIN, id="rollout->train"),
-        pytest.param(Role.GENRM, Role.ROLLOUT, id="genrm->rollout"),
+        pytest.param(Role.JUDGE, Role.ROLLOUT, id="judge->rollout"),
     ],
 )
 def test_shift_to_a_version_absent_from_the_gps_names_it(store, before, role):
@@ -366,7 +366,7 @@ WRONG_ROLE = [
     for before, kinds in (
         (None, ("generate", "judge", "train")),
         (Role.ROLLOUT, ("judge", "train")),
-        (Role.GENRM, ("generate", "train")),
+        (Role.JUDGE, ("generate", "train")),
         (Role.TRAIN, ("generate", "judge")),
     )
     for kind in kinds
@@ -394,8 +394,8 @@ def test_requests_for_another_role_are_refused(store, before, kind):
     [
         pytest.param(Role.ROLLOUT, Role.TRAIN, id="rollout-busy->train"),
         pytest.param(Role.ROLLOUT, Role.ROLLOUT, id="rollout-busy->rollout"),
-        pytest.param(Role.GENRM, Role.ROLLOUT, id="genrm-busy->rollout"),
-        pytest.param(Role.GENRM, Role.GENRM, id="genrm-busy->genrm"),
+        pytest.param(Role.JUDGE, Role.ROLLOUT, id="judge-busy->rollout"),
+        pytest.param(Role.JUDGE, Role.JUDGE, id="judge-busy->judge"),
     ],
 )
 def test_shift_with_sequences_in_flight_is_refused(store, holding, to):

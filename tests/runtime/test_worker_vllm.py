@@ -64,7 +64,7 @@ def test_rollout_on_vllm_equals_the_native_device(store, vllm_worker):
 def test_the_engine_survives_shifts_and_takes_each_new_version(store, vllm_worker):
     vllm_worker.shift(Role.ROLLOUT, 0)
     engine = vllm_worker.ctx.engine
-    vllm_worker.shift(Role.GENRM, 0)  # the policy engine is kept (asleep on a GPU), the judge's built
+    vllm_worker.shift(Role.JUDGE, 0)  # the policy engine is kept (asleep on a GPU), the judge's built
     assert vllm_worker.kept[POLICY] is engine and isinstance(vllm_worker.ctx.engine, VllmEngine)
     judge = vllm_worker.ctx.engine
     vllm_worker.shift(Role.ROLLOUT, 1)  # back, at another version: the same engine, new weights
@@ -82,10 +82,10 @@ def test_judging_on_vllm_gives_the_native_judgments(store, vllm_worker):
         JudgeRequest(uid, f"{uid}+1", str(uid + 1), f"it is {uid}", seed=uid, params=GenParams(24, 0.0))
         for uid in range(6)
     )
-    vllm_worker.shift(Role.GENRM, 0)
+    vllm_worker.shift(Role.JUDGE, 0)
     vllm_worker.judge(Judge(0, reqs))
     native = native_worker(store)
-    native.shift(Role.GENRM, 0)
+    native.shift(Role.JUDGE, 0)
     native.judge(Judge(1, reqs))
     assert [(r.uid, r.text) for r in drain(vllm_worker)] == [(r.uid, r.text) for r in drain(native)]
 

@@ -113,7 +113,7 @@ def script(driver) -> tuple[list[str], dict[str, object]]:
     calls, gen, progress = run_generation(driver, Generated)
     trace.append(f"slices({len(calls) > 0})->Generated")
     seen["gen"], seen["gen_progress"] = gen, progress
-    one(Shift(0, Role.GENRM, 0))
+    one(Shift(0, Role.JUDGE, 0))
     judge = tuple(JudgeRequest(r.uid, f"{r.uid}+{r.uid}", str(2 * r.uid), r.text, 7 + r.uid, JUDGE) for r in gen)
     driver.submit(Judge(0, judge))
     calls, judged, progress = run_generation(driver, Judged)

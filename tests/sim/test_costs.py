@@ -172,9 +172,9 @@ def test_shifting_into_training_loads_the_weights_and_builds_the_trainer():
     # the optimizer shard comes at the optimizer step: the same bytes, a different start
     assert into_train - H100.train_build_s == pytest.approx(into_rollout - H100.engine_start_s)
     assert H100.regroup(QWEN7, 8) == H100.group_start_s and H100.regroup(QWEN7, 1) == 0.0  # one meets nobody
-    assert H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1) > H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 8)
+    assert H100.shift(QWEN7, Role.JUDGE, Role.ROLLOUT, 1) > H100.shift(QWEN7, Role.JUDGE, Role.ROLLOUT, 8)
     assert H100.shift(QWEN7, Role.ROLLOUT, Role.ROLLOUT, 1) == 0.0
-    assert H100.shift(QWEN7, None, Role.ROLLOUT, 1) == H100.shift(QWEN7, Role.GENRM, Role.ROLLOUT, 1)
+    assert H100.shift(QWEN7, None, Role.ROLLOUT, 1) == H100.shift(QWEN7, Role.JUDGE, Role.ROLLOUT, 1)
     # bf16 weights over PCIe Gen5 at 80%: ~0.3 s for a 7B model, plus the engine start
     assert into_rollout - H100.engine_start_s == pytest.approx(QWEN7.weight_bytes / 8 / (64e9 * 0.8))
 
@@ -205,7 +205,7 @@ DENSE7, DENSE14, MOE30 = MODELS["Qwen2.5-7B"], MODELS["Qwen2.5-14B"], MODELS["Qw
 
 
 def deployed(policy=DENSE7, genrm=DENSE7, gpus=128) -> DeployedCosts:
-    return DeployedCosts(GPUS["H100"], policy_model=policy, genrm_model=genrm, gpus=gpus)
+    return DeployedCosts(GPUS["H100"], policy_model=policy, judge_model=genrm, gpus=gpus)
 
 
 def test_deployed_switches_cost_their_published_parts():
@@ -216,10 +216,10 @@ def test_deployed_switches_cost_their_published_parts():
     # into the rollout: the trainer's state out, the engine woken, the new weights synced into it
     assert c.shift(DENSE7, Role.TRAIN, Role.ROLLOUT, 4) == pytest.approx(offload + wake + c.sync(DENSE7))
     # the rollout's engine to sleep, the judge's woken: no sync, the judge's weights do not change
-    assert c.shift(DENSE7, Role.ROLLOUT, Role.GENRM, 4) == pytest.approx(sleep + wake)
-    assert c.shift(DENSE7, Role.GENRM, Role.TRAIN, 4) == pytest.approx(sleep + onload)
+    assert c.shift(DENSE7, Role.ROLLOUT, Role.JUDGE, 4) == pytest.approx(sleep + wake)
+    assert c.shift(DENSE7, Role.JUDGE, Role.TRAIN, 4) == pytest.approx(sleep + onload)
     assert c.shift(DENSE7, None, Role.ROLLOUT, 4) == pytest.approx(wake + c.sync(DENSE7))
-    assert c.shift(DENSE7, Role.GENRM, Role.GENRM, 4) == 0.0
+    assert c.shift(DENSE7, Role.JUDGE, Role.JUDGE, 4) == 0.0
     # a rollout engine kept awake still takes each version by the sync
     assert c.refresh(DENSE7, 4) == c.sync(DENSE7)
     # the compute is the roofline's
@@ -235,7 +235,7 @@ def test_deployed_sync_follows_the_published_refit_times():
     assert c.sync(MOE30) == 37.0
     # the judge's engine is put to sleep by its own size: a 32B judge takes longer than a 7B one
     big = deployed(genrm=MODELS["Qwen2.5-32B"])
-    assert big.shift(DENSE7, Role.GENRM, Role.TRAIN, 4) > c.shift(DENSE7, Role.GENRM, Role.TRAIN, 4)
+    assert big.shift(DENSE7, Role.JUDGE, Role.TRAIN, 4) > c.shift(DENSE7, Role.JUDGE, Role.TRAIN, 4)
     # the trainer's state is sharded over the job's GPUs
     assert deployed(gpus=32).trainer_swap(DENSE7, True) == pytest.approx(4 * c.trainer_swap(DENSE7, True))
 

@@ -196,7 +196,7 @@ def test_slices_end_on_a_shared_grid_or_when_the_engine_runs_dry():
 def test_work_arriving_mid_slice_is_planned_again_from_that_moment():
     d = driver("sim.slice_s=10")
     shifted(d, Role.ROLLOUT, 0)
-    shifted(d, Role.GENRM, 1)
+    shifted(d, Role.JUDGE, 1)
     d.submit(Generate(0, requests(2, GenParams(200)), 0))
     d.submit(Judge(1, (JudgeRequest(99, "q", "1", "[300 tokens] answer 1", 5, GenParams(64)),)))
     first = d.next_events()  # the judgment ends first, mid-slice of device 0
@@ -208,13 +208,13 @@ def test_work_arriving_mid_slice_is_planned_again_from_that_moment():
 
 def test_judgments_parse_with_the_jobs_genrm_and_a_capped_one_has_no_verdict():
     d = driver("sim.judge_output_len=48", "judge.max_new_tokens=48", "sim.yes_probability=1")
-    shifted(d, Role.GENRM, 0)
+    shifted(d, Role.JUDGE, 0)
     d.submit(Judge(0, (JudgeRequest(1, "q", "1", "[10 tokens] answer 1", 5, GenParams(48)),)))
     [_, judged] = d.next_events()
     [r] = judged.results
     assert r.truncated and r.text == "" and r.tokens == 48
     d2 = driver("sim.yes_probability=1", "sim.slice_s=30", "judge.max_new_tokens=1024")
-    shifted(d2, Role.GENRM, 0)
+    shifted(d2, Role.JUDGE, 0)
     d2.submit(Judge(0, (JudgeRequest(1, "q", "1", "[10 tokens] answer 1", 5, GenParams(1024)),)))
     [_, judged] = d2.next_events()
     assert judged.results[0].text == "VERDICT: yes" and judged.results[0].tokens == 512
@@ -226,7 +226,7 @@ def test_a_reasoning_judge_writes_lognormal_judgments_fixed_by_the_request():
 
     def lengths(*overrides: str) -> list[int]:
         d = driver("sim.slice_s=1000", "judge.max_new_tokens=4096", *overrides)
-        shifted(d, Role.GENRM, 0)
+        shifted(d, Role.JUDGE, 0)
         reqs = tuple(JudgeRequest(uid, "q", "1", "[10 tokens] answer 1", 7 + uid, GenParams(4096)) for uid in range(64))
         d.submit(Judge(0, reqs))
         got: dict[int, int] = {}
@@ -248,7 +248,7 @@ def test_commands_for_the_wrong_role_or_version_are_refused():
     shifted(d, Role.ROLLOUT, 0)
     with pytest.raises(RuntimeError, match="holds policy v0, requests need v1"):
         d.submit(Generate(0, requests(1), 1))
-    with pytest.raises(RuntimeError, match="cannot serve genrm requests"):
+    with pytest.raises(RuntimeError, match="cannot serve judge requests"):
         d.submit(Judge(0, (JudgeRequest(1, "q", "1", "a", 5, GenParams(8)),)))
     d.submit(Generate(0, requests(1), 0))
     with pytest.raises(RuntimeError, match="shift to train with sequences in flight"):
@@ -451,9 +451,9 @@ def test_a_control_plane_that_loops_in_zero_virtual_time_is_stopped_with_a_messa
 @pytest.mark.parametrize("react", [0.0, 5.0])
 def test_completions_within_the_reaction_time_are_handled_together(react):
     # a 1.5B judge loads faster than the 7B policy: the two shifts end at different instants
-    d = driver("sim.slice_s=10", f"sim.react_s={react}", "sim.genrm_model=Qwen2.5-1.5B")
+    d = driver("sim.slice_s=10", f"sim.react_s={react}", "sim.judge_model=Qwen2.5-1.5B")
     d.submit(Shift(0, Role.ROLLOUT, 0))
-    d.submit(Shift(1, Role.GENRM, 0))
+    d.submit(Shift(1, Role.JUDGE, 0))
     first = d.next_events()
     if react == 0.0:
         assert [e.device for e in first] == [1]  # the judge's, alone, when it lands

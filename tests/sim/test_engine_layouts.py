@@ -15,7 +15,7 @@ def test_each_layout_is_a_job_the_simulator_builds():
         spec = build(GROUPS["judge-32b"].job(overrides(GROUPS["judge-32b"], 128, layout, elastic))).spec
         assert spec.tp == layout[0] and spec.elastic is elastic
         # elastic: the smallest engines that hold each model with its longest sequence (both on 1 GPU)
-        assert (spec.engines(Role.ROLLOUT), spec.engines(Role.GENRM)) == engines
+        assert (spec.engines(Role.ROLLOUT), spec.engines(Role.JUDGE)) == engines
 
 
 def run(layout: str, rate: float, elastic: bool = False) -> dict:

@@ -18,7 +18,7 @@ def kept_group() -> dict:
         (*ROLES, "shift"), 0.2), "idle_fraction": 0.2, "shifts_per_step": 1.0, "moves_per_step": 1.0,
         "shift_seconds_per_step": 1.0} for m, rate in zip(OLD_MODES, (10.0, 8.0, 12.0), strict=True)}  # fmt: skip
     overrides = job_overrides(GROUPS["dense-7b"], 32, 1)
-    return {"name": "dense-7b", "what": "dense pair", "policy": "Qwen2.5-7B", "genrm": "Qwen2.5-7B", "gpus": 32,
+    return {"name": "dense-7b", "what": "dense pair", "policy": "Qwen2.5-7B", "judge": "Qwen2.5-7B", "gpus": 32,
             "instance_gpus": 1, "devices": 32, "overrides": overrides, "ideal": {}, "modes": modes}  # fmt: skip
 
 

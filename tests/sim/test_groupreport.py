@@ -9,15 +9,15 @@ from pivotrl.sim.versus import LABELS, MODES
 
 
 def test_spent_splits_a_modes_time_into_the_work_and_what_is_beyond_it():
-    busy = {"rollout": 0.5, "genrm": 0.2, "train": 0.15, "shift": 0.05}
+    busy = {"rollout": 0.5, "judge": 0.2, "train": 0.15, "shift": 0.05}
     g = {
-        "ideal": {"gpu_seconds_by_role": {"rollout": 2.0, "genrm": 1.0, "train": 1.0}},
+        "ideal": {"gpu_seconds_by_role": {"rollout": 2.0, "judge": 1.0, "train": 1.0}},
         "ideal_fraction": {"colocated": 0.4},
         "modes": {"colocated": {"busy_fraction": busy, "idle_fraction": 0.1}, "shiftable": {"error": "timeout"}},
     }
     x = groupreport.spent(g, "colocated")
     # the ideal's work is 40% of the time: rollout 20%, judge 10%, train 10%; the rest of each role's busy is beyond
-    assert x == pytest.approx({"work": 0.4, "rollout": 0.3, "genrm": 0.1, "train": 0.05, "shift": 0.05, "idle": 0.1})
+    assert x == pytest.approx({"work": 0.4, "rollout": 0.3, "judge": 0.1, "train": 0.05, "shift": 0.05, "idle": 0.1})
     assert sum(x.values()) == pytest.approx(1.0)
     assert groupreport.spent(g, "shiftable") is None
 
@@ -28,9 +28,9 @@ def fake_ideal(floor_rate: float, samples_per_s: float = 200.0) -> dict[str, flo
 
 
 def test_the_bound_is_the_best_floor_over_the_sizes_and_spent_uses_each_modes_own_ideal():
-    busy = {"rollout": 0.5, "genrm": 0.2, "train": 0.15, "shift": 0.05}
-    at2 = {**fake_ideal(100.0, 200.0), "gpu_seconds_by_role": {"rollout": 2.0, "genrm": 1.0, "train": 1.0}}
-    at4 = {**fake_ideal(120.0, 160.0), "gpu_seconds_by_role": {"rollout": 1.0, "genrm": 1.0, "train": 2.0}}
+    busy = {"rollout": 0.5, "judge": 0.2, "train": 0.15, "shift": 0.05}
+    at2 = {**fake_ideal(100.0, 200.0), "gpu_seconds_by_role": {"rollout": 2.0, "judge": 1.0, "train": 1.0}}
+    at4 = {**fake_ideal(120.0, 160.0), "gpu_seconds_by_role": {"rollout": 1.0, "judge": 1.0, "train": 2.0}}
     g = {"instance_gpus": 2, "ideal": at2, "ideals": {"2": at2, "4": at4},
          "modes": {m: {"samples_per_s": 80.0, "busy_fraction": busy, "idle_fraction": 0.1, "instance_gpus": 4,
                        "step_seconds": 102.4, "shifts_per_step": 1.0, "moves_per_step": 1.0,
@@ -47,7 +47,7 @@ def test_the_bound_is_the_best_floor_over_the_sizes_and_spent_uses_each_modes_ow
                                                             "disaggregated", "shiftable"]  # fmt: skip
     assert g["ideal_fraction"]["shiftable"] == pytest.approx(80.0 / 200.0)  # of the highest ideal
     x = groupreport.spent(g, "colocated")  # at TP4: the work is half of the time, a quarter of it rollout
-    want = {"work": 0.5, "rollout": 0.375, "genrm": 0.075, "train": -0.1, "shift": 0.05, "idle": 0.1}
+    want = {"work": 0.5, "rollout": 0.375, "judge": 0.075, "train": -0.1, "shift": 0.05, "idle": 0.1}
     assert x == pytest.approx(want) and groupreport.mode_tp(g, "colocated") == 4
     assert (
         "lockstep_bound" not in g and groupreport.lockstep_text(g) == ""
@@ -79,8 +79,8 @@ def test_gap_says_when_shiftables_rollout_ends_and_how_long_after_it_the_update_
     assert "shifts 2.0 s a device" in line  # 64 device-seconds over 32 instances of 4 GPUs
     assert "judge" not in line  # (a report without the judge's busy time)
     # the judge busy a fifth of the step, against the floor's 640 + 1920 GPU-seconds of its work on 128 GPUs
-    busy = {**run, "busy_fraction": {"rollout": 0.5, "genrm": 0.2, "train": 0.2, "shift": 0.0}, "idle_fraction": 0.1}
-    priced = {**i, "gpu_seconds": {"genrm_prefill": 640.0, "genrm_decode": 1920.0}}
+    busy = {**run, "busy_fraction": {"rollout": 0.5, "judge": 0.2, "train": 0.2, "shift": 0.0}, "idle_fraction": 0.1}
+    priced = {**i, "gpu_seconds": {"judge_prefill": 640.0, "judge_decode": 1920.0}}
     line = groupreport.gap({**g, "ideals": {"4": priced}, "modes": {"shiftable": busy}})
     assert "the judge keeps it 16.2 s against the floor's 20.0 s, and it idles 8.1 s" in line
     assert "waits" not in line  # (a run without group waits)

@@ -36,13 +36,13 @@ def test_with_tp_replaces_the_instance_size():
 
 # each group as examples/sim128.yaml ran it with the group's models and settings on the command line
 OVERRIDES = {
-    "dense-7b": ["sim.policy_model=Qwen2.5-7B", "sim.genrm_model=Qwen2.5-7B", "train.backend=zero"],
-    "moe-30b": ["sim.policy_model=Qwen3-30B-A3B", "sim.genrm_model=Qwen3-30B-A3B", "train.backend=fsdp"],
-    "judge-32b": ["sim.policy_model=Qwen2.5-7B", "sim.genrm_model=Qwen2.5-32B", "train.backend=zero"],
-    "dense-14b": ["sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B", "train.backend=fsdp"],
-    "reasoning-judge": ["sim.policy_model=Qwen2.5-7B", "sim.genrm_model=Qwen2.5-14B", "train.backend=zero",
+    "dense-7b": ["sim.policy_model=Qwen2.5-7B", "sim.judge_model=Qwen2.5-7B", "train.backend=zero"],
+    "moe-30b": ["sim.policy_model=Qwen3-30B-A3B", "sim.judge_model=Qwen3-30B-A3B", "train.backend=fsdp"],
+    "judge-32b": ["sim.policy_model=Qwen2.5-7B", "sim.judge_model=Qwen2.5-32B", "train.backend=zero"],
+    "dense-14b": ["sim.policy_model=Qwen2.5-14B", "sim.judge_model=Qwen2.5-14B", "train.backend=fsdp"],
+    "reasoning-judge": ["sim.policy_model=Qwen2.5-7B", "sim.judge_model=Qwen2.5-14B", "train.backend=zero",
                         "sim.judge_output_len=1024", "sim.judge_output_sigma=0.8", "judge.max_new_tokens=8192"],
-    "long-rollout": ["sim.policy_model=Qwen2.5-7B", "sim.genrm_model=Qwen2.5-7B", "train.backend=zero",
+    "long-rollout": ["sim.policy_model=Qwen2.5-7B", "sim.judge_model=Qwen2.5-7B", "train.backend=zero",
                      "sim.lengths.median=2400", "rollout.max_new_tokens=16384", "eval.max_new_tokens=16384"],
 }  # fmt: skip
 
@@ -65,6 +65,6 @@ def test_the_sweep_varies_dense_7b_one_axis_at_a_time():
         ("cluster", "512 GPUs")]  # fmt: skip
     judge = points[0][2]
     assert judge.policy == "Qwen2.5-7B" and judge.genrm == "Qwen2.5-1.5B"
-    assert judge.job(job_overrides(judge, 128, 1)).sim.genrm_model == "Qwen2.5-1.5B"
+    assert judge.job(job_overrides(judge, 128, 1)).sim.judge_model == "Qwen2.5-1.5B"
     assert [gpus for *_, gpus in points] == [128, 128, 128, 32, 512]
     assert len(sweep_points(128, [128], ("tail", "reasoning", "cluster"))) == len(tail_points()) + 2

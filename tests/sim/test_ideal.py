@@ -76,13 +76,13 @@ def test_a_hand_computed_step():
     expected = {
         "rollout_prefill": 2 * 16 * 0.001 * 5,  # 5-token prompts
         "rollout_decode": 16 * 10 * decode,  # the first of 11 tokens comes from the prefill
-        "genrm_prefill": 2 * 16 * 0.001 * (5 + 11 + 3),  # prompt + response + template
-        "genrm_decode": 16 * 3 * decode,  # 4-token judgments
+        "judge_prefill": 2 * 16 * 0.001 * (5 + 11 + 3),  # prompt + response + template
+        "judge_decode": 16 * 3 * decode,  # 4-token judgments
         "train": 1e-4 * 16 * (5 + 11),
         "optimizer": 2.0,
     }
     assert step.gpu_seconds == pytest.approx(expected)
-    assert step.gpus == 8 and step.rollout_batch == step.genrm_batch == 8
+    assert step.gpus == 8 and step.rollout_batch == step.judge_batch == 8
     assert step.samples_per_s == pytest.approx(16 / (sum(expected.values()) / 8))
     # contexts: a response decodes at 6..15 (mean 10.5), a judgment at 20..22 (mean 21)
     assert costs.contexts == pytest.approx([10.5, 21.0])
@@ -98,12 +98,12 @@ def test_a_paged_judge_reads_a_groups_beginning_once():
     costs = LinearCosts()
     base = spec(costs, LengthDist.fixed(11))
     plain = ideal_step(base, samples=16, rollout_tokens=100, judge_tokens=100, group_size=4)
-    assert plain.gpu_seconds["genrm_prefill"] == pytest.approx(2 * 16 * 0.001 * 19)  # no cache kept
+    assert plain.gpu_seconds["judge_prefill"] == pytest.approx(2 * 16 * 0.001 * 19)  # no cache kept
     paged = ideal_step(dataclasses.replace(base, paged=True), 16, 100, 100, group_size=4)
-    assert paged.gpu_seconds["genrm_prefill"] == pytest.approx(2 * 16 * 0.001 * (19 - 8 * 3 / 4))
+    assert paged.gpu_seconds["judge_prefill"] == pytest.approx(2 * 16 * 0.001 * (19 - 8 * 3 / 4))
     assert paged.critical_path_s == pytest.approx(plain.critical_path_s - 0.001 * 8)
     alone = ideal_step(dataclasses.replace(base, paged=True), 16, 100, 100, group_size=1)
-    assert alone.gpu_seconds["genrm_prefill"] == pytest.approx(2 * 16 * 0.001 * 19)  # groups of one share nothing
+    assert alone.gpu_seconds["judge_prefill"] == pytest.approx(2 * 16 * 0.001 * 19)  # groups of one share nothing
 
 
 def test_judgments_of_spread_lengths_are_priced_at_their_mean():
@@ -113,12 +113,12 @@ def test_judgments_of_spread_lengths_are_priced_at_their_mean():
     costs = LinearCosts()
     base = spec(costs, LengthDist.fixed(11))
     step = ideal_step(dataclasses.replace(base, judge_lengths=LengthDist.uniform(1, 7)), 16, 100, 100)
-    assert step.gpu_seconds["genrm_decode"] == pytest.approx(16 * 3 * 2 * (0.1 + 0.001 * 8) / 8)
+    assert step.gpu_seconds["judge_decode"] == pytest.approx(16 * 3 * 2 * (0.1 + 0.001 * 8) / 8)
     assert costs.contexts == pytest.approx([10.5, 19 + 8 / 3], rel=1e-4)  # (a grid of quantiles)
     assert step.critical_path_s == pytest.approx(0.005 + 10 * 0.101 + 0.019 + 6 * 0.101)
     capped = ideal_step(dataclasses.replace(base, judge_lengths=LengthDist.uniform(1, 7)), 16, 100, judge_tokens=2)
     # capped at 2 tokens: E[min(O, 2) - 1] = 6 / 7 decode steps a judgment
-    assert capped.gpu_seconds["genrm_decode"] == pytest.approx(16 * 6 / 7 * 2 * (0.1 + 0.001 * 8) / 8, rel=1e-3)
+    assert capped.gpu_seconds["judge_decode"] == pytest.approx(16 * 6 / 7 * 2 * (0.1 + 0.001 * 8) / 8, rel=1e-3)
 
 
 def test_a_shorter_response_judged_at_length_can_end_the_path():
@@ -312,7 +312,7 @@ def test_judgments_and_responses_are_capped():
     decode = 2 * (0.1 + 0.001 * 8) / 8
     assert step.mean_response == 6
     assert step.gpu_seconds["rollout_decode"] == pytest.approx(16 * 5 * decode)
-    assert step.gpu_seconds["genrm_decode"] == pytest.approx(16 * 1 * decode)
+    assert step.gpu_seconds["judge_decode"] == pytest.approx(16 * 1 * decode)
 
 
 def test_length_moments_over_the_quantile_grid():
@@ -326,14 +326,14 @@ def test_length_moments_over_the_quantile_grid():
 @pytest.mark.parametrize(
     ("work", "devices", "split"),
     [
-        ({"rollout": 2.0, "genrm": 1.0, "train": 1.0}, 8, {"rollout": 4, "genrm": 2, "train": 2}),
-        ({"rollout": 98.0, "genrm": 1.0, "train": 1.0}, 8, {"rollout": 6, "genrm": 1, "train": 1}),  # one each
-        ({"rollout": 1.0, "genrm": 1.0, "train": 1.0}, 10, {"rollout": 4, "genrm": 3, "train": 3}),
+        ({"rollout": 2.0, "judge": 1.0, "train": 1.0}, 8, {"rollout": 4, "judge": 2, "train": 2}),
+        ({"rollout": 98.0, "judge": 1.0, "train": 1.0}, 8, {"rollout": 6, "judge": 1, "train": 1}),  # one each
+        ({"rollout": 1.0, "judge": 1.0, "train": 1.0}, 10, {"rollout": 4, "judge": 3, "train": 3}),
     ],
 )
 def test_split_in_proportion_to_work(work, devices, split):
-    gpu_seconds = {"rollout_prefill": 0.0, "rollout_decode": work["rollout"], "genrm_prefill": 0.0,
-                   "genrm_decode": work["genrm"], "train": work["train"], "optimizer": 0.0}  # fmt: skip
+    gpu_seconds = {"rollout_prefill": 0.0, "rollout_decode": work["rollout"], "judge_prefill": 0.0,
+                   "judge_decode": work["judge"], "train": work["train"], "optimizer": 0.0}  # fmt: skip
     assert IdealStep(16, 8, 8, 8, 11.0, gpu_seconds).split(devices) == split
 
 
@@ -342,7 +342,7 @@ def test_an_instance_without_room_is_refused():
     costs.max_batch = lambda model, tp, context_len: 0
     with pytest.raises(ValueError, match="holds no sequence"):
         ideal_step(spec(costs, LengthDist.fixed(11)), 16, 100, 100)
-    assert spec(LinearCosts(), LengthDist.fixed(11)).capacity(Role.GENRM) == 8
+    assert spec(LinearCosts(), LengthDist.fixed(11)).capacity(Role.JUDGE) == 8
 
 
 # responses of one length end together, and the longest of their 32 spread judgments (most steps hold one
@@ -371,7 +371,7 @@ def test_imports_neither_torch_nor_ray_nor_numpy():
 def test_the_ideal_at_each_instance_size_is_the_jobs_at_that_size():
     """The bundled 128-GPU job: every size holds the 7B models, each ideal is the job's own at that size (its
     mode and split aside), and the floor is lowest on 4 GPUs though 1 has the highest ideal throughput."""
-    job = load_config(EXAMPLE, ["mode=disaggregated", "split=rollout:100,genrm:14,train:14"])
+    job = load_config(EXAMPLE, ["mode=disaggregated", "split=rollout:100,judge:14,train:14"])
     found = ideals_by_size(job)
     assert sorted(found) == [1, 2, 4, 8]
     for tp, step in found.items():
@@ -384,7 +384,7 @@ def test_the_ideal_at_each_instance_size_is_the_jobs_at_that_size():
 
 
 def test_no_other_instance_size_where_the_judge_fits_only_on_8_or_costs_are_measured(tmp_path):
-    big = load_config(EXAMPLE, ["sim.genrm_model=Qwen3-235B-A22B", "sim.instance_gpus=8"])
+    big = load_config(EXAMPLE, ["sim.judge_model=Qwen3-235B-A22B", "sim.instance_gpus=8"])
     assert list(ideals_by_size(big)) == [8]
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(PROFILE))

@@ -90,9 +90,9 @@ def small(*extra: str) -> list[str]:
 
 
 def test_an_instance_holds_the_slots_of_all_its_engines():
-    spec = build(load_config(None, small("sim.rollout_engine_gpus=1", "sim.genrm_engine_gpus=2"))).spec
-    assert spec.engines(Role.ROLLOUT) == 4 and spec.engines(Role.GENRM) == 2 and spec.engines(Role.TRAIN) == 1
-    assert spec.capacity(Role.ROLLOUT) == 4 * 32 and spec.capacity(Role.GENRM) == 2 * 32
+    spec = build(load_config(None, small("sim.rollout_engine_gpus=1", "sim.judge_engine_gpus=2"))).spec
+    assert spec.engines(Role.ROLLOUT) == 4 and spec.engines(Role.JUDGE) == 2 and spec.engines(Role.TRAIN) == 1
+    assert spec.capacity(Role.ROLLOUT) == 4 * 32 and spec.capacity(Role.JUDGE) == 2 * 32
     assert spec.role_costs(Role.TRAIN) is spec.costs
     plain = build(load_config(None, small())).spec
     assert plain.role_costs(Role.ROLLOUT) is plain.costs and plain.capacity(Role.ROLLOUT) == 32
@@ -128,7 +128,7 @@ def test_the_ideal_prices_each_role_on_its_engines():
     fours = ideal_for_job(load_config(None, small("sim.gpus=16")))
     for key in ("rollout_prefill", "rollout_decode"):
         assert mixed.gpu_seconds[key] == pytest.approx(twos.gpu_seconds[key])
-    for key in ("genrm_prefill", "genrm_decode"):
+    for key in ("judge_prefill", "judge_decode"):
         assert mixed.gpu_seconds[key] == pytest.approx(fours.gpu_seconds[key])
 
 
@@ -138,7 +138,7 @@ def test_the_elastic_bound_is_below_every_fixed_layout():
     job = ["sim.gpus=64", "sim.instance_gpus=8", "rollout.max_new_tokens=8192", "rollout.prompts_per_step=64"]
     elastic = ideal_for_job(load_config(None, [*job, "sim.elastic_engines=true"]))
     assert elastic.floor_seconds <= ideal_for_job(load_config(None, job)).floor_seconds
-    smallest = ideal_for_job(load_config(None, [*job, "sim.rollout_engine_gpus=1", "sim.genrm_engine_gpus=1"]))
+    smallest = ideal_for_job(load_config(None, [*job, "sim.rollout_engine_gpus=1", "sim.judge_engine_gpus=1"]))
     assert elastic.floor_seconds <= smallest.floor_seconds
     # a full instance's batch runs on whichever engines price it lowest: the smallest, or larger ones
     # whose bigger share of it reaches more of the tensor cores
@@ -149,11 +149,11 @@ def test_the_elastic_bound_is_below_every_fixed_layout():
     "args, message",
     [
         (["sim.rollout_engine_gpus=3"], "sim.rollout_engine_gpus: expected 0 (one engine of the instance) or a"),
-        (["sim.genrm_engine_gpus=8"], "sim.genrm_engine_gpus: expected 0 (one engine of the instance) or a"),
+        (["sim.judge_engine_gpus=8"], "sim.judge_engine_gpus: expected 0 (one engine of the instance) or a"),
         (["sim.elastic_engines=true", "sim.instance_gpus=1", "sim.gpus=8"], "sim.elastic_engines: an instance of 1"),
-        (["sim.genrm_model=Qwen3-235B-A22B", "sim.instance_gpus=8", "sim.genrm_engine_gpus=4"],
-         "sim.genrm_engine_gpus: Qwen3-235B-A22B with .* does not fit on an engine of 4 x H100"),
-        (["sim.genrm_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with .* does not fit on 4 x H100"),
+        (["sim.judge_model=Qwen3-235B-A22B", "sim.instance_gpus=8", "sim.judge_engine_gpus=4"],
+         "sim.judge_engine_gpus: Qwen3-235B-A22B with .* does not fit on an engine of 4 x H100"),
+        (["sim.judge_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with .* does not fit on 4 x H100"),
     ],
 )  # fmt: skip
 def test_a_bad_engine_setting_names_the_key(args, message):
@@ -167,9 +167,9 @@ def test_the_hint_compares_with_one_engine_a_role():
     # (a job whose best instances hold 4 GPUs: without activation checkpointing's extra forward in training)
     job = ["sim.gpus=128", "sim.instance_gpus=4", "rollout.max_new_tokens=8192", "rollout.prompts_per_step=512",
            "rollout.group_size=16", "train.activation_checkpointing=false"]  # fmt: skip
-    hint = format_sizes(load_config(None, [*job, "sim.rollout_engine_gpus=1", "sim.genrm_engine_gpus=1"]))
+    hint = format_sizes(load_config(None, [*job, "sim.rollout_engine_gpus=1", "sim.judge_engine_gpus=1"]))
     assert hint is not None and "instances of 4 GPUs, one engine a role" in hint
-    assert hint.endswith("try sim.instance_gpus=4 sim.rollout_engine_gpus=0 sim.genrm_engine_gpus=0")
+    assert hint.endswith("try sim.instance_gpus=4 sim.rollout_engine_gpus=0 sim.judge_engine_gpus=0")
     assert format_sizes(load_config(None, [*job, "sim.rollout_engine_gpus=4"])) is None
 
 
@@ -188,12 +188,12 @@ def test_an_elastic_layout_must_hold_its_share_of_the_batch():
 def test_elastic_engines_hold_what_their_roomiest_layout_holds():
     """A 32B judge on one GPU has room for a few sequences beside its weights, on eight GPUs for hundreds:
     the elastic instance admits what the roomiest layout holds, not what its smallest engines do."""
-    job = ["sim.gpus=64", "sim.instance_gpus=8", "sim.genrm_model=Qwen2.5-32B", "rollout.max_new_tokens=8192",
+    job = ["sim.gpus=64", "sim.instance_gpus=8", "sim.judge_model=Qwen2.5-32B", "rollout.max_new_tokens=8192",
            "rollout.max_batch=256"]  # fmt: skip
     elastic = build(load_config(None, [*job, "sim.elastic_engines=true"])).spec
-    fixed = [build(load_config(None, [*job, f"sim.genrm_engine_gpus={g}"])).spec for g in (1, 2, 4, 8)]
+    fixed = [build(load_config(None, [*job, f"sim.judge_engine_gpus={g}"])).spec for g in (1, 2, 4, 8)]
     assert elastic.engine_tp[1] == 1
-    assert elastic.capacity(Role.GENRM) == max(f.capacity(Role.GENRM) for f in fixed) > fixed[0].capacity(Role.GENRM)
+    assert elastic.capacity(Role.JUDGE) == max(f.capacity(Role.JUDGE) for f in fixed) > fixed[0].capacity(Role.JUDGE)
 
 
 def test_a_runs_summary_says_how_its_instances_run_their_roles(tmp_path, capsys):
@@ -205,9 +205,9 @@ def test_a_runs_summary_says_how_its_instances_run_their_roles(tmp_path, capsys)
                  "--quiet"]) == 0  # fmt: skip
     assert "(2 instances of 4 GPU, rollout on 2 engines of 2)" in capsys.readouterr().out
     summary = json.loads((tmp_path / "a/summary.json").read_text())["sim"]
-    assert summary["engine_gpus"] == {"rollout": 2, "genrm": 4} and summary["elastic_engines"] is False
+    assert summary["engine_gpus"] == {"rollout": 2, "judge": 4} and summary["elastic_engines"] is False
     assert main(["simulate", EXAMPLE, *job, "sim.elastic_engines=true", "--out", str(tmp_path / "b"),
                  "--quiet"]) == 0  # fmt: skip
-    assert "engines elastic from 1 (rollout), 1 (genrm) GPUs to 4: a bound" in capsys.readouterr().out
+    assert "engines elastic from 1 (rollout), 1 (judge) GPUs to 4: a bound" in capsys.readouterr().out
     assert main(["simulate", EXAMPLE, *job, "--out", str(tmp_path / "c"), "--quiet"]) == 0
     assert "(2 instances of 4 GPU)," in capsys.readouterr().out

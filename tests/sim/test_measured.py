@@ -16,12 +16,12 @@ from pivotrl.sim.run import run_simulation
 from pivotrl.sim.workload import replay_table
 
 POLICY = ModelSpec("policy", 1e6, 1e6, 2, 64, 4, 2, 16, 100, True)
-GENRM = ModelSpec("genrm", 2e6, 2e6, 2, 64, 4, 2, 16, 100, True)
+GENRM = ModelSpec("judge", 2e6, 2e6, 2, 64, 4, 2, 16, 100, True)
 GEN = {"step_base_s": 0.004, "step_per_seq_s": 2e-4, "step_per_kv_token_s": 1e-7, "prefill_per_token_s": 5e-5}
 PROFILE = {
     "device": "cpu, 1 torch thread",
     "rollout": {"model": "policy", **GEN, "max_batch": 64, "max_len": 256},
-    "genrm": {"model": "genrm", **GEN, "step_base_s": 0.006, "max_batch": 32, "max_len": 512},
+    "judge": {"model": "judge", **GEN, "step_base_s": 0.006, "max_batch": 32, "max_len": 512},
     "train": {"per_token_s": 3e-4, "optimizer_step_s": 0.05},
     "shift": {key: 0.1 * (i + 1) for i, key in enumerate(REQUIRED_SHIFTS)},
 }
@@ -45,8 +45,8 @@ def test_round_trips_through_a_dict_and_a_file(tmp_path):
     [
         (("rollout", "step_per_seq_s"), "rollout.step_per_seq_s: missing key"),
         (("train", "optimizer_step_s"), "train.optimizer_step_s: missing key"),
-        (("shift", "genrm->train"), "shift.genrm->train: missing key"),
-        (("genrm",), "genrm: missing key"),
+        (("shift", "judge->train"), "shift.judge->train: missing key"),
+        (("judge",), "judge: missing key"),
     ],
 )
 def test_a_missing_key_is_named(path, message):
@@ -66,7 +66,7 @@ def test_a_missing_key_is_named(path, message):
         ({"rollout": {**PROFILE["rollout"], "max_batch": 0.5}}, "rollout.max_batch: got 0.5, must be an int"),
         ({"rollout": {**PROFILE["rollout"], "tp": 2}}, "rollout.tp: unknown key"),
         ({"shift": {**PROFILE["shift"], "train->train": 1.0}}, "shift.train->train: unknown key"),
-        ({"genrm": {**PROFILE["genrm"], "model": "policy"}}, "must differ"),
+        ({"judge": {**PROFILE["judge"], "model": "policy"}}, "must differ"),
         ({"extra": 1}, "extra: unknown key"),
     ],
 )
@@ -78,7 +78,7 @@ def test_a_bad_value_is_named(change, message):
 def test_load_names_the_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"rollout": {}}')
-    with pytest.raises(ValueError, match="bad.json: genrm: missing key"):
+    with pytest.raises(ValueError, match="bad.json: judge: missing key"):
         MeasuredCosts.load(path)
 
 
@@ -113,7 +113,7 @@ def test_shifts_by_role_pair_and_first_loads():
     c = costs()
     assert c.shift(POLICY, Role.ROLLOUT, Role.TRAIN, 1) == PROFILE["shift"]["rollout->train"]
     assert c.shift(POLICY, Role.TRAIN, Role.TRAIN, 1) == 0.0
-    into = [PROFILE["shift"]["genrm->train"], PROFILE["shift"]["rollout->train"]]
+    into = [PROFILE["shift"]["judge->train"], PROFILE["shift"]["rollout->train"]]
     assert c.shift(POLICY, None, Role.TRAIN, 1) == pytest.approx(sum(into) / 2)
     measured = costs(shift={**PROFILE["shift"], "none->train": 9.0})
     assert measured.shift(POLICY, None, Role.TRAIN, 1) == 9.0
@@ -141,7 +141,7 @@ def test_a_refresh_is_priced_as_measured_else_as_a_first_load():
     c = costs(shift={**PROFILE["shift"], "rollout->rollout": 0.02})
     assert c.refresh(POLICY, 1) == 0.02
     assert c.shift(POLICY, Role.ROLLOUT, Role.ROLLOUT, 1) == 0.0  # a shift to the same role is no shift
-    into = [PROFILE["shift"]["genrm->rollout"], PROFILE["shift"]["train->rollout"]]
+    into = [PROFILE["shift"]["judge->rollout"], PROFILE["shift"]["train->rollout"]]
     assert c.shift(POLICY, None, Role.ROLLOUT, 1) == pytest.approx(sum(into) / 2)  # the refresh is not a shift into
     with pytest.raises(ValueError, match=r"shift.rollout->rollout: got -1"):
         costs(shift={**PROFILE["shift"], "rollout->rollout": -1})
@@ -150,9 +150,9 @@ def test_a_refresh_is_priced_as_measured_else_as_a_first_load():
 # -- fitting a profile to a run -----------------------------------------------------------------
 
 ROLLOUT_LINE = (2e-3, 3e-5, 5e-7)  # step_base_s, step_per_seq_s, step_per_kv_token_s
-GENRM_LINE = (1e-3, 1e-4, 2e-7)
-PREFILL = {"rollout": 2e-5, "genrm": 4e-5}
-PROMPT = {"rollout": 7, "genrm": 30}
+JUDGE_LINE = (1e-3, 1e-4, 2e-7)
+PREFILL = {"rollout": 2e-5, "judge": 4e-5}
+PROMPT = {"rollout": 7, "judge": 30}
 TRAIN_PER_TOKEN, OPTIMIZER_S = 1e-4, 0.05
 RUN_CONFIG = {
     "mode": "colocated",
@@ -222,7 +222,7 @@ class Trace:
 
 
 def train_and_shift(trace: Trace, version: int, samples: int = 16, tokens: int = 200) -> None:
-    trace.span("shift", "genrm->train", 0.2, bytes=1, version=version)
+    trace.span("shift", "judge->train", 0.2, bytes=1, version=version)
     trace.span("train", f"accumulate {samples}", (tokens + samples * PROMPT["rollout"]) * TRAIN_PER_TOKEN,
                samples=samples, tokens=tokens)  # fmt: skip
     trace.span("train", f"step v{version}->v{version + 1}", OPTIMIZER_S)
@@ -230,24 +230,24 @@ def train_and_shift(trace: Trace, version: int, samples: int = 16, tokens: int =
 
 
 def steady_run(
-    gap: float = 0.0, slow_first_step: float = 3.0, line: tuple = ROLLOUT_LINE, to_genrm: tuple = (0.3,) * 3, **burst
+    gap: float = 0.0, slow_first_step: float = 3.0, line: tuple = ROLLOUT_LINE, to_judge: tuple = (0.3,) * 3, **burst
 ) -> Trace:
     """A first step at ``slow_first_step`` times the costs, after a 5 s first load; then three steady
     steps at the known costs, batches of 1 to 8, each ending with a rollout refresh; the steady
-    steps' rollout->genrm shifts take ``to_genrm`` seconds."""
+    steps' rollout->judge shifts take ``to_judge`` seconds."""
     tr = Trace()
     tr.span("shift", "none->rollout", 5.0, bytes=1, version=0)
     slow = tuple(c * slow_first_step for c in ROLLOUT_LINE)
     tr.burst("rollout", slow, 8, 4, 2, gap)
-    tr.span("shift", "rollout->genrm", 0.3, bytes=1, version=0)
-    tr.burst("genrm", tuple(c * slow_first_step for c in GENRM_LINE), 8, 4, 2, gap)
+    tr.span("shift", "rollout->judge", 0.3, bytes=1, version=0)
+    tr.burst("judge", tuple(c * slow_first_step for c in JUDGE_LINE), 8, 4, 2, gap)
     train_and_shift(tr, 0)
     for v, batches in enumerate(([8, 3], [5, 1], [2, 6, 4]), start=1):
         for b in batches:
             tr.burst("rollout", line, b, 6, 3, gap, **burst)
-        tr.span("shift", "rollout->genrm", to_genrm[v - 1], bytes=1, version=v)
+        tr.span("shift", "rollout->judge", to_judge[v - 1], bytes=1, version=v)
         for b in batches:
-            tr.burst("genrm", GENRM_LINE, b, 4, 2, gap)
+            tr.burst("judge", JUDGE_LINE, b, 4, 2, gap)
         train_and_shift(tr, v)
         tr.span("shift", "rollout->rollout", 0.05, bytes=1, version=v + 1)
     return tr
@@ -256,16 +256,16 @@ def steady_run(
 def test_fit_recovers_the_costs_a_run_was_made_with(tmp_path):
     fit = fit_run(steady_run().write(tmp_path / "run"))
     c = fit.costs
-    for got, line in ((c.rollout, ROLLOUT_LINE), (c.genrm, GENRM_LINE)):
+    for got, line in ((c.rollout, ROLLOUT_LINE), (c.genrm, JUDGE_LINE)):
         assert (got.step_base_s, got.step_per_seq_s, got.step_per_kv_token_s) == pytest.approx(line, rel=1e-6)
     assert c.rollout.prefill_per_token_s == pytest.approx(PREFILL["rollout"])
-    assert c.genrm.prefill_per_token_s == pytest.approx(PREFILL["genrm"])
+    assert c.genrm.prefill_per_token_s == pytest.approx(PREFILL["judge"])
     assert fit.report["rollout"]["prompt_tokens"] == pytest.approx(PROMPT["rollout"])
-    assert fit.report["genrm"]["prompt_tokens"] == pytest.approx(PROMPT["genrm"])
+    assert fit.report["judge"]["prompt_tokens"] == pytest.approx(PROMPT["judge"])
     assert c.train.per_token_s == pytest.approx(TRAIN_PER_TOKEN)
     assert c.train.optimizer_step_s == pytest.approx(OPTIMIZER_S)
     assert (c.rollout.model, c.genrm.model, c.rollout.max_batch) == ("policy", "judge", 8)
-    assert c.rollout.max_len == PROMPT["rollout"] + 16 and c.genrm.max_len == PROMPT["genrm"] + 2 * 16 + 8
+    assert c.rollout.max_len == PROMPT["rollout"] + 16 and c.genrm.max_len == PROMPT["judge"] + 2 * 16 + 8
     assert fit.report["replay_out_of_step"] == 0
     assert MeasuredCosts.fit(tmp_path / "run") == c
 
@@ -280,15 +280,15 @@ def test_the_first_step_and_first_loads_are_left_out(tmp_path):
 def test_shifts_are_means_with_named_fallbacks(tmp_path):
     fit = fit_run(steady_run().write(tmp_path / "run"))
     shifts = fit.costs.shifts
-    assert shifts["rollout->genrm"] == pytest.approx(0.3) and shifts["genrm->train"] == pytest.approx(0.2)
+    assert shifts["rollout->judge"] == pytest.approx(0.3) and shifts["judge->train"] == pytest.approx(0.2)
     assert shifts["train->rollout"] == pytest.approx(0.1) and shifts["rollout->rollout"] == pytest.approx(0.05)
     assert shifts["rollout->train"] == pytest.approx(0.2)  # the median shift into train
-    assert shifts["train->genrm"] == pytest.approx(0.3)
-    assert shifts["genrm->rollout"] == pytest.approx(0.1)
+    assert shifts["train->judge"] == pytest.approx(0.3)
+    assert shifts["judge->rollout"] == pytest.approx(0.1)
     assert sorted(fit.report["fallbacks"]) == [
-        "shift genrm->rollout: mean shift into rollout",
+        "shift judge->rollout: mean shift into rollout",
         "shift rollout->train: mean shift into train",
-        "shift train->genrm: mean shift into genrm",
+        "shift train->judge: mean shift into judge",
     ]
 
 
@@ -304,7 +304,7 @@ def test_the_round_trip_between_slices_is_carried_by_the_line(tmp_path):
     steady = [e for e in tr.events if e["role"] == "rollout" and e["start"] >= fit.report["steady_from_s"]]
     measured = sum(e["end"] - e["start"] - e["args"].get("prefill_s", 0) + gap for e in steady)
     assert fit.report["rollout"]["mean_slice_s"] * fit.report["rollout"]["slices"] == pytest.approx(measured)
-    gen = [e for e in tr.events if e["role"] in ("rollout", "genrm") and e["start"] >= fit.report["steady_from_s"]]
+    gen = [e for e in tr.events if e["role"] in ("rollout", "judge") and e["start"] >= fit.report["steady_from_s"]]
     periods = [b["start"] - a["start"] for a, b in zip(gen, gen[1:], strict=False) if b["role"] == a["role"]]
     assert min(periods) <= fit.slice_s <= max(periods)
 
@@ -341,7 +341,7 @@ def test_a_run_without_measured_slices_is_refused(tmp_path):
     """Runs that logged no engine counters on their slices cannot be fitted; the error says what is missing."""
     tr = steady_run()
     for e in tr.events:
-        if e["role"] in ("rollout", "genrm"):
+        if e["role"] in ("rollout", "judge"):
             e["args"] = {}
     with pytest.raises(ValueError, match="no rollout generation slices"):
         fit_run(tr.write(tmp_path / "run"))
@@ -361,7 +361,7 @@ def test_the_profile_command_prints_the_runs_job_to_simulate_on_its_costs(tmp_pa
     )
     assert main(["profile", str(run), "--out", str(tmp_path / "costs.json")]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
-    prompt, judge = (fit.report[r]["prompt_tokens"] for r in ("rollout", "genrm"))
+    prompt, judge = (fit.report[r]["prompt_tokens"] for r in ("rollout", "judge"))
     trace = tmp_path / "costs.lengths.jsonl"
     assert line.endswith(
         f"pivotrl simulate {run / 'config.json'} sim.costs={tmp_path / 'costs.json'} sim.gpus=3 "
@@ -472,8 +472,8 @@ def test_a_job_longer_than_the_measured_engines_names_the_sim_length_keys(tmp_pa
 def test_an_exact_run_has_no_spread_and_a_varied_one_is_measured(tmp_path):
     exact = fit_run(steady_run().write(tmp_path / "exact")).costs
     assert exact.spreads == pytest.approx({"shift": 0.0, "accumulate": 0.0, "optimizer": 0.0}, abs=1e-9)
-    varied = fit_run(steady_run(to_genrm=(0.2, 0.3, 0.4)).write(tmp_path / "varied")).costs
-    assert varied.shifts["rollout->genrm"] == pytest.approx(0.3)
+    varied = fit_run(steady_run(to_judge=(0.2, 0.3, 0.4)).write(tmp_path / "varied")).costs
+    assert varied.shifts["rollout->judge"] == pytest.approx(0.3)
     # three of the 13 steady shifts (four a step, and the first step's last) are 2/3, 1 and 4/3 of
     # their pair's mean, the rest exactly it
     ratios = [2 / 3, 1, 4 / 3] + [1.0] * 10

@@ -34,7 +34,7 @@ SMALL = [
 ]
 REAL_RUN_KEYS = {  # what run_job writes to summary.json
     "mode", "devices", "split", "steps", "samples", "samples_per_s", "steady_samples_per_s", "tokens_per_s",
-    "accuracy_start", "accuracy_end", "accuracy_gain", "genrm_agreement", "genrm_parse_failures",
+    "accuracy_start", "accuracy_end", "accuracy_gain", "judge_agreement", "judge_parse_failures",
     "role_busy_fraction", "device_idle_fraction", "shifts", "migrations", "devices_lost", "migration_audit",
     "shift_seconds",
     "wall_seconds",
@@ -68,14 +68,14 @@ def test_every_mode_completes_and_writes_a_runs_files(runs, mode):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mode"] == mode and summary["devices"] == 4 and summary["steps"] == 2
     assert summary["sim_seconds"] > 0 and 0 < summary["wall_seconds"] < 30
-    assert summary["genrm_parse_failures"] == 0 and summary["genrm_agreement"] == 1.0
+    assert summary["judge_parse_failures"] == 0 and summary["judge_agreement"] == 1.0
     metrics = rows(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2] and all(m["step_seconds"] > 0 for m in metrics)
     samples = rows(run / "samples.jsonl")
     assert len(samples) == 2 * 8 * 4
     assert all(r["judge_tokens"] > 0 for r in samples)  # every sample judged, its judgment's length kept
     roles = {e["role"] for e in rows(run / "events.jsonl")}
-    assert {"rollout", "genrm", "train", "shift"} <= roles
+    assert {"rollout", "judge", "train", "shift"} <= roles
     trace = json.loads((run / "trace.json").read_text())
     assert {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"} == {
         f"device {d}" for d in range(4)
@@ -139,14 +139,14 @@ def test_the_optimizer_step_waits_for_as_many_instances_as_the_trainer_fits_on(c
     if not logger.propagate:
         logger.addHandler(caplog.handler)
     try:
-        assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B") == 1
+        assert needed("sim.policy_model=Qwen2.5-14B", "sim.judge_model=Qwen2.5-14B") == 1
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert len(warned) == 1 and warned[0].startswith("training 14.77B parameters with train.backend=zero needs")
         assert "needs 103 GB a device even on all 128 devices" in warned[0] and "a run would not fit it" in warned[0]
         caplog.clear()  # the job's ideals (a simulate prints them) build it again, quietly: said once is enough
         ideals_by_size(load_config(EXAMPLE, ["train.backend=zero", "sim.policy_model=Qwen2.5-14B"]))
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
-        assert needed("sim.policy_model=Qwen2.5-14B", "sim.genrm_model=Qwen2.5-14B", "train.backend=fsdp") > 1
+        assert needed("sim.policy_model=Qwen2.5-14B", "sim.judge_model=Qwen2.5-14B", "train.backend=fsdp") > 1
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
     finally:
         logger.removeHandler(caplog.handler)
@@ -200,7 +200,7 @@ def test_measured_costs_drive_a_simulation(tmp_path):
         (["sim.group_correlation=1.5"], "sim.group_correlation: expected a number in [0, 1], got 1.5"),
         (["sim.lengths_replay=true"], "sim.lengths_replay: needs a trace to replay (sim.lengths_file)"),
         (["sim.policy_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with"),
-        (["mode=disaggregated", "split=rollout:2,genrm:1,train:1"], "uses 4 devices, but devices=128"),
+        (["mode=disaggregated", "split=rollout:2,judge:1,train:1"], "uses 4 devices, but devices=128"),
         (["sim.instance_gpus=4", "sim.rollout_engine_gpus=3"], "sim.rollout_engine_gpus: expected 0 (one engine"),
         (["sim.elastic_engines=3"], "sim.elastic_engines: expected true or false, got 3"),
         (["sim.shift_scale=-1"], "sim.shift_scale: expected a number >= 0 (1: the modeled cost, 0: free), got -1"),
@@ -339,7 +339,7 @@ def test_the_pump_looking_at_touched_devices_decides_as_one_looking_at_all(tmp_p
 
 def test_a_full_paged_cache_preempts_and_loses_no_sample(tmp_path):
     # Qwen2.5-32B on one A100 keeps ~47k tokens of KV: 32 responses of up to 8,192 tokens overflow it
-    job = ["sim.gpus=1", "sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "sim.genrm_model=Qwen2.5-1.5B",
+    job = ["sim.gpus=1", "sim.gpu=A100", "sim.policy_model=Qwen2.5-32B", "sim.judge_model=Qwen2.5-1.5B",
            "rollout.max_new_tokens=8192", "eval.max_new_tokens=8192", "sim.lengths.median=3000",
            "rollout.max_batch=64", "mode=colocated"]  # fmt: skip
     paged = simulate(tmp_path / "paged", *job)
@@ -377,7 +377,7 @@ def test_the_judges_paged_cache_reaches_the_scheduler_and_the_planner(cache, pag
     """A judge device is handed what its KV cache holds, and the planner prices judgments at the batches it
     allows: both take the judge instances' cache from the simulator (none where sequences reserve slots)."""
     sim = build(load_config(EXAMPLE, ["mode=shiftable", f"sim.kv_cache={cache}"]))
-    kv = sim.spec.kv_tokens(Role.GENRM)
+    kv = sim.spec.kv_tokens(Role.JUDGE)
     assert (kv is not None) is paged
     assert sim.loop.judge_kv == (kv or 0) and sim.policy.judge_kv == kv
     ctl = Controller(sim.loop, sim.policy, sim.genrm, sim.train_set, sim.heldout, lambda: 0.0)

@@ -38,9 +38,9 @@ def write_run(path: Path) -> None:
         (1, "train", "step v0->v1", 9.0, 10.0),
         (0, "train", "step v1->v2", 19.0, 20.0),
         (1, "train", "step v1->v2", 19.0, 20.0),
-        (1, "shift", "train->genrm", 20.0, 22.0),  # a move
+        (1, "shift", "train->judge", 20.0, 22.0),  # a move
         (0, "shift", "rollout->rollout", 20.0, 21.0),  # a weight reload, no move
-        (1, "genrm", "genrm 3 done", 22.0, 29.0),
+        (1, "judge", "genrm 3 done", 22.0, 29.0),
         (0, "train", "step v2->v3", 29.0, 30.0),
         (1, "train", "step v2->v3", 29.0, 30.0),
         (0, "rollout", "eval", 30.0, 50.0),  # after the last step: outside
@@ -57,7 +57,7 @@ def test_steady_window_leaves_out_the_first_step(tmp_path):
     write_run(tmp_path / "run")
     s = steady_window(tmp_path / "run")
     assert s["step_seconds"] == 10.0  # (samples/s is the run's own steady_samples_per_s)
-    assert s["busy_fraction"] == pytest.approx({"rollout": 5 / 40, "genrm": 7 / 40, "train": 4 / 40, "shift": 3 / 40})
+    assert s["busy_fraction"] == pytest.approx({"rollout": 5 / 40, "judge": 7 / 40, "train": 4 / 40, "shift": 3 / 40})
     assert s["idle_fraction"] == pytest.approx(21 / 40)
     assert (s["shifts_per_step"], s["moves_per_step"], s["shift_seconds_per_step"]) == (3.0, 0.5, 2.5)
     assert s["migrations_per_step"] == 2.0

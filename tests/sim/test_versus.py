@@ -63,16 +63,16 @@ def test_the_static_split_is_searched_within_its_budget_and_the_best_is_run(repo
 
 
 def test_a_split_the_job_names_is_run_as_it_is(tmp_path):
-    r = versus(EXAMPLE, [*JOB, "split=rollout:6,genrm:3,train:7"], tmp_path / "run", ["disaggregated"],
+    r = versus(EXAMPLE, [*JOB, "split=rollout:6,judge:3,train:7"], tmp_path / "run", ["disaggregated"],
                say=lambda _: None)  # fmt: skip
     row = r["modes"]["disaggregated"]
-    assert row["split"] == "rollout:6,genrm:3,train:7" and "search" not in row
+    assert row["split"] == "rollout:6,judge:3,train:7" and "search" not in row
     assert r["speedup"] == {}  # (no shiftable run to compare)
 
 
 def test_a_split_the_job_names_fails_at_other_sizes_alone_and_a_mode_that_never_ran_is_reported(tmp_path):
     # the job's split names 16 instances: at 2 GPUs an instance there are 8, and that size fails by itself
-    r = versus(EXAMPLE, [*JOB, "split=rollout:6,genrm:3,train:7"], tmp_path / "run", ["disaggregated"], sizes=[1, 2],
+    r = versus(EXAMPLE, [*JOB, "split=rollout:6,judge:3,train:7"], tmp_path / "run", ["disaggregated"], sizes=[1, 2],
                say=lambda _: None)  # fmt: skip
     row = r["modes"]["disaggregated"]
     assert row["instance_gpus"] == 1 and {t["tp"]: t["samples_per_s"] for t in row["sizes"]}[2] == 0.0

@@ -115,7 +115,7 @@ def workload(**changes) -> SimWorkload:
         "judge_template_len": 150,
         "judge_output_len": 96,
         "policy": "Qwen2.5-7B",
-        "genrm": "Qwen2.5-3B",
+        "judge": "Qwen2.5-3B",
     }
     return SimWorkload(**{**base, **changes})
 
@@ -125,7 +125,7 @@ def test_a_workload():
     assert w.samples_per_step == 512
     assert w.judge_output_dist == LengthDist.fixed(96)
     assert w.judge_prompt_len(400) == 200 + 400 + 150
-    assert w.policy_model.name == "Qwen2.5-7B" and w.genrm_model.name == "Qwen2.5-3B"
+    assert w.policy_model.name == "Qwen2.5-7B" and w.judge_model.name == "Qwen2.5-3B"
     judge = LengthDist.uniform(32, 256)
     assert workload(judge_output_len=judge).judge_output_dist is judge
 

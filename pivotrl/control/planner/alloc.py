@@ -20,7 +20,7 @@ def fmt_seconds(seconds: float) -> str:
 
 
 def fmt_alloc(alloc: Alloc | dict[Role, int]) -> str:
-    """``r3 g1 t0``: the short form used in decision reasons and ``pivotrl plan``."""
+    """``r3 j1 t0``: the short form used in decision reasons and ``pivotrl plan``."""
     counts = tuple(alloc[r] for r in ROLES) if isinstance(alloc, dict) else alloc
     return " ".join(f"{r.value[0]}{n}" for r, n in zip(ROLES, counts, strict=True))
 

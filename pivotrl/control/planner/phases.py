@@ -259,7 +259,7 @@ class PhaseModel:
             arrivals.append((late[1][1], n_g - present))
         judging_only = list(arrivals)  # (the judge devices of the allocation, before the rollout's hand over)
         if rollout.hands_over:  # a device handed to the next phase pays its shift
-            arrivals.append((rollout.end + p.costs.cost(Role.ROLLOUT, Role.GENRM), n_r))
+            arrivals.append((rollout.end + p.costs.cost(Role.ROLLOUT, Role.JUDGE), n_r))
         return _Judging(n_r, n_g, per_read, queued, held, held_until, chain, arrivals, judging_only)
 
     def _as_responses_end(self, q: _Judging, rollout: RolloutEnd) -> tuple[float, float, tuple[float, ...], float]:
@@ -330,7 +330,7 @@ class PhaseModel:
     def _judge_rate(self, n: int) -> float:
         j = self.work.judge
         return self.memo.rate(
-            Role.GENRM, n, lambda: gen_rate(self.profiles.judge, j.items, n, self.judge_batch, j.left_context)
+            Role.JUDGE, n, lambda: gen_rate(self.profiles.judge, j.items, n, self.judge_batch, j.left_context)
         )
 
     def _slow(self, context: float | None) -> float:
@@ -374,7 +374,7 @@ class PhaseModel:
         arrivals = now_and_later(n_t, late[2])  # then the devices the phases before hand over, after their shift
         if 0.0 < judge.end < INF:
             arrivals.append(
-                (judge.end + p.costs.cost(Role.GENRM, Role.TRAIN), n_g + (n_r if judge.takes_rollout else 0))
+                (judge.end + p.costs.cost(Role.JUDGE, Role.TRAIN), n_g + (n_r if judge.takes_rollout else 0))
             )
         if rollout.hands_over and not judge.takes_rollout:
             arrivals.append((rollout.end + p.costs.cost(Role.ROLLOUT, Role.TRAIN), n_r))

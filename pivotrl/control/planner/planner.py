@@ -78,7 +78,7 @@ class Planner:
                          key=lambda d: (busy.get(d, 0), d)) for src in ROLES},
             {d: self._barred(d, now) for d in current},
             {Role.ROLLOUT: model.work.rollout.gen_context / profiles.rollout.prefill_rate,
-             Role.GENRM: model.work.judge.context / profiles.judge.prefill_rate, Role.TRAIN: 0.0},
+             Role.JUDGE: model.work.judge.context / profiles.judge.prefill_rate, Role.TRAIN: 0.0},
         )  # fmt: skip
         alt, stay = _best(cands, scene)
         chosen, reason = self._choose(alt, stay, model.work, now)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pivotrl.control.messages import Role
 from pivotrl.control.planner import LengthModel, Profiles, RoleProfile, ShiftCosts, TrainProfile, Workload
 
-R, G, T = Role.ROLLOUT, Role.GENRM, Role.TRAIN
+R, G, T = Role.ROLLOUT, Role.JUDGE, Role.TRAIN
 
 MAX_BATCH = 32
 

@@ -9,8 +9,8 @@ from tests.control.planner.cases import G, R, T
 
 
 def test_an_allocation_reads_as_a_letter_and_a_count_per_role():
-    assert fmt_alloc((3, 1, 0)) == "r3 g1 t0"
-    assert fmt_alloc({T: 2, R: 1, G: 0}) == "r1 g0 t2"  # (in the roles' order, whatever the dict's)
+    assert fmt_alloc((3, 1, 0)) == "r3 j1 t0"
+    assert fmt_alloc({T: 2, R: 1, G: 0}) == "r1 j0 t2"  # (in the roles' order, whatever the dict's)
 
 
 def test_a_change_of_allocation_names_only_the_roles_it_changes():

@@ -229,8 +229,8 @@ def test_a_lockstep_trainer_backpropagates_every_group_once_judging_ends():
 def test_estimate_describes_itself():
     e = estimate(TAIL, profiles(), alloc(3, 1, 0), MAX_BATCH)
     assert isinstance(e, Estimate) and e.count(G) == 1
-    assert e.describe().startswith("r3 g1 t0: rollout 50.00s judge 75.16s")
-    assert fmt_alloc(alloc(2, 1, 1)) == "r2 g1 t1"
+    assert e.describe().startswith("r3 j1 t0: rollout 50.00s judge 75.16s")
+    assert fmt_alloc(alloc(2, 1, 1)) == "r2 j1 t1"
 
 
 def test_devices_handed_to_the_next_phase_pay_their_shift():

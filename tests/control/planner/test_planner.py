@@ -95,10 +95,10 @@ def test_reason_carries_the_numbers():
     assert d.reason.startswith("rollout tail: 2 seqs")
     for number in (d.before.total, d.after.total, d.before.total - d.after.total, d.overhead):
         assert f"{number:.2f}s" in d.reason, d.reason
-    assert "rollout-3 genrm+3" in d.reason
+    assert "rollout-3 judge+3" in d.reason
     kept = Planner(4).plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(1000.0), MAX_BATCH)
-    assert "keep r4 g0 t0" in kept.reason and f"{kept.before.total:.2f}s" in kept.reason
-    assert "best move r1 g3 t0" in kept.reason
+    assert "keep r4 j0 t0" in kept.reason and f"{kept.before.total:.2f}s" in kept.reason
+    assert "best move r1 j3 t0" in kept.reason
 
 
 def test_hysteresis_keeps_small_gains():
@@ -129,7 +129,7 @@ def test_a_gain_that_lasts_wears_the_margin_down():
 def test_cooldown_bars_moving_back_but_not_on():
     p = Planner(4, cooldown_s=2.0)
     d = p.plan(0.0, roles("rrrr"), {}, set(), TAIL, profiles(), MAX_BATCH)
-    current = dict(d.targets)  # r1 g3 t0
+    current = dict(d.targets)  # r1 j3 t0
     back = p.plan(0.5, current, {}, set(), EARLY, profiles(), MAX_BATCH)  # wants rollout devices again
     assert back.moves == []  # the genrm devices just left rollout
     on = p.plan(0.6, dict(back.targets), {}, set(), REWARDS_IN, profiles(), MAX_BATCH)
