@@ -254,7 +254,11 @@ def _auto(m: dict[str, Any]) -> str:
     """How train.activation_checkpointing=auto came to its value here (it is each device's to decide)."""
     if not m["checkpointing_auto"]:
         return ""
-    return " (auto, for these devices)" if "device_gb" in m else " (auto: each device decides; --device-memory-gb)"
+    return (
+        " (auto, for these devices)"
+        if "device_gb" in m
+        else " (auto: decided for the devices a run finds; --device-memory-gb)"
+    )
 
 
 def _memory_lines(m: dict[str, Any]) -> list[str]:

@@ -156,7 +156,10 @@ def test_plan_says_how_many_train_devices_the_policy_needs(tmp_path, capsys):
     assert main(["plan", CONFIG, f"policy.path={policy}", "devices=8", "--device-memory-gb", "80"]) == 0
     assert "activation checkpointing on (auto, for these devices)" in capsys.readouterr().out
     assert main(["plan", CONFIG, f"policy.path={policy}", "devices=8"]) == 0
-    assert "activation checkpointing off (auto: each device decides; --device-memory-gb)" in capsys.readouterr().out
+    assert (
+        "activation checkpointing off (auto: decided for the devices a run finds; --device-memory-gb)"
+        in capsys.readouterr().out
+    )
     assert main(["plan", *args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)["train_memory"]
     assert report["worlds"] == [1, 2, 4, 8] and "fewest_devices" not in report
