@@ -169,6 +169,8 @@ class MeasuredCosts:
         required = ("rollout", "judge", "train", "shift")
         allowed = ("device", *required, "spread")
         for key in data:
+            if key == "genrm":  # (the judge's role had that name once)
+                raise ValueError("genrm: the judge's costs are under 'judge' now; rename the key (or profile again)")
             if key not in allowed:
                 raise ValueError(f"{key}: unknown key; allowed: {', '.join(allowed)}")
         for key in required:

@@ -511,3 +511,10 @@ def test_a_simulated_run_is_refused(tmp_path, capsys):
     (tmp_path / "sim" / "summary.json").unlink()  # (cut short: its samples have token counts, not tokens)
     with pytest.raises(ValueError, match="a simulated run"):
         fit_run(tmp_path / "sim")
+
+
+def test_a_costs_file_with_the_judges_old_key_says_what_to_rename():
+    data = copy.deepcopy(PROFILE)
+    data["genrm"] = data.pop("judge")
+    with pytest.raises(ValueError, match="genrm: the judge's costs are under 'judge' now; rename the key"):
+        MeasuredCosts.from_dict(data)
