@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def splits(devices: int) -> list[str]:
-    """Every rollout/genrm/train split with at least one device per role."""
+    """Every rollout/judge/train split with at least one device per role."""
     out = []
     for r, g in itertools.product(range(1, devices), repeat=2):
         t = devices - r - g

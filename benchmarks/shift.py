@@ -1,6 +1,6 @@
 """Role-shift latency: what a device pays to change role, per role pair and model size.
 
-Why these pairs: while a step runs, a device moves between rollout, genrm (the
+Why these pairs: while a step runs, a device moves between rollout, judge (the
 judge) and train, and each move goes through ``Worker.shift(role, version)``:
 release the current context, rebuild the next one from the GPS. The pairs are
 the eight a step can produce, run as one cycle so every measurement starts
@@ -11,7 +11,7 @@ from the role it names::
 ``rollout->rollout`` is the weight refresh of a new policy version (same model,
 engine and KV cache kept, only the bytes reloaded); every other pair releases
 one context and builds another: a model allocated and filled from the GPS,
-plus an engine with its KV cache (rollout, genrm) or a trainer whose AdamW
+plus an engine with its KV cache (rollout, judge) or a trainer whose AdamW
 state is restored from the GPS (train; its bytes count weights + optimizer).
 
 Where the time goes: besides the shifts, the same process times the parts
@@ -138,7 +138,7 @@ class Device:
     def __init__(self, store: ParameterStore, spec: ContextSpec, threads: int) -> None:
         torch.set_num_threads(threads)
         self.store, self.spec, self.threads = store, spec, threads
-        train = resolve(JobConfig(), Hardware(spec.device)).train  # (as the job's plan configures a train device)
+        train = resolve(JobConfig(), Hardware(torch.device(spec.device).type)).train  # (as the plan configures it)
         self.train_spec = TrainSpec(train, temperature=1.0)
         self.worker: Worker | None = None
 

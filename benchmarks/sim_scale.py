@@ -3,7 +3,7 @@
 Each run is ``pivotrl simulate examples/sim128.yaml sim.gpus=G mode=M steps=S``
 in its own process, stopped after ``--timeout`` seconds (the steps it finished
 by then are read from its metrics.jsonl). Disaggregated runs use a fixed split
-scaled with the cluster (rollout 7/16, genrm 3/16, train 6/16 of the devices:
+scaled with the cluster (rollout 7/16, judge 3/16, train 6/16 of the devices:
 the best of a few tried at 128 GPUs). The table gives virtual seconds per step,
 wall seconds, events handled, and the wall time split between the simulator
 driver and the control plane (summary.json's ``wall_split``).

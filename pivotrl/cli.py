@@ -129,7 +129,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if config is not None and "=" in config and not Path(config).is_file():  # (`--resume RUN key=value`)
             config, overrides = None, [config, *overrides]
         check_resume_overrides(out, overrides)
-        cfg = load_config(config or saved, overrides)
+        cfg = load_config(config or saved, overrides, written=config is None)
     else:
         if not args.config or not args.out:
             raise UserError("train needs a CONFIG and --out DIR (or --resume RUN_DIR)")

@@ -309,9 +309,12 @@ class JobConfig:
 # ---------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides, later winning."""
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), written: bool = False) -> JobConfig:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides, later winning.
+    ``written``: the file is a run's own config.json, which may use the names of an older version."""
     raw: dict[str, Any] = {} if path is None else _read_yaml(path)
+    if written:
+        raw = upgrade_written(raw)
     defaults = JobConfig().to_dict()
     for item in overrides:
         _apply_override(raw, item, defaults)
@@ -322,8 +325,23 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
 
 def config_from_dict(raw: dict[str, Any]) -> JobConfig:
     """A config from its ``to_dict()`` form (a run's config.json); keys added since it was written take their
-    defaults."""
-    return _build(JobConfig, raw, "")
+    defaults, keys renamed since take their new names."""
+    return _build(JobConfig, upgrade_written(raw), "")
+
+
+RENAMED_SIM_KEYS = {"genrm_model": "judge_model", "genrm_engine_gpus": "judge_engine_gpus"}
+
+
+def upgrade_written(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config this project wrote (a run's config.json, a checkpoint's) in today's names: the judge's role was
+    once ``genrm`` (``split``, ``sim.genrm_*``). Only for files a run wrote: a user's config with an old name
+    fails naming the new one."""
+    out = dict(raw)
+    if isinstance(out.get("sim"), dict):
+        out["sim"] = {RENAMED_SIM_KEYS.get(k, k): v for k, v in out["sim"].items()}
+    if isinstance(out.get("split"), str):
+        out["split"] = re.sub(r"\bgenrm(?=\s*:)", "judge", out["split"])
+    return out
 
 
 class _DuplicateKey(yaml.YAMLError):

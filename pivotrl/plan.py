@@ -251,7 +251,7 @@ def _count(n: int) -> str:
 
 
 def _auto(m: dict[str, Any]) -> str:
-    """How train.activation_checkpointing=auto came to its value here (it is each device's to decide)."""
+    """How train.activation_checkpointing=auto came to its value here (the job decides it once for its devices)."""
     if not m["checkpointing_auto"]:
         return ""
     return (

@@ -58,11 +58,15 @@ class Hardware:
     device_bytes: float | None = None
     shared: bool = False
 
+    def __post_init__(self) -> None:
+        if self.kind not in (CUDA, CPU):
+            raise ValueError(f"kind: got {self.kind!r}, must be {CUDA} or {CPU}")
+        if self.device_bytes is not None and not self.device_bytes > 0:
+            raise ValueError(f"device_bytes: got {self.device_bytes!r}, must be > 0 or None (not known)")
+
     @classmethod
     def of(cls, cfg: JobConfig, kind: str, gpu_bytes: float | None = None) -> Hardware:
         """Devices of ``kind`` for ``cfg``, each its share (``gpus_per_device``) of GPUs of ``gpu_bytes``."""
-        if kind not in (CUDA, CPU):
-            raise ValueError(f"kind: got {kind!r}, must be {CUDA} or {CPU}")
         device_bytes = None if gpu_bytes is None or kind != CUDA else gpu_bytes * min(1.0, cfg.gpus_per_device)
         return cls(kind, device_bytes, shares_gpu(kind, cfg.gpus_per_device, cfg.devices))  # type: ignore[arg-type]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -370,3 +371,21 @@ def test_tracking_is_off_by_default_and_its_keys_are_checked():
     assert error_of(None, "log.tensorboard=sometimes") == "log.tensorboard: expected true or false, got 'sometimes'"
     with pytest.raises(ValueError, match="wandb_project: expected a non-empty name"):
         LogConfig(wandb_project=" ")
+
+
+def test_a_config_a_run_wrote_with_the_judges_old_name_reads_in_todays(tmp_path):
+    """The judge's role was once genrm: a run's own config.json (and a checkpoint's) from then still resumes; a
+    user's config with the old name fails naming the new one."""
+    from pivotrl.config import config_from_dict
+
+    old = JobConfig(mode="disaggregated", devices=4, split="rollout:2,judge:1,train:1").to_dict()
+    old["sim"]["genrm_model"] = old["sim"].pop("judge_model")
+    old["split"] = "rollout:2,genrm:1,train:1"
+    cfg = config_from_dict(old)
+    assert cfg.split == "rollout:2,judge:1,train:1" and cfg.sim.judge_model == "Qwen2.5-7B"
+    written = tmp_path / "config.json"
+    written.write_text(json.dumps(old))
+    again = load_config(written, written=True)
+    assert (again.split, again.sim) == (cfg.split, cfg.sim)
+    with pytest.raises(ConfigError, match="judge_model"):
+        load_config(written)

@@ -485,13 +485,16 @@ def _encode_fields(obj: Any) -> dict[str, Any]:
     return {f.name: _encode(getattr(obj, f.name)) for f in fields(obj)}
 
 
+OLD_ROLE_NAMES = {"genrm": "judge"}  # the judge's role in checkpoints written before it was renamed
+
+
 def _decode_like(template: Any, value: Any) -> Any:
     """``value`` (JSON) in the shape of ``template``, the attribute it replaces."""
     if isinstance(template, dict):
         out = {}
         for k, v in value:
             if isinstance(k, str) and ">" in k:  # a (from role, to role) pair
-                a, b = k.split(">")
+                a, b = (OLD_ROLE_NAMES.get(r, r) for r in k.split(">"))
                 k = (Role(a) if a else None, Role(b))
             out[k] = tuple(v) if isinstance(k, tuple) else v  # (shift costs are (total, count) pairs)
         return out

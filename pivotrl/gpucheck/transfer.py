@@ -153,7 +153,7 @@ def _shift_cycles(device: str, shape: Shape, cycles: int) -> dict[str, Any]:
         torch.cuda.empty_cache()
     low = "bfloat16" if cuda else "float32"
     spec = ContextSpec(device=device, rollout_dtype=low, judge_dtype=low, max_batch=64, max_len=512, judge_max_len=512)
-    train = resolve(JobConfig(), Hardware(device)).train  # (as the job's plan configures a train device)
+    train = resolve(JobConfig(), Hardware(torch.device(device).type)).train  # (as the plan configures a device)
     worker = Worker(0, store, spec, TrainSpec(train, 1.0), origin=time.time(), threads=torch.get_num_threads())
     cycle = [
         (Role.ROLLOUT, 0), (Role.JUDGE, 0), (Role.TRAIN, 0), (Role.ROLLOUT, 0),

@@ -337,7 +337,7 @@ def resolve_run(
     if plan.too_big and not cfg.train.min_devices:
         raise UserError(f"train.min_devices=auto: {plan.too_big}, or set train.min_devices to run anyway")
     if start is not None and (differs := changed(start.state.get("plan", {}), plan)):
-        logger.info("resumed on devices that resolve the job differently: %s", "; ".join(differs))
+        logger.warning("resumed on devices that resolve the job differently: %s", "; ".join(differs))
     return plan
 
 

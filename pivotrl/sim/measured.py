@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from statistics import fmean, median, pstdev
@@ -168,9 +169,8 @@ class MeasuredCosts:
             raise ValueError(f"measured costs: expected an object, got {type(data).__name__}")
         required = ("rollout", "judge", "train", "shift")
         allowed = ("device", *required, "spread")
+        data = _judge_named(data)
         for key in data:
-            if key == "genrm":  # (the judge's role had that name once)
-                raise ValueError("genrm: the judge's costs are under 'judge' now; rename the key (or profile again)")
             if key not in allowed:
                 raise ValueError(f"{key}: unknown key; allowed: {', '.join(allowed)}")
         for key in required:
@@ -314,6 +314,21 @@ class MeasuredCosts:
 GEN_ROLES = ("rollout", "judge")
 
 
+def _judge_named(obj: dict[str, Any], fields: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A file this project wrote (a costs file, a run's events) in today's names: the judge's role was once
+    ``genrm``, in keys and shift pairs (``rollout->genrm``), and in the ``fields`` named (an event's role and
+    name). Other values (a model's name) are left as they are."""
+    old = lambda text: re.sub(r"\bgenrm\b", "judge", text)  # noqa: E731
+    out = {}
+    for k, v in obj.items():
+        if isinstance(v, dict):
+            v = _judge_named(v)
+        elif k in fields and isinstance(v, str):
+            v = old(v)
+        out[old(k) if isinstance(k, str) else k] = v
+    return out
+
+
 @dataclass(slots=True)
 class _GenSlice:
     """One generation slice with what the replay recovered."""
@@ -397,7 +412,7 @@ def _read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
         if any(k not in e for k in keys) or not isinstance(e.get("args", {}), dict):
             raise ValueError(f"events.jsonl:{lineno}: expected an object with {', '.join(keys)} and args")
         e.setdefault("args", {})
-        events.append(e)
+        events.append(_judge_named(e, ("role", "name")))
     return config, events
 
 

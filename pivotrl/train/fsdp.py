@@ -157,7 +157,7 @@ class ShardedTrainer:
         reference: Snapshot | None = None,
     ) -> None:
         self.group, self.config, self.cfg, self.version = group, config, cfg, version
-        # (a device resolves train.activation_checkpointing=auto for its memory first; unresolved, it is off)
+        # (a train device's config comes resolved by the job's plan, a bool; a bare config's auto counts as off)
         self.model = _shard_model(config, group, compute_dtype, cfg.activation_checkpointing is True)
         ref = None
         if cfg.kl_coef > 0:

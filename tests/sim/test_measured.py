@@ -513,8 +513,10 @@ def test_a_simulated_run_is_refused(tmp_path, capsys):
         fit_run(tmp_path / "sim")
 
 
-def test_a_costs_file_with_the_judges_old_key_says_what_to_rename():
-    data = copy.deepcopy(PROFILE)
-    data["genrm"] = data.pop("judge")
-    with pytest.raises(ValueError, match="genrm: the judge's costs are under 'judge' now; rename the key"):
-        MeasuredCosts.from_dict(data)
+def test_a_costs_file_written_with_the_judges_old_name_loads_the_same():
+    """The judge's role was once named genrm: a costs file written then (its key, its shift pairs) still loads."""
+    old = copy.deepcopy(PROFILE)
+    old["genrm"] = old.pop("judge")
+    old["shift"] = {k.replace("judge", "genrm"): v for k, v in old["shift"].items()}
+    assert any("genrm" in k for k in old["shift"])
+    assert MeasuredCosts.from_dict(old) == MeasuredCosts.from_dict(copy.deepcopy(PROFILE))

@@ -7,7 +7,7 @@ import math
 from pivotrl.control.messages import ROLES, Role
 
 INF = math.inf
-Alloc = tuple[int, int, int]  # devices on rollout, genrm, train (the order of ``ROLES``)
+Alloc = tuple[int, int, int]  # devices on rollout, judge, train (the order of ``ROLES``)
 Move = tuple[int, Role | None, Role]  # device, role it leaves (None: it had none), role it takes
 Batch = int | tuple[int, int]  # sequences one device runs at once: for both roles, or (rollout, judge)
 Late = tuple[tuple[int, float], ...]  # per role (ROLES order): devices of the allocation still to arrive, and when
