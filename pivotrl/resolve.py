@@ -82,6 +82,7 @@ class Plan:
     rollout_dtype: str
     # the trainer's state fits none of the job's devices: why (a run with train.min_devices=auto stops on it)
     too_big: str = ""
+    rollout_per_device: int = 0  # sequences in flight on a rollout device (0: as many as rollout.max_batch)
     judge_per_device: int = 0  # judgments in flight on a judge device (0: as many as rollout.max_batch)
     judge_kv: int = 0  # tokens of paged KV cache a judge device holds (0: no limit but its slots)
 
@@ -112,6 +113,7 @@ class Plan:
             "activation_checkpointing": self.activation_checkpointing,
             "precision": self.train.precision,
             "rollout_dtype": self.rollout_dtype,
+            "rollout_per_device": self.rollout_per_device,
             "judge_per_device": self.judge_per_device,
             "judge_kv": self.judge_kv,
         }
@@ -129,11 +131,14 @@ def describe(d: dict[str, Any]) -> list[str]:
         judge.append(f"{d['judge_per_device']} judgments at once")
     if d["judge_kv"]:
         judge.append(f"{d['judge_kv']} KV tokens")
+    rollout = d.get("rollout_per_device") or 0
     return [
         f"resolved for {d['device']} devices ({memory_text}{', sharing GPUs' if d['shared_gpu'] else ''}):",
         f"  trainer {d['trainer']}, at least {d['min_train_devices']} train device(s) a step, "
         f"{d['precision']} compute, activation checkpointing {'on' if d['activation_checkpointing'] else 'off'}",
-        f"  rollout copy in {d['rollout_dtype']}; a judge device holds "
+        f"  rollout copy in {d['rollout_dtype']}, "
+        + (f"{rollout} sequences a device at once" if rollout else "as many sequences a device as rollout.max_batch")
+        + "; a judge device holds "
         + (", ".join(judge) if judge else "as many judgments as rollout.max_batch"),
     ]
 
@@ -151,18 +156,20 @@ def resolve(
     cfg: JobConfig,
     hw: Hardware,
     policy: ModelConfig | None = None,
+    *,
     judge: ModelConfig | None = None,
     judge_max_len: int = 0,
+    rollout_max_len: int = 0,
     trainer: str | None = None,
     ranks_per_device: int = 1,
 ) -> Plan:
     """``cfg`` made concrete for ``hw``.
 
     ``policy``: the policy's architecture, which the memory rules need where ``hw`` knows its memory (None: those
-    rules take their CPU answers). ``judge`` and ``judge_max_len`` (its longest sequence): for the judge's
-    limits. ``trainer``: the trainer a resumed run keeps (the one that wrote its state), instead of ``auto``'s
-    choice. ``ranks_per_device``: GPUs a device spans where the memory rules count GPUs (the simulator's
-    instances): the step's fewest devices are its fewest GPUs over this.
+    rules take their CPU answers). ``judge`` and ``judge_max_len`` (its longest sequence), ``rollout_max_len``:
+    for the engines' limits. ``trainer``: the trainer a resumed run keeps (the one that wrote its state),
+    instead of ``auto``'s choice. ``ranks_per_device``: GPUs a device spans where the memory rules count GPUs
+    (the simulator's instances): the step's fewest devices are its fewest GPUs over this.
     """
     t = cfg.train
     precision = precision_for(t, hw.kind)
@@ -184,7 +191,8 @@ def resolve(
         t, backend=kind.value, precision=precision, activation_checkpointing=checkpointed, min_devices=min_devices
     )
     per_device, kv = _judge_limits(cfg, hw, judge, judge_max_len)
-    return Plan(hw, kind, train, rollout_dtype, too_big, per_device, kv)
+    rollout = _rollout_limit(cfg, hw, policy, rollout_dtype, rollout_max_len)
+    return Plan(hw, kind, train, rollout_dtype, too_big, rollout, per_device, kv)
 
 
 def precision_for(t: TrainConfig, kind: str) -> Precision:
@@ -262,24 +270,48 @@ def _too_big(t: TrainConfig, policy: ModelConfig, trainer: TrainerKind, devices:
     )
 
 
-def _judge_limits(cfg: JobConfig, hw: Hardware, judge: ModelConfig | None, max_len: int) -> tuple[int, int]:
-    """(judgments a judge device holds at once, tokens of its paged cache), 0 where not limited or not known.
+def _budget(cfg: JobConfig, hw: Hardware, model: ModelConfig, dtype: str) -> int | None:
+    """Bytes of KV cache a device gives an engine of ``model`` in ``dtype``, where known before it starts:
+    ``rollout.kv_cache_gb``, or on a GPU of known memory what the auto budget leaves after the weights (the engine
+    sizes itself again from the memory free when it starts: this is the plan's figure, not a promise)."""
+    if cfg.rollout.kv_cache_gb > 0:
+        return int(cfg.rollout.kv_cache_gb * GB)
+    if hw.kind == CUDA and hw.device_bytes is not None:
+        weights = model.num_parameters() * DTYPE_BYTES[dtype]
+        return max(0, int(AUTO_KV_FRACTION * (hw.device_bytes - weights)))
+    return None
 
-    The budget is known before the engine starts where ``rollout.kv_cache_gb`` gives it, or on a GPU of known
-    memory (what the auto budget leaves after the judge's weights: the engine sizes itself again from the
-    memory free when it starts, so this is the plan's figure, not a promise)."""
+
+def _per_token(model: ModelConfig, dtype: str) -> int:
+    """Bytes of keys and values one token holds over all layers."""
+    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * DTYPE_BYTES[dtype]
+
+
+def _slots(cfg: JobConfig, budget: int, per_token: int, max_len: int) -> int:
+    """Sequences of ``max_len`` tokens a slotted (native) engine holds: fewer than ``rollout.max_batch`` where
+    its budget holds fewer (at least one: an engine that holds none fails when it starts, naming the key), 0
+    where the budget is no limit."""
+    slots = min(cfg.rollout.max_batch, budget // (per_token * max_len))
+    return max(1, slots) if slots < cfg.rollout.max_batch else 0
+
+
+def _rollout_limit(cfg: JobConfig, hw: Hardware, policy: ModelConfig | None, dtype: str, max_len: int) -> int:
+    """Sequences a native rollout engine holds at once (0: ``rollout.max_batch``; a vLLM engine pages its cache
+    and preempts, so its limit stays the batch)."""
+    if policy is None or max_len < 1 or cfg.rollout.backend == "vllm":
+        return 0
+    budget = _budget(cfg, hw, policy, dtype)
+    return 0 if budget is None else _slots(cfg, budget, _per_token(policy, dtype), max_len)
+
+
+def _judge_limits(cfg: JobConfig, hw: Hardware, judge: ModelConfig | None, max_len: int) -> tuple[int, int]:
+    """(judgments a judge device holds at once, tokens of its paged cache), 0 where not limited or not known."""
     if judge is None or max_len < 1:
         return 0, 0
-    per_token = 2 * judge.num_hidden_layers * judge.num_key_value_heads * judge.head_dim
-    per_token *= DTYPE_BYTES[cfg.judge.dtype]
-    if cfg.rollout.kv_cache_gb > 0:
-        budget = int(cfg.rollout.kv_cache_gb * GB)
-    elif hw.kind == CUDA and hw.device_bytes is not None:
-        weights = judge.num_parameters() * DTYPE_BYTES[cfg.judge.dtype]
-        budget = max(0, int(AUTO_KV_FRACTION * (hw.device_bytes - weights)))
-    else:
+    budget = _budget(cfg, hw, judge, cfg.judge.dtype)
+    if budget is None:
         return 0, 0
+    per_token = _per_token(judge, cfg.judge.dtype)
     if cfg.judge.backend == "vllm":  # paged: a judgment holds the blocks of its own length
         return 0, max(1, budget // per_token)
-    slots = min(cfg.rollout.max_batch, budget // (per_token * max_len))
-    return (max(1, slots), 0) if slots < cfg.rollout.max_batch else (0, 0)
+    return _slots(cfg, budget, per_token, max_len), 0

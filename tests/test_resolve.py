@@ -167,3 +167,15 @@ def test_the_plan_prints_what_it_resolved(tmp_path: Path):
     lines = "\n".join(plan("devices=8", "mode=shiftable").lines())
     assert "resolved for cuda devices (80 GB each):" in lines
     assert "trainer zero, at least" in lines and "bf16 compute" in lines and "rollout copy in bfloat16" in lines
+
+
+def test_a_native_rollout_engine_whose_budget_holds_fewer_sequences_is_sent_fewer():
+    policy = SMALL
+    per_token = 2 * policy.num_hidden_layers * policy.num_key_value_heads * policy.head_dim * 2  # bf16 rollout
+    gb = f"rollout.kv_cache_gb={per_token * 600 * 3 / 1e9}"  # three sequences of 600 tokens
+    assert plan(gb, "rollout.max_batch=64", policy=policy, rollout_max_len=600).rollout_per_device == 3
+    assert plan(gb, "rollout.backend=vllm", policy=policy, rollout_max_len=600).rollout_per_device == 0  # (paged)
+    assert plan("rollout.max_batch=64", policy=policy, rollout_max_len=600).rollout_per_device == 0  # 80 GB: all fit
+    # on a CPU the budget given is the limit too; the rollout copy is fp32 there: half as many
+    assert plan(gb, kind="cpu", memory_gb=None, policy=policy, rollout_max_len=600).rollout_per_device == 1
+    assert plan(kind="cpu", memory_gb=None, policy=policy, rollout_max_len=600).rollout_per_device == 0  # (auto)

@@ -333,7 +333,8 @@ def resolve_run(
     trainer = None
     if start is not None:
         trainer = start.state.get("train_backend") or base_trainer(cfg.train, kind, shared).value
-    plan = resolve(cfg, hw, policy, judge, spec.judge_max_len, trainer)
+    plan = resolve(cfg, hw, policy, judge=judge, judge_max_len=spec.judge_max_len, rollout_max_len=spec.max_len,
+                   trainer=trainer)  # fmt: skip
     if plan.too_big and not cfg.train.min_devices:
         raise UserError(f"train.min_devices=auto: {plan.too_big}, or set train.min_devices to run anyway")
     if start is not None and (differs := changed(start.state.get("plan", {}), plan)):
