@@ -42,7 +42,7 @@ bench: install
 # On a machine with one CUDA GPU: the correctness tests (tests/gpu: parity, engine, GPS load, shifts, the
 # trainers, vLLM, a shared-GPU job), then the timings of the same sections (benchmarks/gpu_check.py, which
 # writes benchmarks/results/gpu_check.json); both run, and a failure of either fails the target. Without CUDA
-# the tests are skipped, the benchmark says so, and it exits 0.
+# the tests are skipped, the benchmark says so, and it exits 0. Each section runs twice (tested, then timed).
 gpu-check: install
 	rc=0; $(VENV)/bin/pytest -m gpu tests/gpu || rc=$$?; $(PY) benchmarks/gpu_check.py || rc=$$?; exit $$rc
 

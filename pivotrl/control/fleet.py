@@ -150,7 +150,7 @@ class Fleet:
             visit = sorted(self._touched)
         self._touched = set()
         cmds: list[Command] = []
-        devices, ready_sets, rollout, genrm = self.devices, self._ready.values(), Role.ROLLOUT, Role.JUDGE
+        devices, ready_sets, rollout, judge = self.devices, self._ready.values(), Role.ROLLOUT, Role.JUDGE
         for i in visit:
             d = devices[i]
             for ready in ready_sets:  # (looked at again: ready for its role's work below, or not)
@@ -167,7 +167,7 @@ class Fleet:
                     self._ready[d.role].add(i)  # (a stale rollout device finishes its work, takes no more)
                 continue
             d.leaving = None
-            if d.role is not want or (want is not genrm and d.version != version):  # or stale
+            if d.role is not want or (want is not judge and d.version != version):  # or stale
                 cmds.append(Shift(i, want, version))
                 d.state, d.heading = SHIFTING, want
             else:  # a rollout device's version is current: it would be shifting

@@ -84,8 +84,8 @@ def default_split(devices: int, train: int = 1) -> dict[Role, int]:
             f"disaggregated mode needs at least {train + 2} devices ({train} to train, one each to generate and "
             f"judge), got {devices}"
         )
-    genrm = max(1, round((devices - train) / 3))
-    return {Role.ROLLOUT: devices - train - genrm, Role.JUDGE: genrm, Role.TRAIN: train}
+    judge = max(1, round((devices - train) / 3))
+    return {Role.ROLLOUT: devices - train - judge, Role.JUDGE: judge, Role.TRAIN: train}
 
 
 class Disaggregated(StaticPolicy):

@@ -280,18 +280,14 @@ class TrainContext:
     ) -> None:
         device = torch.device(spec.device)
         snap = store.fetch(POLICY, version)
-        self.config = ModelConfig.from_hf(snap.manifest.meta["config"])  # the policy's architecture
         # the trainer, its compute dtype and activation checkpointing: as the job's plan resolved them for every
         # device (pivotrl.resolve), never decided again here
         assert cfg.backend != "auto" and isinstance(cfg.activation_checkpointing, bool), "configured by the plan"
-        self.backend = cfg.backend
-        self.compute = compute_dtype(cfg)
-        self.cfg = cfg
         setup = TrainSetup(
-            store, version, snap, device, cfg, temperature, self.compute, DTYPES[spec.rollout_dtype],
+            store, version, snap, device, cfg, temperature, compute_dtype(cfg), DTYPES[spec.rollout_dtype],
             POLICY, REFERENCE, CHECKPOINT_STATE, keep_versions,
         )  # fmt: skip
-        self.trainer: Trainer = build_trainer(self.backend, setup)
+        self.trainer: Trainer = build_trainer(cfg.backend, setup)
         self.nbytes = self.trainer.nbytes
 
     @property

@@ -52,11 +52,6 @@ class GRPOTrainer(GRPOLoss):
             foreach=False,
         )
 
-    def discard(self) -> None:
-        """Drop the accumulated gradients and sums without updating the weights."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self._stats, self._tokens = {}, 0
-
     def step(self, total_tokens: int | None = None, sums: dict[str, float] | None = None) -> dict[str, float]:
         """Turn the accumulated gradient sums into a token-mean gradient and update the weights.
 

@@ -28,8 +28,6 @@ class TrainerTraits:
     lost while it holds its shard loses state no other device has.
     ``host_collectives``: its collectives may go through host memory, so it trains on devices that share a
     GPU (NCCL takes one rank per GPU; FSDP2's collectives need it).
-    ``whole_bytes`` / ``sharded_bytes``: bytes per parameter held whole on every train device and split over
-    them, beside the compute-dtype copy (see ``pivotrl.train.memory``).
     ``always_grouped``: it makes a process group even on one device (FSDP2 builds its device mesh over one).
     """
 
@@ -37,15 +35,13 @@ class TrainerTraits:
     lockstep: bool
     unique_state: bool
     host_collectives: bool
-    whole_bytes: int
-    sharded_bytes: int
     always_grouped: bool = False
 
 
 TRAITS: dict[TrainerKind, TrainerTraits] = {
-    TrainerKind.FSDP: TrainerTraits(TrainerKind.FSDP, True, True, False, 0, 16, always_grouped=True),
-    TrainerKind.ZERO: TrainerTraits(TrainerKind.ZERO, False, True, True, 4, 12),
-    TrainerKind.REPLICATED: TrainerTraits(TrainerKind.REPLICATED, False, False, True, 16, 0),
+    TrainerKind.FSDP: TrainerTraits(TrainerKind.FSDP, True, True, False, always_grouped=True),
+    TrainerKind.ZERO: TrainerTraits(TrainerKind.ZERO, False, True, True),
+    TrainerKind.REPLICATED: TrainerTraits(TrainerKind.REPLICATED, False, False, True),
 }
 
 NAMES = tuple(k.value for k in TrainerKind)

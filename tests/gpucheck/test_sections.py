@@ -25,7 +25,6 @@ def test_engine_section_on_cpu() -> None:
     assert r["tokens"] == asked and r["pivotrl"]["tokens_computed"] == asked
     assert r["transformers"]["tokens_computed"] >= asked  # static batches run to their longest request
     assert r["pivotrl"]["tokens_per_s"] > 0 and r["transformers"]["tokens_per_s"] > 0 and r["speedup"] > 0
-    assert 0 <= r["greedy_agreement"] <= 1
 
 
 def test_gps_load_section_on_cpu() -> None:
