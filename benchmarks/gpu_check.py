@@ -27,7 +27,10 @@ d. ``fsdp`` and ``zero``: a bf16 step of the 0.5B shape with activation
 e. ``vllm``: the vLLM backend's tokens/s beside the native engine on the engine
    section's requests, a version swapped in place from the GPS, sleep and wake
    (device memory freed, seconds). Skipped when vLLM is not installed.
-f. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
+f. ``vllm_job``: two devices sharing the GPU with the policy and the judge on
+   vLLM, shiftable, temperature 1: every engine in a process of its own, and
+   shifts between rollout and judge both ways, at least twice each.
+g. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    device=cuda gpus_per_device=0.25`` in a subprocess, four device actors
    sharing the GPU; with tiny random checkpoints and a small job when the
    bundled models are not built (``make prepare``), which the output says.
@@ -55,7 +58,7 @@ from typing import Any
 from pivotrl.gpucheck.models import engine_throughput, vllm_backend
 from pivotrl.gpucheck.sections import cannot_run, headline, run_section
 from pivotrl.gpucheck.shapes import gb
-from pivotrl.gpucheck.train import fsdp_check, job, zero_check
+from pivotrl.gpucheck.train import fsdp_check, job, vllm_job, zero_check
 from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,12 +88,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-SECTIONS = ("gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "job")
+SECTIONS = ("gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "vllm_job", "job")
 
 
 ESTIMATE_S = {
     "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
-    "job": 120,
+    "vllm_job": 180, "job": 120,
 }  # fmt: skip
 
 
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             left = BUDGET_S - (time.perf_counter() - start)
             if name == "job":
                 fn: Callable[[], dict[str, Any]] = lambda left=left: job(device, Path(tmp), max(30.0, left - 20))
+            elif name == "vllm_job":  # (leaves the last job its time)
+                fn = lambda left=left: vllm_job(device, Path(tmp) / "vllm", max(30.0, min(240.0, left - 140)))
             else:
                 fn = jobs[name]
             if left < ESTIMATE_S[name] / 2:

@@ -1,6 +1,6 @@
 """vLLM as a generation backend (``rollout.backend=vllm``, ``judge.backend=vllm``).
 
-One in-process vLLM engine per device and model, driven through the same
+One vLLM engine per device and model, in a process of its own, driven through the same
 protocol as the native engine (:mod:`pivotrl.engine.protocol`):
 
 * **Weights come from the GPS**, never from disk: the engine is built from
@@ -22,10 +22,11 @@ protocol as the native engine (:mod:`pivotrl.engine.protocol`):
   offset by the tokens already drawn.
 * **Shifts.** On a GPU, leaving the role puts the engine to sleep (weights and
   KV cache freed, the engine kept) and coming back wakes it and loads the
-  version from the GPS. A device keeps an engine per model asleep, and vLLM's
-  sleep allocator is one per process: waking one engine maps back only the
-  memory its own build allocated. On a CPU vLLM has no sleep mode: the engine
-  and its cache stay in host memory across shifts.
+  version from the GPS. vLLM's sleep allocator is one per process, so an
+  engine with sleep mode is alone in its process: a device runs each model's
+  engine in a process of its own (:mod:`pivotrl.runtime.engine_host`). On a
+  CPU vLLM has no sleep mode: the engine and its cache stay in host memory
+  across shifts.
 * **Model runner.** The processor is of vLLM's V1 model runner's kind, with
   async scheduling off; vLLM 0.32 would pick its V2 runner on every CUDA build,
   which refuses it, so the backend sets ``VLLM_USE_V2_MODEL_RUNNER=0``.
@@ -44,7 +45,6 @@ import importlib.util
 import itertools
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from pivotrl.engine.engine import EngineStats, SamplingParams, SeqState
-from pivotrl.engine.kv_budget import bytes_per_token
+from pivotrl.engine.kv_budget import auto_budget, bytes_per_token
 from pivotrl.engine.protocol import SliceReport
 from pivotrl.engine.sampling import sample
 from pivotrl.gps import Snapshot
@@ -201,57 +201,21 @@ def _tie_embeddings(worker: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
-# vLLM's sleep mode allocates every engine's weights and KV cache through one allocator per process
-# (``CuMemAllocator``), and its ``wake_up`` maps back every sleeping allocation there, whichever engine made it: a
-# device keeping its policy and judge engines asleep would get both back, each sized for most of the GPU, on
-# waking either. So each engine records the allocations its build made (channel -> pointers), and a wake leaves
-# the other engines' asleep.
-_OWNED: dict[int, set[int]] = {}
+# vLLM's sleep mode allocates an engine's weights and KV cache through one allocator per process
+# (``CuMemAllocator``, vllm/device_allocator/cumem.py): its GPU worker refuses to load a second engine's weights
+# while the allocator holds anything (vllm/v1/worker/gpu_worker.py, ``_maybe_get_memory_pool_context``), and its
+# ``sleep``/``wake_up`` act on every allocation of the process. So an engine with sleep mode is alone in its process
+# (pivotrl.runtime.engine_host runs each in one of its own); ``_live`` counts this process's engines to say so
+# before vLLM asserts it.
+_live: dict[int, bool] = {}  # channel -> sleep mode, of the engines built here and not closed
 
 
-def _sleep_allocator() -> Any:
-    """The process's sleep-mode allocator, or None where none was made (a CPU, sleep mode off; its module not
-    imported: no engine with sleep mode was built here, and importing vLLM just to find that out is slow)."""
-    cumem = sys.modules.get("vllm.device_allocator.cumem")
-    return cumem.CuMemAllocator.instance if cumem is not None else None
-
-
-def asleep_bytes() -> int:
-    """Bytes of this process's vLLM engines that are asleep: unmapped from the GPU, though torch's allocator
-    still counts them as allocated (their tensors live on). 0 where vLLM or its sleep allocator is not here."""
-    allocator = _sleep_allocator()
-    if allocator is None:
-        return 0
-    return sum(data.handle[1] for data in allocator.pointer_to_data.values() if data.is_asleep)
-
-
-def _wake_own(allocator: Any, others: set[int], wake: Callable[[], None]) -> None:
-    """Run ``wake`` (an engine's ``wake_up``, which maps back every sleeping allocation of ``allocator``) with the
-    sleeping allocations in ``others`` (other engines') left asleep: they are shown to it as awake, which it
-    skips, and put back as they were whatever happens."""
-    hidden = [data for ptr, data in allocator.pointer_to_data.items() if ptr in others and data.is_asleep]
-    for data in hidden:
-        data.is_asleep = False
-    try:
-        wake()
-    finally:
-        for data in hidden:
-            data.is_asleep = True
-
-
-@contextmanager
-def _pools_kept(allocator: Any) -> Iterator[None]:
-    """An engine's shutdown releases the allocator's memory pools, which other engines of the process still
-    use: while they live, it must not."""
-    if allocator is None:
-        yield
-        return
-    release = allocator.release_pools
-    allocator.release_pools = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        allocator.release_pools = release
+def _check_alone(sleep_mode: bool) -> None:
+    if _live and (sleep_mode or any(_live.values())):
+        raise RuntimeError(
+            "a vLLM engine with sleep mode (on a GPU) must be alone in its process, and this process holds "
+            f"{len(_live)} already: each engine runs in a process of its own (pivotrl.runtime.engine_host)"
+        )
 
 
 # torch.distributed keeps one world per process, and both vLLM (a world of one, made when an engine is built)
@@ -305,6 +269,55 @@ def _vllm_distributed() -> Iterator[None]:
         _put_world(ours)
 
 
+def kv_pool_bytes(
+    explicit: int, cuda: bool, share: float, free: int, total: int, weights: int, per_token: int, limit: int,
+    batch: int, max_len: int,
+) -> int | None:  # fmt: skip
+    """The KV pool handed to vLLM (``kv_cache_memory_bytes``); None: vLLM profiles the GPU and sizes it.
+
+    Explicit (``rollout.kv_cache_gb``): that. A CPU has no memory to profile:
+    room for every slot at full length, and some. A GPU shared with other
+    devices (``share`` below 1): computed here, like the native engine's auto
+    budget (:func:`~pivotrl.engine.kv_budget.auto_budget`, the weights not yet
+    loaded counted as held), because vLLM 0.32's profile asserts that no other
+    process freed GPU memory while it ran (``gpu_worker.py``,
+    ``determine_available_memory``), and the other devices' shifts do; an
+    explicit pool skips that profile. A whole GPU: vLLM's profile. Whatever is
+    handed over holds at least one sequence of the limit (vLLM refuses less).
+    """
+    kv = explicit
+    if not kv and not cuda:
+        kv = int(1.25 * batch * max_len * per_token) + (16 << 20)
+    elif not kv and share < 1:
+        kv = auto_budget(free, total, weights, share)
+    return max(kv, int(1.1 * limit * per_token)) if kv else None
+
+
+# the assertion vLLM 0.32's worker makes after a sleep has unmapped the engine's memory (gpu_worker.py, ``sleep``)
+_SLEEP_CHECK = "Memory usage increased after sleeping"
+
+
+def sleep_beside_others(llm: Any) -> None:
+    """Put ``llm`` to sleep (level 2: weights discarded too, the GPS holds them) on a GPU other processes share.
+
+    vLLM 0.32's worker, once it has unmapped the engine's memory, asserts that
+    the GPU's free memory did not shrink meanwhile; another process of the GPU
+    (another device's trainer, an engine waking) allocating in that moment
+    trips it, after the sleep is done and before the executor records it
+    (``vllm/v1/executor/abstract.py``: ``sleeping_tags``). So that one
+    assertion is taken for what it is, a check of a GPU that is not shared,
+    and the executor is told it sleeps, as it would have been.
+    """
+    try:
+        llm.sleep(level=2)
+    except AssertionError as e:
+        if _SLEEP_CHECK not in str(e):
+            raise
+        from vllm.v1.executor.abstract import SLEEP_TAGS
+
+        llm.engine_core.engine_core.model_executor.sleeping_tags |= SLEEP_TAGS
+
+
 @dataclass(slots=True)
 class _Request:
     state: SeqState
@@ -351,14 +364,14 @@ class VllmEngine:
         # (a judge prompt longer than planned still fits); the pool is what ``kv_cache_bytes`` sizes
         limit = max(max_len, self.config.max_position_embeddings)
         per_token = bytes_per_token(self.config, self.dtype)
-        kv = self.kv_cache_bytes
-        if not kv and not cuda:  # a CPU has no memory to profile: room for every slot at full length, and some
-            kv = int(1.25 * self.requested_batch * max_len * per_token) + (16 << 20)
-        if kv:
-            kv = max(kv, int(1.1 * limit * per_token))  # vLLM wants one sequence of the limit to fit
+        free, total = torch.cuda.mem_get_info(self.device) if cuda else (0, 0)
+        weight_bytes = self.config.num_parameters() * torch.empty((), dtype=self.dtype).element_size()
+        kv = kv_pool_bytes(
+            self.kv_cache_bytes, cuda, self.memory_share, free, total, weight_bytes, per_token, limit,
+            self.requested_batch, max_len,
+        )  # fmt: skip
         utilization = 0.85 * self.memory_share
         if cuda:  # vLLM refuses to start unless this fraction of the GPU is free now (other roles, other devices)
-            free, total = torch.cuda.mem_get_info(self.device)
             utilization = min(utilization, 0.9 * free / total)
         args = EngineArgs(
             model=self._dir,
@@ -378,9 +391,8 @@ class VllmEngine:
             disable_log_stats=True,  # pivotrl reports what the engine did (progress events, the trace)
             seed=0,
         )
+        _check_alone(cuda)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        allocator = _sleep_allocator()
-        before = set(allocator.pointer_to_data) if allocator is not None else set()
         try:
             with _vllm_distributed():
                 self.llm = LLMEngine.from_engine_args(args)
@@ -390,8 +402,7 @@ class VllmEngine:
         # vLLM shuts an engine down when it is collected, tearing down the process's distributed state with it
         # (whichever world is in place then, and the groups other engines here share): close() does it instead
         self.llm.engine_core._finalizer.detach()
-        if (allocator := _sleep_allocator()) is not None:  # (made by the first build with sleep mode)
-            _OWNED[self.channel] = set(allocator.pointer_to_data) - before
+        _live[self.channel] = cuda
         if weights is not None:
             self.load_weights(weights)
         self.max_len, self.max_batch = limit, self.requested_batch
@@ -534,18 +545,13 @@ class VllmEngine:
     def sleep(self) -> None:
         """On a GPU free the weights and the KV cache (the engine stays); on a CPU nothing to free."""
         if self.device.type == "cuda" and not self.asleep:
-            self.llm.sleep(level=2)  # weights discarded too: the GPS holds them
+            sleep_beside_others(self.llm)
             self.asleep = True
 
     def wake(self) -> None:
-        """Map this engine's weights and KV cache back (the weights' values are the GPS's to load)."""
+        """Map the engine's weights and KV cache back (the weights' values are the GPS's to load)."""
         if self.asleep:
-            allocator = _sleep_allocator()
-            if allocator is None:
-                self.llm.wake_up()
-            else:
-                others = set().union(*(p for c, p in _OWNED.items() if c != self.channel))
-                _wake_own(allocator, others, self.llm.wake_up)
+            self.llm.wake_up()
             self.asleep = False
 
     def close(self) -> None:
@@ -554,12 +560,10 @@ class VllmEngine:
             import vllm.v1.engine.core as core
 
             cleanup, core.cleanup_dist_env_and_memory = core.cleanup_dist_env_and_memory, lambda *a, **k: None
-            others = any(c != self.channel for c in _OWNED)
             try:
-                with _pools_kept(_sleep_allocator() if others else None):
-                    self.llm.engine_core.engine_core.shutdown()
+                self.llm.engine_core.engine_core.shutdown()
             finally:
                 core.cleanup_dist_env_and_memory = cleanup
             self.llm = None
         _LOGPROBS.pop(self.channel, None)
-        _OWNED.pop(self.channel, None)
+        _live.pop(self.channel, None)

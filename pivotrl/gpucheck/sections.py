@@ -64,8 +64,13 @@ def headline(name: str, section: dict[str, Any]) -> str:
         return (
             f"{r['tokens_per_s']:.0f} tok/s vs native {r['native_tokens_per_s']:.0f}; greedy agreement "
             f"{r['greedy_agreement_v0']:.2f} (v1 {r['greedy_agreement_v1']:.2f}); swap {r['swap_seconds']} s, "
-            f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s; woken beside "
-            f"an engine asleep it maps {r['wake_beside_asleep_gb']} GB"
+            f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s; a second engine "
+            f"in its process refused: {r['second_engine_refused']}"
+        )
+    if name == "vllm_job":
+        return (
+            f"{r.get('steps')} steps in {r['seconds']} s; shifts {r.get('shifts_by_pair')}; "
+            f"{r.get('engine_processes')} engine processes, each one model's: {r.get('engines_alone')}"
         )
     if name == "job":
         where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
@@ -82,6 +87,7 @@ NEEDS = {
     "gps_load_ray": ("ray", "orjson"),
     "shifts": ("orjson",),
     "job": ("orjson", "yaml", "jinja2", "tqdm", "matplotlib"),  # (the run's config, chat template, bar, timeline)
+    "vllm_job": ("ray", "orjson", "yaml", "jinja2", "tqdm", "matplotlib"),
 }
 PACKAGES = {"ray": "Ray", "orjson": "orjson", "transformers": "transformers", "yaml": "PyYAML", "jinja2": "Jinja2",
             "tqdm": "tqdm", "matplotlib": "matplotlib"}  # fmt: skip
@@ -93,7 +99,7 @@ def cannot_run(name: str) -> str | None:
     or orjson."""
     import importlib.util
 
-    if name == "vllm":
+    if name in ("vllm", "vllm_job"):
         try:
             from pivotrl.engine.vllm_engine import available as vllm_available
         except ImportError as e:  # (a package the backend's module needs)

@@ -136,7 +136,8 @@ def random_state(shape: Shape, dtype: str = "float32") -> dict[str, Any]:
 
 
 def tiny_checkpoints(root: Path) -> dict[str, Path]:
-    """A random policy and judge over the character tokenizer, as tests/conftest.py builds them."""
+    """A random policy and judge over the character tokenizer, as tests/conftest.py builds them (head_dim 32: a
+    size every attention backend of vLLM takes, its CPU one included)."""
     import torch
 
     from pivotrl.model import Decoder, char_tokenizer, save_model
@@ -144,7 +145,7 @@ def tiny_checkpoints(root: Path) -> dict[str, Path]:
     tok = char_tokenizer()
     paths = {}
     for name, arch, seed in (("policy", "Qwen2ForCausalLM", 0), ("judge", "LlamaForCausalLM", 1)):
-        shape = Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=tok.vocab_size)
+        shape = Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=tok.vocab_size)
         cfg = replace(
             shape.model_config(),
             architecture=arch,

@@ -23,21 +23,35 @@ from pivotrl.gpucheck.shapes import (
     timed,
     tiny_checkpoints,
 )
+from pivotrl.telemetry import Slice, read_events
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: its examples/ and models/
 
 
-def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: bool | None = None) -> dict[str, Any]:
-    """``pivotrl train`` in a subprocess: four device actors on one GPU, shiftable mode; without Ray (``ray``
-    None: whether it is installed), one device in the training process, colocated."""
+def job(
+    device: str,
+    out: Path,
+    timeout_s: float = 300.0,
+    steps: int = 10,
+    ray: bool | None = None,
+    devices: int = 4,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """``pivotrl train`` in a subprocess: ``devices`` device actors on one GPU (``1/devices`` of it each),
+    shiftable mode, with ``extra`` overrides; without Ray (``ray`` None: whether it is installed), one device in
+    the training process, colocated. Reports the shifts between each pair of roles and, for engines in
+    processes of their own, which process built which model's engine."""
     import importlib.util
 
     ray = importlib.util.find_spec("ray") is not None if ray is None else ray
     bundled = all((ROOT / "models" / m / "config.json").is_file() for m in ("policy", "judge"))
-    overrides = [f"steps={steps}", *(("devices=4", "mode=shiftable") if ray else ("devices=1", "mode=colocated"))]
+    overrides = [
+        f"steps={steps}",
+        *((f"devices={devices}", "mode=shiftable") if ray else ("devices=1", "mode=colocated")),
+    ]
     if device.startswith("cuda"):
-        # (four devices on one GPU: a train group of several goes through host memory; auto trains ZeRO-1 there)
-        overrides += ["device=cuda", "gpus_per_device=0.25"] if ray else ["device=cuda"]
+        # (devices sharing one GPU: a train group of several goes through host memory; auto trains ZeRO-1 there)
+        overrides += ["device=cuda", f"gpus_per_device={1 / devices:g}"] if ray else ["device=cuda"]
     if bundled:
         models = "bundled (models/policy, models/judge)"
     else:
@@ -48,6 +62,7 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
             "rollout.group_size=4", "rollout.max_new_tokens=16", "judge.max_new_tokens=16", "eval.size=32",
             "eval.max_new_tokens=16",
         ]  # fmt: skip
+    overrides += extra
     run_dir = out / "run"
     cmd = [sys.executable, "-m", "pivotrl.cli", "train", str(ROOT / "examples/default.yaml"), *overrides]
     cmd += ["--out", str(run_dir)]
@@ -56,7 +71,7 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     seconds = time.perf_counter() - t0
     result: dict[str, Any] = {"models": models, "command": "pivotrl " + " ".join(cmd[3:]), "seconds": sig(seconds),
-                              "devices": 4 if ray else 1, "ray": ray}  # fmt: skip
+                              "devices": devices if ray else 1, "ray": ray}  # fmt: skip
     result["returncode"] = proc.returncode
     if proc.returncode != 0:
         result["stderr_tail"] = proc.stderr[-2000:]
@@ -68,8 +83,26 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
         if isinstance(summary.get(key), int | float):
             result[key] = sig(summary[key])
     result["steps"] = steps_done
-    result["pass"] = steps_done == steps
+    result |= shifts_and_engines(read_events(run_dir))
+    result["pass"] = steps_done == steps and result["engines_alone"]
     return result
+
+
+def shifts_and_engines(events: list[Slice]) -> dict[str, Any]:
+    """From a run's events: the shifts between each pair of roles, and whether every process that built an
+    engine built that of one model only, apart from its device's process (engine_host)."""
+    shifts: dict[str, int] = {}
+    models_of: dict[int, set[str]] = {}
+    apart = True
+    for e in events:
+        if e.role != "shift" or "->" not in e.name:
+            continue
+        shifts[e.name] = shifts.get(e.name, 0) + 1
+        if "engine_pid" in e.args:
+            models_of.setdefault(e.args["engine_pid"], set()).update(e.args["engine_builds"].split(","))
+            apart &= e.args["engine_pid"] != e.args["device_pid"]
+    alone = apart and all(len(m) == 1 for m in models_of.values())
+    return {"shifts_by_pair": shifts, "engine_processes": len(models_of), "engines_alone": alone}
 
 
 def fsdp_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, length: int = 1024) -> dict[str, Any]:
@@ -217,3 +250,15 @@ def zero_check(device: str, shape: Shape = QWEN2_05B, sequences: int = 16, lengt
         "predicted_memory_gb": round(memory.per_device(big, "zero", 1, 8192, 2, True) / 1e9, 2),
         "parameters": trainer.numel,
     }
+
+
+def vllm_job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 6) -> dict[str, Any]:
+    """Two devices sharing one GPU, the policy and the judge on vLLM, shiftable, at temperature 1: every engine
+    in a process of its own (engine_host), and shifts between rollout and judge both ways at least twice each,
+    each waking an engine asleep (built on its device's first visit only)."""
+    extra = ("rollout.backend=vllm", "judge.backend=vllm", "rollout.temperature=1.0")
+    result = job(device, out, timeout_s, steps=steps, devices=2, extra=extra)
+    pairs = result.get("shifts_by_pair", {})
+    result["both_ways"] = pairs.get("rollout->judge", 0) >= 2 and pairs.get("judge->rollout", 0) >= 2
+    result["pass"] = bool(result["pass"] and result["both_ways"])
+    return result

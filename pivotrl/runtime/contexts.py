@@ -70,13 +70,14 @@ def publish_checkpoint(store: ParameterStore, name: str, version: int, model: De
     return store.publish(name, version, module_tensors(model), Kind.WEIGHTS, checkpoint_meta(model, tokenizer)).nbytes
 
 
-def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
+def tokenizer_of(meta: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a checkpoint's meta carries (:func:`checkpoint_meta`)."""
     return Tokenizer(HFTokenizer.from_str(meta["tokenizer"]), list(meta["eos"]), meta["pad"], meta["bos"])
 
 
 def build_model(snap: Snapshot, device: torch.device, dtype: torch.dtype) -> tuple[Decoder, Tokenizer]:
     """A model and tokenizer rebuilt from a GPS snapshot (weights copied onto ``device``)."""
-    return decoder(snap, device, dtype), _tokenizer(snap.manifest.meta)
+    return decoder(snap, device, dtype), tokenizer_of(snap.manifest.meta)
 
 
 @dataclass(slots=True)
@@ -149,10 +150,7 @@ def kv_budget(spec: ContextSpec, device: torch.device, weights_bytes: int) -> KV
     _, total = torch.cuda.mem_get_info(device)
     free = device_free_bytes(device)
     assert free is not None
-    # (an engine of the other model asleep here, vLLM's, is unmapped but still counted allocated: not held)
-    from pivotrl.engine.vllm_engine import asleep_bytes
-
-    held = max(0, torch.cuda.memory_allocated(device) - asleep_bytes())
+    held = torch.cuda.memory_allocated(device)
     return KVBudget(auto_budget(free, total, held, spec.memory_share), False, weights_bytes)
 
 
@@ -195,11 +193,11 @@ class GenerationContext:
         snap = store.fetch(name, version)
         self.name, self.version, self.nbytes, self.backend = name, version, snap.nbytes, spec.backend(name)
         max_len = spec.max_len if name == POLICY else spec.judge_max_len
-        meta = snap.manifest.meta
+        self.meta = meta = snap.manifest.meta
         if self.backend == "vllm":
             from pivotrl.engine.vllm_engine import VllmEngine
 
-            self.tokenizer = _tokenizer(meta)
+            self.tokenizer = tokenizer_of(meta)
             if isinstance(kept, VllmEngine) and kept.dtype == dtype:
                 kept.wake()
                 kept.ensure_capacity(max_len)

@@ -87,6 +87,15 @@ def bundle(kind: Kind, gpus_per_device: float) -> dict[str, float]:
     return {"CPU": 1, "GPU": gpus_per_device} if kind == CUDA else {"CPU": 1}
 
 
+def process_share(gpus_per_device: float, processes: int) -> float:
+    """The GPU share each of a device's ``processes`` asks Ray for: an equal part of the device's bundle, rounded
+    down to Ray's resolution (1e-4), so that together they fit it. The share is a placement rule only: the
+    processes take turns on the memory (one role at a time is awake)."""
+    if processes < 1:
+        raise ValueError(f"a device runs at least one process, not {processes}")
+    return int(round(gpus_per_device * 10_000 / processes, 6)) / 10_000
+
+
 def bundles(kind: Kind, devices: int, gpus_per_device: float) -> list[dict[str, float]]:
     """The placement group of a job: one bundle per device, bundle ``d`` for device ``d``."""
     return [bundle(kind, gpus_per_device) for _ in range(devices)]

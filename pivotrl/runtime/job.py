@@ -46,6 +46,7 @@ from pivotrl.runtime.contexts import (
     build_model,
     publish_checkpoint,
 )
+from pivotrl.runtime.engine_host import needs_process
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.sample import Problem
@@ -418,8 +419,9 @@ def _run_once(
     heldout = heldout[: cfg.eval.size]
     check_train_size(cfg, len(train_set))
     origin = time.time()
-    if in_process is None:
-        in_process = cfg.devices == 1 and ray_address is None
+    if in_process is None:  # (an engine that needs a process of its own has one on Ray: engine_host)
+        own = any(needs_process(b) for b in (cfg.rollout.backend, cfg.judge.backend))
+        in_process = cfg.devices == 1 and ray_address is None and not own
     if in_process and (cfg.fault.device >= 0 or cfg.fault.first):
         raise UserError("fault.device: faults are injected into Ray devices (devices > 1, or --ray-address)")
     if not in_process:

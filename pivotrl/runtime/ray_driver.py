@@ -47,7 +47,8 @@ from pivotrl.log import logger
 from pivotrl.resolve import Plan
 from pivotrl.runtime import devices as dev
 from pivotrl.runtime.blame import PROBE_S, blame, told
-from pivotrl.runtime.contexts import ContextSpec
+from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec
+from pivotrl.runtime.engine_host import EngineClient, EngineHost, needs_process, ray_client
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
@@ -91,10 +92,18 @@ class DeviceActor:
         origin: float,
         threads: int,
         bundle: int | None = None,
+        gpu_share: float = 0.0,
     ) -> None:
+        # its models' engines that run in processes of their own start now, beside it, in its bundle: the start of
+        # a process and its imports is paid once, in parallel, not at the first shift (engine_host)
+        self.clients = {
+            name: _engine_process(name, store, spec, threads, bundle, gpu_share)
+            for name in (POLICY, JUDGE)
+            if needs_process(spec.backend(name))
+        }
         spec = replace(spec, device=dev.bind(spec.device))  # see the devices module for a GPU torch cannot see
         self.bundle = bundle  # the placement-group bundle it was scheduled into (Ray does not tell an actor)
-        self.worker = Worker(device, store, spec, train, origin, threads=threads)
+        self.worker = Worker(device, store, spec, train, origin, threads=threads, engines=self.clients.__getitem__)
         # a device about to be declared lost for missing its deadline is first asked for its threads' stacks
         # (written to its log, which Ray forwards to the driver's): what it was stuck in
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -177,6 +186,25 @@ class DeviceActor:
 
     def set_origin(self, origin: float) -> None:
         self.worker.origin = origin
+
+
+def engine_processes(spec: ContextSpec) -> int:
+    """The processes each device runs: its own, and one per model whose engine needs one (engine_host)."""
+    return 1 + sum(needs_process(spec.backend(name)) for name in (POLICY, JUDGE))
+
+
+def _engine_process(
+    name: str, store: RayStore, spec: ContextSpec, threads: int, bundle: int | None, gpu_share: float
+) -> EngineClient:
+    """Start model ``name``'s engine process in the caller's placement-group bundle (the device's), with its
+    share of the device's GPU; owned by the caller, it dies with it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.get_current_placement_group()
+    where = PlacementGroupSchedulingStrategy(pg, bundle) if pg is not None and bundle is not None else None
+    remote = ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpu_share, scheduling_strategy=where)
+    return ray_client(remote.remote(name, store, spec, threads), name)
 
 
 MARKER = "pivotrl-driver"  # in the session directory of a Ray instance a pivotrl driver started: its pid
@@ -352,13 +380,14 @@ class RayDriver:
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
             self.spec = spec = spec_for(self.kind)
             self.train = TrainSpec(cfg.train, cfg.rollout.temperature)  # (configure makes it concrete)
-            gpus = cfg.gpus_per_device if self.kind == dev.CUDA else 0
+            # each of a device's processes (its own, its engines') holds an equal share of its bundle's GPU
+            share = dev.process_share(cfg.gpus_per_device, engine_processes(spec)) if self.kind == dev.CUDA else 0
 
             def start(d: int) -> Any:
                 where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
                 remote = ray.remote(concurrency_groups={PROBE: 1})(DeviceActor)
-                actor = remote.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=where_d)
-                return actor.remote(d, self.store, spec, self.train, self.origin, threads[d], d)
+                actor = remote.options(num_cpus=1, num_gpus=share, scheduling_strategy=where_d)
+                return actor.remote(d, self.store, spec, self.train, self.origin, threads[d], d, share)
 
             self.origin, self._start = origin, start
             self.actors = [start(d) for d in range(cfg.devices)]

@@ -8,9 +8,11 @@ soon as responses end and a shift command never waits long.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,7 @@ from pivotrl.runtime.contexts import (
     release_device_memory,
 )
 from pivotrl.runtime.devices import node_address
+from pivotrl.runtime.engine_host import EngineClient, EngineHost, RemoteGeneration, local_client, needs_process
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
 from pivotrl.train.config import TrainConfig
@@ -77,16 +80,33 @@ class _Pending:
     prompt_ids: list[int] = field(default_factory=list)
 
 
+Generation = GenerationContext | RemoteGeneration
+EngineProcesses = Callable[[str], EngineClient]  # model -> a client of its engine's own process
+
+
 class Worker:
+    """One device. ``engines`` gives the client of a model's engine in a process of its own (for backends
+    that need one: :mod:`pivotrl.runtime.engine_host`); by default the engine is hosted in this process, which
+    only a CPU allows (vLLM without sleep mode)."""
+
     def __init__(
-        self, device: int, store: ParameterStore, spec: ContextSpec, train: TrainSpec, origin: float, threads: int = 1
+        self,
+        device: int,
+        store: ParameterStore,
+        spec: ContextSpec,
+        train: TrainSpec,
+        origin: float,
+        threads: int = 1,
+        engines: EngineProcesses | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.device, self.store, self.spec, self.train_spec, self.origin = device, store, spec, train, origin
+        self.engines = engines or self._in_process
         self.role: Role | None = None
-        self.ctx: GenerationContext | TrainContext | None = None
-        # generation models released here, to come back to: native skeletons (no memory), vLLM engines asleep
-        self.kept: dict[str, Skeleton | Any] = {}
+        self.ctx: Generation | TrainContext | None = None
+        # generation models released here, to come back to: native skeletons (no memory), clients of engines
+        # asleep in their own processes
+        self.kept: dict[str, Skeleton | EngineClient] = {}
         self.pending: dict[int, _Pending] = {}
         # migration audit (spec.audit_migrations): a resumed sequence is also generated from scratch, unmigrated,
         # beside it; shadow uid -> real uid, and the tokens of whichever of the two finished first
@@ -127,16 +147,18 @@ class Worker:
             raise VersionError(f"device {self.device}: {name} has no weights version {want} (available: {have})")
         t0 = self.now()
         before = self.role
-        if role is self.role and role is Role.ROLLOUT and isinstance(self.ctx, GenerationContext):
+        engine: dict[str, Any] = {}
+        if role is self.role and role is Role.ROLLOUT and _generating(self.ctx):
             nbytes = self.ctx.refresh(self.store, version)  # same model, new weights: keep engine and cache
         elif role is self.role and role is Role.JUDGE:
             nbytes = 0
         else:
             self._release()
-            if role is Role.ROLLOUT:
-                self.ctx = GenerationContext(POLICY, version, self.store, self.spec, self.kept.pop(POLICY, None))
-            elif role is Role.JUDGE:
-                self.ctx = GenerationContext(JUDGE, 0, self.store, self.spec, self.kept.pop(JUDGE, None))
+            if role in (Role.ROLLOUT, Role.JUDGE):
+                self.ctx = self._generation(name, want)
+                if isinstance(self.ctx, RemoteGeneration):  # which process serves it, and what it built
+                    builds = ",".join(self.ctx.builds)
+                    engine = {"engine_pid": self.ctx.pid, "engine_builds": builds, "device_pid": os.getpid()}
             else:
                 train = self.train_spec
                 self.ctx = TrainContext(
@@ -146,9 +168,26 @@ class Worker:
         self.role = role
         t1 = self.now()
         name = f"{before.value if before else 'none'}->{role.value}"
-        self.slices.append(Slice(self.device, "shift", name, t0, t1, {"bytes": nbytes, "version": version}))
+        measured = {"bytes": nbytes, "version": version, **engine}
+        self.slices.append(Slice(self.device, "shift", name, t0, t1, measured))
         logger.debug("device %d: shift %s v%d, %d bytes in %.3f s", self.device, name, version, nbytes, t1 - t0)
         return ShiftDone(self.device, role, version, t1 - t0, nbytes)
+
+    def _generation(self, name: str, version: int) -> Generation:
+        """Wake model ``name`` at ``version``: from what it left here, or in its engine's own process."""
+        kept = self.kept.pop(name, None)
+        if needs_process(self.spec.backend(name)):
+            client = kept if isinstance(kept, EngineClient) else self.engines(name)
+            return RemoteGeneration(name, version, client)
+        return GenerationContext(name, version, self.store, self.spec, kept)
+
+    def _in_process(self, name: str) -> EngineClient:
+        if torch.device(self.spec.device).type == "cuda":
+            raise RuntimeError(
+                f"device {self.device}: the {self.spec.backend(name)} engine of {name} needs a process of its own on "
+                "a GPU (one sleep-mode allocator per process); this worker was given none (run it on Ray)"
+            )
+        return local_client(EngineHost(name, self.store, self.spec, torch.get_num_threads()))
 
     def _release(self) -> None:
         """Leave the current role: its context frees its device memory (a generation context leaves its
@@ -156,7 +195,7 @@ class Worker:
         the device, here and nowhere else."""
         if self.ctx is None:
             return
-        if isinstance(self.ctx, GenerationContext):
+        if _generating(self.ctx):
             self.kept[self.ctx.name] = self.ctx.release()
         else:
             self._save_state(self.ctx)  # sharded train state leaves the device through the GPS
@@ -201,7 +240,7 @@ class Worker:
         t0 = self.now()
         gen: list[GenRequest] = []
         judge: list[JudgeRequest] = []
-        if isinstance(self.ctx, GenerationContext):
+        if _generating(self.ctx):
             engine = self.ctx.engine
             self._drop_shadows(uids)
             states = [engine.abort(u) for u in uids if u in self.pending] if uids else engine.abort_all()
@@ -231,7 +270,7 @@ class Worker:
         that still run here: their requests leave, so they go unchecked."""
         drop = [s for s, uid in self.shadows.items() if not uids or uid in uids]
         for shadow in drop:
-            if isinstance(self.ctx, GenerationContext):
+            if _generating(self.ctx):
                 self.ctx.engine.abort(shadow)
             self.audit_tokens.pop(self.shadows.pop(shadow), None)
         waiting = [uid for uid in self.audit_tokens if not uids or uid in uids]  # copies done, requests leaving
@@ -271,7 +310,7 @@ class Worker:
         """Advance the engine by at least one step and for about ``seconds``: a
         ``Progress`` event, and what finished (``Generated`` or ``Judged``)."""
         ctx = self.ctx
-        if not self.has_work or not isinstance(ctx, GenerationContext) or self.role is None:
+        if not self.has_work or not _generating(ctx) or self.role is None:
             return []
         t0 = self.now()
         report = ctx.engine.run(seconds, self.now)
@@ -319,8 +358,8 @@ class Worker:
             events.append(Judged(self.device, tuple(out)))
         return events
 
-    def _generation_ctx(self, role: Role) -> GenerationContext:
-        if self.role is not role or not isinstance(self.ctx, GenerationContext):
+    def _generation_ctx(self, role: Role) -> Generation:
+        if self.role is not role or not _generating(self.ctx):
             have = self.role.value if self.role else "no role"
             raise RuntimeError(f"device {self.device} holds {have}, cannot serve {role.value} requests")
         return self.ctx
@@ -484,6 +523,10 @@ class Worker:
     def drain_slices(self) -> list[Slice]:
         out, self.slices = self.slices, []
         return out
+
+
+def _generating(ctx: object) -> TypeGuard[Generation]:
+    return isinstance(ctx, GenerationContext | RemoteGeneration)
 
 
 def _shadow_uid(uid: int) -> int:

@@ -1,16 +1,15 @@
 """The vLLM backend's choices that matter only on a GPU, checked with vLLM's own code on this CPU: the model
-runner its processor needs, and each engine waking only its own memory from vLLM's sleep allocator."""
+runner its processor needs, the KV pool it is handed on a shared GPU, and a sleep on a GPU other processes use."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from pivotrl.engine import vllm_engine
-from pivotrl.engine.vllm_engine import BackendUnavailableError, VllmEngine, _import_vllm, _wake_own
+from pivotrl.engine.vllm_engine import BackendUnavailableError, VllmEngine, _import_vllm
 from tests.engine.test_protocol import vllm_shaped
 
 
@@ -50,55 +49,56 @@ def test_asking_for_the_v2_runner_is_refused_with_what_to_do(monkeypatch):
         _import_vllm()
 
 
-@dataclass
-class _Allocation:
-    is_asleep: bool
+GIB = 1 << 30
 
 
-class _Allocator:
-    """vLLM's ``CuMemAllocator`` as far as waking goes: ``wake_up`` maps back every sleeping allocation."""
-
-    def __init__(self, n: int) -> None:
-        self.pointer_to_data = {ptr: _Allocation(is_asleep=True) for ptr in range(n)}
-
-    def wake_up(self) -> None:
-        for data in self.pointer_to_data.values():
-            if data.is_asleep:
-                data.is_asleep = False
-
-
-def test_waking_one_engine_leaves_the_others_memory_asleep():
-    allocator = _Allocator(6)  # 0-2 this engine's, 3-5 another's, all asleep
-    _wake_own(allocator, {3, 4, 5}, allocator.wake_up)
-    assert [d.is_asleep for d in allocator.pointer_to_data.values()] == [False] * 3 + [True] * 3
-
-
-def test_the_others_memory_is_put_back_asleep_when_the_wake_fails():
-    allocator = _Allocator(4)
-
-    def fail() -> None:
-        allocator.wake_up()
-        raise RuntimeError("CUDA out of memory")
-
-    with pytest.raises(RuntimeError):
-        _wake_own(allocator, {2, 3}, fail)
-    assert [d.is_asleep for d in allocator.pointer_to_data.values()] == [False, False, True, True]
+@pytest.mark.parametrize(
+    ("name", "explicit", "cuda", "share", "want"),
+    [
+        ("explicit, whatever the device", 2 * GIB, True, 0.5, 2 * GIB),
+        ("a whole GPU: vLLM profiles it", 0, True, 1.0, None),
+        ("a shared GPU: sized here, vLLM's profile skipped", 0, True, 0.5, int(0.85 * (40 - 2) * GIB)),
+        ("a CPU: every slot at full length, and some", 0, False, 1.0, int(1.25 * 8 * 512 * 1024) + (16 << 20)),
+        ("never less than one sequence of the limit", 1024, True, 1.0, int(1.1 * 4096 * 1024)),
+    ],
+)
+def test_the_kv_pool_handed_to_vllm(name, explicit, cuda, share, want):
+    got = vllm_engine.kv_pool_bytes(
+        explicit, cuda, share, free=70 * GIB, total=80 * GIB, weights=2 * GIB, per_token=1024, limit=4096, batch=8,
+        max_len=512,
+    )  # fmt: skip
+    assert got == want
 
 
-def test_an_engine_wakes_with_every_other_engines_allocations_hidden(monkeypatch):
-    allocator = _Allocator(5)
-    monkeypatch.setattr(vllm_engine, "_sleep_allocator", lambda: allocator)
-    monkeypatch.setattr(vllm_engine, "_OWNED", {1: {0, 1}, 2: {2, 3}, 3: {4}})
-    engine = VllmEngine.__new__(VllmEngine)  # (its state only: no vLLM engine is built)
-    engine.channel, engine.asleep = 1, True
+class _Executor:
+    sleeping_tags: set[str]
 
-    class _LLM:
-        wake_up = staticmethod(allocator.wake_up)
+    def __init__(self) -> None:
+        self.sleeping_tags = set()
 
-    engine.llm = _LLM()
-    engine.wake()
-    assert not engine.asleep
-    assert [d.is_asleep for d in allocator.pointer_to_data.values()] == [False, False, True, True, True]
+
+class _SleepingLLM:
+    """An LLMEngine whose worker's sleep check fails as vLLM 0.32's does when another process allocated."""
+
+    def __init__(self, message: str) -> None:
+        self.executor = _Executor()
+        self.message = message
+        self.engine_core = type("Client", (), {"engine_core": type("Core", (), {"model_executor": self.executor})})
+
+    def sleep(self, level: int) -> None:
+        assert level == 2
+        raise AssertionError(self.message)
+
+
+def test_a_sleep_whose_check_another_process_tripped_is_a_sleep():
+    llm = _SleepingLLM("Memory usage increased after sleeping.")
+    vllm_engine.sleep_beside_others(llm)
+    assert llm.executor.sleeping_tags == {"weights", "kv_cache"}  # (so the next wake_up maps it back)
+
+
+def test_any_other_failure_of_a_sleep_is_raised():
+    with pytest.raises(AssertionError, match="something else"):
+        vllm_engine.sleep_beside_others(_SleepingLLM("something else"))
 
 
 def test_engines_of_one_shape_are_built_from_one_directory_kept_for_the_compile_cache():

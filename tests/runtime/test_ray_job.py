@@ -94,9 +94,10 @@ def test_sharded_bf16_on_a_static_split_keeps_its_group(backend, tiny_checkpoint
 
 
 def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_cluster):
-    """Rollout and judge on vLLM in four Ray actors, shiftable, the trainer sharded over the same processes
-    (vLLM's distributed world and the train group's take turns): the samples, rewards and update of one
-    native device."""
+    """Rollout and judge on vLLM beside four Ray device actors, shiftable, the trainer sharded over the device
+    processes: the samples, rewards and update of one native device; and no process ever builds engines of two
+    models (vLLM's sleep allocator is one per process on a GPU): each device's policy and judge engines run in
+    processes of their own, apart from the device's."""
     base = ("steps=2", "eval.every=1", "rollout.max_batch=4")
     native = tmp_path / "native"
     run_job(small_job(vllm_checkpoints, *base), native, progress=False)
@@ -110,3 +111,12 @@ def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_clust
         assert b["logprob_mismatch"] < 1e-4
     audit = summary["migration_audit"]
     assert audit["identical"] == audit["checked"]
+    events = [json.loads(x) for x in (tmp_path / "vllm" / "events.jsonl").read_text().splitlines()]
+    opened = [e for e in events if e["role"] == "shift" and "engine_pid" in e["args"]]
+    models_of: dict[int, set[str]] = {}
+    for e in opened:
+        models_of.setdefault(e["args"]["engine_pid"], set()).update(e["args"]["engine_builds"].split(","))
+        assert e["args"]["engine_pid"] != e["args"]["device_pid"]
+    assert all(len(models) == 1 for models in models_of.values()), models_of
+    served = {(e["device"], e["args"]["engine_builds"]) for e in opened}
+    assert len(models_of) == len(served) and {m for _, m in served} == {"policy", "judge"}

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 from pivotrl.control.messages import Generate, GenParams, GenRequest, Judge, JudgeRequest, Role
-from pivotrl.engine.vllm_engine import VllmEngine
 from pivotrl.gps import LocalStore
 from pivotrl.model import char_tokenizer
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, publish_checkpoint
+from pivotrl.runtime.engine_host import EngineClient
 from pivotrl.runtime.worker import TrainSpec, Worker
 from tests.conftest import planned
 from tests.engine.test_protocol import vllm_shaped
@@ -62,13 +62,21 @@ def test_rollout_on_vllm_equals_the_native_device(store, vllm_worker):
 
 
 def test_the_engine_survives_shifts_and_takes_each_new_version(store, vllm_worker):
+    """Each model's engine runs in a process of its own (here the test's: a CPU has no sleep allocator), built
+    on its first visit and never again: a shift puts one to sleep and wakes the other."""
+    vllm_worker.shift(Role.JUDGE, 0)
     vllm_worker.shift(Role.ROLLOUT, 0)
     engine = vllm_worker.ctx.engine
+    assert isinstance(engine, EngineClient) and vllm_worker.ctx.builds == (POLICY,)
     vllm_worker.shift(Role.JUDGE, 0)  # the policy engine is kept (asleep on a GPU), the judge's built
-    assert vllm_worker.kept[POLICY] is engine and isinstance(vllm_worker.ctx.engine, VllmEngine)
+    assert vllm_worker.kept[POLICY] is engine and vllm_worker.ctx.builds == (JUDGE,)
     judge = vllm_worker.ctx.engine
     vllm_worker.shift(Role.ROLLOUT, 1)  # back, at another version: the same engine, new weights
     assert vllm_worker.ctx.engine is engine and vllm_worker.kept[JUDGE] is judge
+    assert vllm_worker.ctx.builds == (POLICY,) and vllm_worker.ctx.version == 1
+    shifts = [s.args for s in vllm_worker.drain_slices() if s.role == "shift"]
+    assert [a["engine_builds"] for a in shifts[-3:]] == ["policy", "judge", "policy"]
+    assert len({a["engine_pid"] for a in shifts}) == 1  # (one process here: the test's)
     vllm_worker.generate(Generate(0, requests(4), version=1))
     got = drain(vllm_worker)
     native = native_worker(store)
