@@ -123,6 +123,16 @@ def shift(results: Path) -> str:
     return md(["GPS", "parameters", "load GB/s", *map(label, pairs)], rows, left=2)
 
 
+def processes(results: Path) -> str:
+    r = load("processes", results)
+    own, here = r["own_process"], r["in_process"]
+    rows = [[k, str(own[k]), str(here[k])] for k in ("build_s", "sleep_s", "wake_s", "call_ms")]
+    rows += [["start_s (process, imports)", str(own["start_s"]), "-"],
+             ["RSS MB: started / built / a device without vLLM",
+              f"{own['rss_started_mb']} / {own['rss_built_mb']} / {own['device_like_rss_mb']}", "-"]]  # fmt: skip
+    return md([f"{r['policy_parameters'] / 1e6:.1f}M, vLLM", "own process", "in process"], rows)
+
+
 def soak(results: Path) -> str:
     r = load("soak", results)
     rss, shm = r["rss"], r["shm"]
@@ -296,6 +306,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "gps": gps,
     "train_memory": train_memory,
     "shift": shift,
+    "processes": processes,
     "soak": soak,
     "modes": modes,
     "semantics": semantics,

@@ -154,7 +154,7 @@ def _processor_class() -> type:
     return _processor
 
 
-def _import_vllm() -> Any:
+def import_vllm() -> Any:
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise BackendUnavailableError(
             "the vLLM backend runs its engine in-process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
@@ -354,7 +354,7 @@ class VllmEngine:
 
     # -- building -------------------------------------------------------------------------
     def _build(self, max_len: int, weights: Snapshot | None) -> None:
-        vllm = _import_vllm()
+        vllm = import_vllm()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 

@@ -78,6 +78,10 @@ class EngineHost:
         from pivotrl.runtime import devices as dev
 
         torch.set_num_threads(threads)
+        if spec.backend(name) == "vllm":  # its imports at the start, beside the other processes, not at a shift
+            from pivotrl.engine.vllm_engine import import_vllm
+
+            import_vllm()
         self.spec = replace(spec, device=dev.bind(spec.device))  # (the device's GPU: the bundle's, shared)
         self.name, self.store = name, store
         self.ctx: GenerationContext | None = None  # while awake
@@ -87,6 +91,10 @@ class EngineHost:
     @staticmethod
     def now() -> float:
         return time.monotonic()
+
+    @staticmethod
+    def pid() -> int:
+        return os.getpid()
 
     def open(self, version: int) -> Opened:
         """Wake (or build, on the first visit) the engine and load ``version`` from the GPS."""

@@ -127,7 +127,9 @@ def kv_tokens(model: ModelSpec, tp: int, gpu: GPU, mem_fraction: float = 0.9) ->
     """Tokens whose KV cache fits in an instance of ``tp`` GPUs.
 
     The engine claims ``mem_fraction`` of HBM (vLLM's ``gpu_memory_utilization``; the rest is the
-    activations, CUDA graphs and allocator slack); weights take theirs, the KV cache the rest. KV
+    activations, CUDA graphs, allocator slack, and the CUDA contexts of the GPU's other processes: each
+    device runs its trainer and each vLLM engine in a process of its own, about half a GB each);
+    weights take theirs, the KV cache the rest. KV
     heads split over the GPUs, but never finer than one head: with ``tp > kv_heads`` each head is
     replicated on ``tp / kv_heads`` GPUs.
     """
@@ -266,8 +268,10 @@ class RooflineCosts:
     layer_overhead_s: float = 30e-6  # ~10 small kernels per layer (norms, rotary, activation) at ~3 us each
     seq_overhead_s: float = 20e-6  # host bookkeeping per sequence per step (inputs, outputs, stop checks)
     allreduce_latency_s: float = 10e-6  # one small all-reduce inside an NVLink node (NCCL or a custom kernel)
-    engine_start_s: float = 1.0  # inference engine wake-up with the process kept: KV cache re-allocation and a
-    # warm-up step (vLLM sleep mode reports 0.1-0.4 s to wake small models), plus the control round trip
+    # inference engine wake-up, its process kept (each model's engine lives in a process of its own, started with
+    # the run, built at its device's first visit): KV cache re-allocation and a warm-up step (vLLM sleep mode
+    # reports 0.1-0.4 s to wake small models), plus the control round trips to the engine's process
+    engine_start_s: float = 1.0
     # a device taking the train role (train.backend=zero): its gradient sum allocated and zeroed (4 bytes a
     # parameter at HBM speed, ~10 ms for 7B), the backward hooks set, the control round trip
     train_build_s: float = 0.1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pivotrl.engine import vllm_engine
-from pivotrl.engine.vllm_engine import BackendUnavailableError, VllmEngine, _import_vllm
+from pivotrl.engine.vllm_engine import BackendUnavailableError, VllmEngine, import_vllm
 from tests.engine.test_protocol import vllm_shaped
 
 
@@ -46,7 +46,7 @@ def test_the_engine_runs_vllms_v1_model_runner_even_where_triton_is(monkeypatch)
 def test_asking_for_the_v2_runner_is_refused_with_what_to_do(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(BackendUnavailableError, match="VLLM_USE_V2_MODEL_RUNNER"):
-        _import_vllm()
+        import_vllm()
 
 
 GIB = 1 << 30
