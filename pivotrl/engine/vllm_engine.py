@@ -360,9 +360,10 @@ class VllmEngine:
 
         self._dir = _model_dir(self.config.to_hf(str(self.dtype).removeprefix("torch.")))
         cuda = self.device.type == "cuda"
-        # vLLM's KV cache is a pool of blocks: the length limit reserves nothing, so it is the model's own
-        # (a judge prompt longer than planned still fits); the pool is what ``kv_cache_bytes`` sizes
-        limit = max(max_len, self.config.max_position_embeddings)
+        # the length limit is the job's (its prompts and responses, as the caller sized them), never more than the
+        # model's: vLLM refuses to start unless one sequence of the limit fits its KV pool, which a 128k-context
+        # model's own limit would not on a shared GPU; the pool is what ``kv_cache_bytes`` sizes
+        limit = min(max_len, self.config.max_position_embeddings)
         per_token = bytes_per_token(self.config, self.dtype)
         free, total = torch.cuda.mem_get_info(self.device) if cuda else (0, 0)
         weight_bytes = self.config.num_parameters() * torch.empty((), dtype=self.dtype).element_size()
@@ -409,11 +410,9 @@ class VllmEngine:
         self.vllm_version = vllm.__version__
 
     def ensure_capacity(self, max_len: int) -> None:
-        """Nothing to grow: the engine holds sequences as long as the model allows (see ``_build``)."""
+        """Nothing to grow: the length limit is fixed when the engine is built (see ``_build``)."""
         if max_len > self.max_len:
-            raise ValueError(
-                f"sequences of {max_len} tokens exceed the model's max_position_embeddings ({self.max_len})"
-            )
+            raise ValueError(f"sequences of {max_len} tokens exceed the engine's length limit ({self.max_len})")
 
     # -- requests -------------------------------------------------------------------------
     def add(self, state: SeqState) -> None:

@@ -8,6 +8,7 @@ soon as responses end and a shift command never waits long.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -113,6 +114,7 @@ class Worker:
         self.shadows: dict[int, int] = {}
         self.audit_tokens: dict[int, list[int]] = {}
         self.slices: list[Slice] = []
+        self.unheld: list[JudgeRequest] = []  # judgments longer than the judge engine holds, to report
         self._rendezvous: dist.TCPStore | None = None  # rank 0's end of the next step's train group (``listen``)
         # The train group persists across steps (and across shifts out of the train role) until the driver
         # forms another: making a process group costs a rendezvous, and an NCCL one much more.
@@ -229,8 +231,18 @@ class Worker:
             if not ids:
                 text = judge_prompt(spec.judge_template, r.question, r.reference, r.response, spec.judge_chat)
                 ids = ctx.tokenizer.encode(text, add_special_tokens=spec.adds_special_tokens(JUDGE))
-            if not ctx.engine.has_work:
-                ctx.engine.ensure_capacity(len(ids) + r.params.max_new_tokens)
+            need = len(ids) + r.params.max_new_tokens
+            if need > ctx.engine.max_len and not ctx.engine.has_work:
+                with contextlib.suppress(ValueError):  # (an engine that cannot grow: vLLM's length limit is fixed)
+                    ctx.engine.ensure_capacity(need)
+            if need > ctx.engine.max_len:  # a judgment that cannot be held: unparsable, counted, never fatal
+                logger.warning(
+                    "device %d: judge prompt of request %d (%d tokens) + %d new exceeds the judge engine's length "
+                    "limit %d; it is counted unparsable", self.device, r.uid, len(ids), r.params.max_new_tokens,
+                    ctx.engine.max_len,
+                )  # fmt: skip
+                self.unheld.append(r)
+                continue
             ctx.engine.add(SeqState(r.uid, ids, r.seed, _sampling(r.params, stop), list(r.output_ids)))
             self.pending[r.uid] = _Pending(0, r, ids)
 
@@ -253,6 +265,9 @@ class Worker:
                     )
                 else:  # a judgment resumes too (same seed, same tokens)
                     judge.append(replace(p.request, prompt_ids=tuple(p.prompt_ids), output_ids=tuple(state.output_ids)))
+        kept = [r for r in self.unheld if uids and r.uid not in uids]  # (a judgment not held goes with the rest)
+        judge += [r for r in self.unheld if r not in kept]
+        self.unheld = kept
         assert uids or not self.pending, "requests in flight outside the engine"
         t1 = self.now()
         if gen or judge:
@@ -262,8 +277,9 @@ class Worker:
 
     @property
     def has_work(self) -> bool:
-        """Sequences in flight: requests, and the audit's unmigrated copies (which a shift drops)."""
-        return bool(self.pending or self.shadows)
+        """Sequences in flight: requests, and the audit's unmigrated copies (which a shift drops); judgments
+        that could not be held, to report."""
+        return bool(self.pending or self.shadows or self.unheld)
 
     def _drop_shadows(self, uids: tuple[int, ...] = ()) -> None:
         """Stop the audit's copies of the requests ``uids`` (all, when empty: a shift, an abort of everything)
@@ -312,6 +328,13 @@ class Worker:
         ctx = self.ctx
         if not self.has_work or not _generating(ctx) or self.role is None:
             return []
+        if self.unheld:  # (reported before the engine runs: nothing of them is in it)
+            unheld = tuple(JudgeResult(r.uid, "", False, 0) for r in self.unheld)
+            self.unheld = []
+            if not self.pending and not self.shadows:
+                return [Judged(self.device, unheld)]
+            events = self.run(seconds)
+            return [*events, Judged(self.device, unheld)]
         t0 = self.now()
         report = ctx.engine.run(seconds, self.now)
         t1 = self.now()

@@ -180,8 +180,9 @@ def test_loading_weights_with_sequences_in_flight_is_refused(make):
 
 def test_a_sequence_too_long_for_the_engine_is_refused_with_the_numbers(make):
     engine = make("vllm")
-    s = SeqState(0, [1] * 4090, seed=0, params=SamplingParams(48))  # the model's limit: 4096 positions
-    with pytest.raises(ValueError, match=r"4090.*48.*4138 exceeds the engine's max_len 4096"):
+    s = SeqState(0, [1] * (MAX_LEN - 6), seed=0, params=SamplingParams(48))  # the job's limit, not the model's
+    need = MAX_LEN - 6 + 48
+    with pytest.raises(ValueError, match=rf"{MAX_LEN - 6}.*48.*{need} exceeds the engine's max_len {MAX_LEN}"):
         engine.add(s)
     assert not engine.has_work
 
@@ -242,19 +243,23 @@ def test_the_judge_gives_the_same_verdicts_on_both_backends():
         assert genrm.score(text, s.finish_reason == "length") == genrm.score(text, vllm[uid].finish_reason == "length")
 
 
-def test_a_vllm_engine_planned_for_short_sequences_takes_longer_ones(policy):
-    """Its KV cache is a pool of blocks: the planned length sizes the pool, the model's own limit the sequence
-    (a judge prompt longer than planned still runs, where the native engine would grow its cache)."""
-    engine = VllmEngine(policy.config, torch.float32, CPU, max_batch=8, max_len=32, weights=snapshot(policy))
-    long = [SeqState(i, [1] + [5 + (i + j) % 50 for j in range(120)], i, SamplingParams(40, 0.0)) for i in range(3)]
+def test_a_vllm_engine_holds_sequences_of_the_jobs_length_and_no_longer(policy):
+    """Its length limit is the job's (vLLM wants one sequence of it in the KV pool: the model's own limit, 128k
+    tokens for some, would not fit a shared GPU), never more than the model's; a longer sequence is refused in
+    one line, the engine unharmed."""
+    engine = VllmEngine(policy.config, torch.float32, CPU, max_batch=8, max_len=64, weights=snapshot(policy))
+    fits = [SeqState(i, [1] + [5 + (i + j) % 50 for j in range(23)], i, SamplingParams(40, 0.0)) for i in range(3)]
     try:
-        engine.ensure_capacity(161)
-        got = run_all(engine, copy.deepcopy(long))
-        with pytest.raises(ValueError, match="max_position_embeddings"):
-            engine.ensure_capacity(5000)
+        assert engine.max_len == 64
+        engine.ensure_capacity(64)
+        with pytest.raises(ValueError, match="length limit"):
+            engine.ensure_capacity(65)
+        with pytest.raises(ValueError, match="exceeds the engine's max_len 64"):
+            engine.add(SeqState(9, [1] * 30, 9, SamplingParams(40, 0.0)))
+        got = run_all(engine, copy.deepcopy(fits))
     finally:
         engine.close()
-    native = run_all(Engine(copy.deepcopy(policy), max_batch=8, max_len=200), long)
+    native = run_all(Engine(copy.deepcopy(policy), max_batch=8, max_len=64), fits)
     assert {u: s.output_ids for u, s in got.items()} == {u: s.output_ids for u, s in native.items()}
 
 

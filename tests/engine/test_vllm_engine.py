@@ -17,7 +17,7 @@ class _Built(Exception):
     """Raised in place of building the engine: the test wants its arguments only."""
 
 
-def engine_args(monkeypatch) -> object:
+def engine_args(monkeypatch, max_len: int = 160) -> object:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     seen = []
@@ -28,7 +28,7 @@ def engine_args(monkeypatch) -> object:
 
     monkeypatch.setattr(LLMEngine, "from_engine_args", staticmethod(capture))
     with pytest.raises(_Built):
-        VllmEngine(vllm_shaped("Qwen2ForCausalLM", 0).config, torch.float32, torch.device("cpu"), 8, 160)
+        VllmEngine(vllm_shaped("Qwen2ForCausalLM", 0).config, torch.float32, torch.device("cpu"), 8, max_len)
     return seen[0]
 
 
@@ -41,6 +41,12 @@ def test_the_engine_runs_vllms_v1_model_runner_even_where_triton_is(monkeypatch)
     monkeypatch.setattr(vllm_config, "HAS_TRITON", True)  # as on a CUDA build: V2 would be chosen but for the env
     assert config.use_v2_model_runner is False
     assert config.scheduler_config.async_scheduling is False
+
+
+def test_the_length_limit_is_the_jobs_and_never_the_models_beyond_it(monkeypatch):
+    model_limit = vllm_shaped("Qwen2ForCausalLM", 0).config.max_position_embeddings
+    assert engine_args(monkeypatch, 160).max_model_len == 160 < model_limit
+    assert engine_args(monkeypatch, 10 * model_limit).max_model_len == model_limit
 
 
 def test_asking_for_the_v2_runner_is_refused_with_what_to_do(monkeypatch):

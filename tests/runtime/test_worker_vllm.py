@@ -146,3 +146,16 @@ def test_a_shift_stops_the_audit_copies_and_counts_them(store, vllm_worker):
     assert not vllm_worker.has_work and not vllm_worker.ctx.engine.has_work
     audit = [s.args for s in vllm_worker.drain_slices() if s.role == "audit"]
     assert sum(a["dropped"] for a in audit) == len(moved) and sum(a["checked"] for a in audit) == 0
+
+
+def test_a_judgment_longer_than_the_judge_engine_holds_is_reported_unparsable_not_fatal(store, vllm_worker):
+    """vLLM's length limit is fixed at the build (the job's judge length): a prompt beyond it is answered with an
+    empty judgment (the controller counts it unparsable and gives the fallback reward); the others run."""
+    vllm_worker.shift(Role.JUDGE, 0)
+    long = JudgeRequest(0, "1+1", "2", "x" * 200, seed=0, params=GenParams(24, 0.0))
+    short = JudgeRequest(1, "1+1", "2", "it is 2", seed=1, params=GenParams(24, 0.0))
+    vllm_worker.judge(Judge(0, (long, short)))
+    got = {r.uid: r for r in drain(vllm_worker)}
+    assert got[0].text == "" and got[0].tokens == 0 and got[1].text
+    vllm_worker.judge(Judge(0, (long,)))  # taken elsewhere before it was reported: it goes with the rest
+    assert [r.uid for r in vllm_worker.abort().judge] == [0] and not vllm_worker.has_work
