@@ -27,10 +27,14 @@ d. ``fsdp`` and ``zero``: a bf16 step of the 0.5B shape with activation
 e. ``vllm``: the vLLM backend's tokens/s beside the native engine on the engine
    section's requests, a version swapped in place from the GPS, sleep and wake
    (device memory freed, seconds). Skipped when vLLM is not installed.
-f. ``vllm_job``: two devices sharing the GPU with the policy and the judge on
+f. ``member_lost``: two ranks of an NCCL train group, one per GPU, rank 1
+   killed: rank 0's collective fails within seconds once the group is aborted,
+   its process kept. Needs two GPUs (NCCL takes one rank per GPU); on one it
+   says so.
+g. ``vllm_job``: two devices sharing the GPU with the policy and the judge on
    vLLM, shiftable, temperature 1: every engine in a process of its own, and
    shifts between rollout and judge both ways, at least twice each.
-g. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
+h. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    device=cuda gpus_per_device=0.25`` in a subprocess, four device actors
    sharing the GPU; with tiny random checkpoints and a small job when the
    bundled models are not built (``make prepare``), which the output says.
@@ -58,7 +62,7 @@ from typing import Any
 from pivotrl.gpucheck.models import engine_throughput, vllm_backend
 from pivotrl.gpucheck.sections import cannot_run, headline, run_section
 from pivotrl.gpucheck.shapes import gb
-from pivotrl.gpucheck.train import fsdp_check, job, vllm_job, zero_check
+from pivotrl.gpucheck.train import fsdp_check, job, member_lost, vllm_job, zero_check
 from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,12 +92,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-SECTIONS = ("gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "vllm_job", "job")
+SECTIONS = ("gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "member_lost", "vllm", "vllm_job", "job")
 
 
 ESTIMATE_S = {
     "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
-    "vllm_job": 180, "job": 120,
+    "member_lost": 30, "vllm_job": 180, "job": 120,
 }  # fmt: skip
 
 
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": lambda: engine_throughput(device),
         "fsdp": lambda: fsdp_check(device),
         "zero": lambda: zero_check(device),
+        "member_lost": lambda: member_lost(device),
         "vllm": lambda: vllm_backend(device),
     }
     sections: dict[str, dict[str, Any]] = {}

@@ -67,6 +67,8 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s; a second engine "
             f"in its process refused: {r['second_engine_refused']}"
         )
+    if name == "member_lost":
+        return f"rank 0's collective failed {r.get('after_loss_s')} s after rank 1 died, its process kept: {r['pass']}"
     if name == "vllm_job":
         return (
             f"{r.get('steps')} steps in {r['seconds']} s; shifts {r.get('shifts_by_pair')}; "
@@ -99,6 +101,14 @@ def cannot_run(name: str) -> str | None:
     or orjson."""
     import importlib.util
 
+    if name == "member_lost":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            return (
+                f'NCCL takes one rank per GPU (two ranks on one GPU fail when the communicator is made: "Duplicate '
+                f'GPU detected"), and this machine has {torch.cuda.device_count()}'
+            )
     if name in ("vllm", "vllm_job"):
         try:
             from pivotrl.engine.vllm_engine import available as vllm_available

@@ -262,3 +262,66 @@ def vllm_job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 6) -
     result["both_ways"] = pairs.get("rollout->judge", 0) >= 2 and pairs.get("judge->rollout", 0) >= 2
     result["pass"] = bool(result["pass"] and result["both_ways"])
     return result
+
+
+def _lose_a_rank(rank: int, port: int, device: str, lost: Any, out: Any) -> None:
+    """One rank of ``member_lost``: rank 1 dies after the first collective; rank 0 goes on reducing until its
+    collective fails, a thread of its own aborting the group once the parent says rank 1 is gone (as the driver's
+    ``abandon`` does)."""
+    import threading
+
+    import torch
+
+    from pivotrl.train.group import TrainGroup
+
+    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    group = TrainGroup.join(rank, 2, "127.0.0.1", port, device=dev, timeout_s=60.0)
+    x = torch.ones(1 << 20, device=dev)
+    group.all_reduce_(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if rank == 1:
+        os._exit(1)
+    watcher = threading.Thread(target=lambda: (lost.wait(), group.abort()), daemon=True)
+    watcher.start()
+    t0 = time.perf_counter()
+    try:
+        for _ in range(100_000):
+            group.all_reduce_(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        out.put({"failed": False})
+    except Exception as e:
+        out.put({"failed": True, "error": f"{type(e).__name__}: {str(e)[:200]}", "seconds": time.perf_counter() - t0})
+
+
+def member_lost(device: str) -> dict[str, Any]:
+    """Two ranks of a train group, one GPU each (NCCL takes one rank per GPU: two on one GPU fail when the
+    communicator is made), rank 1 killed: rank 0's collective must fail within seconds, its process kept, once
+    the group is aborted (``TrainGroup.abort``), not at its timeout. On a CPU the same with gloo."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    lost, out = ctx.Event(), ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [ctx.Process(target=_lose_a_rank, args=(r, port, device, lost, out)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    ranks[1].join(timeout=120)
+    lost.set()
+    t0 = time.perf_counter()
+    try:
+        result = out.get(timeout=90)
+    except Exception:
+        result = {"failed": False, "error": "rank 0 reported nothing within 90 s"}
+    ranks[0].join(timeout=30)
+    result["after_loss_s"] = sig(time.perf_counter() - t0)
+    result["rank0_exit"] = ranks[0].exitcode
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    result["pass"] = bool(result["failed"] and result["after_loss_s"] < 30 and ranks[0].exitcode == 0)
+    return result

@@ -53,6 +53,7 @@ from pivotrl.sample import Problem
 from pivotrl.summary import loop_spec, sample_rows, summarize
 from pivotrl.task.data import read_task
 from pivotrl.telemetry import RunWriter, missing_rows
+from pivotrl.train.group import collective_timeout
 from pivotrl.train.shards import shard_name
 from pivotrl.train.traits import TrainerKind, traits
 from pivotrl.train.zero import check_dtypes
@@ -438,7 +439,9 @@ def _run_once(
         store = driver.store
     else:  # devices in this process: they share its cores (and its one GPU, when it has one)
         store = LocalStore()
-        spec = TrainSpec(cfg.train, cfg.rollout.temperature)
+        spec = TrainSpec(
+            cfg.train, cfg.rollout.temperature, collective_timeout_s=collective_timeout(cfg.device_timeout)
+        )
         kind = dev.bind(dev.resolve(cfg.device, dev.local_gpus()))
         cspec = context_spec(cfg, train_set + heldout, kind, policy_chat, judge_chat)
         threads = dev.thread_shares(["local"] * cfg.devices, {"local": dev.machine_cores()}, cfg.threads_per_device)

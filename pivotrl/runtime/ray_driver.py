@@ -52,6 +52,7 @@ from pivotrl.runtime.engine_host import EngineClient, EngineHost, needs_process,
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
+from pivotrl.train.group import collective_timeout
 
 SLICE_SECONDS = 0.05
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
@@ -379,7 +380,9 @@ class RayDriver:
             threads = _threads(self.pg, cfg, local=address is None)
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
             self.spec = spec = spec_for(self.kind)
-            self.train = TrainSpec(cfg.train, cfg.rollout.temperature)  # (configure makes it concrete)
+            self.train = TrainSpec(
+                cfg.train, cfg.rollout.temperature, collective_timeout_s=collective_timeout(cfg.device_timeout)
+            )  # (configure makes it concrete)
             # each of a device's processes (its own, its engines') holds an equal share of its bundle's GPU
             share = dev.process_share(cfg.gpus_per_device, engine_processes(spec)) if self.kind == dev.CUDA else 0
 

@@ -56,7 +56,7 @@ from pivotrl.runtime.engine_host import EngineClient, EngineHost, RemoteGenerati
 from pivotrl.sample import Sample
 from pivotrl.telemetry import Slice
 from pivotrl.train.config import TrainConfig
-from pivotrl.train.group import TrainGroup, listen
+from pivotrl.train.group import DEFAULT_TIMEOUT_S, TrainGroup, listen
 
 Rendezvous = tuple[str, int]  # (host, port) of rank 0's end of a new train group; port 0 for a group of one
 
@@ -70,6 +70,7 @@ class TrainSpec:
     cfg: TrainConfig
     temperature: float
     keep_versions: int = 2  # policy versions kept in the GPS
+    collective_timeout_s: float = DEFAULT_TIMEOUT_S  # a train group's rendezvous and collectives (collective_timeout)
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class Worker:
         self._step_group: TrainGroup | None = None  # its group, once met ...
         self._marks_at_join = 0  # ... and its count of collectives then
         self._abandoned = -1  # the attempt at an optimizer step whose group not to wait for (a member is lost)
+        self._attempt = -1  # the attempt of the optimizer step in progress
         self._hang_in_step = False  # fault drill: stop inside the next optimizer step, once its group is met
 
     def now(self) -> float:
@@ -458,9 +460,13 @@ class Worker:
 
     def abandon(self, attempt: int) -> None:
         """Give up meeting the train group of optimizer step ``attempt`` (another thread calls this, maybe before
-        the step starts: a member is lost and will not come); a step past its rendezvous fails at its next
-        collective with the lost member instead."""
+        the step starts: a member is lost and will not come); a step past its rendezvous has its group's
+        communicator aborted, so that the collective it waits in with the lost member fails now (NCCL would wait
+        for its timeout; gloo fails as the lost member's connections close)."""
         self._abandoned = attempt
+        group = self._step_group
+        if self._in_step and self._attempt == attempt and group is not None:
+            group.abort()
 
     def _join(
         self, cmd: Step, rank: int, rendezvous: Rendezvous | None, process_group: bool, attempt: int
@@ -481,6 +487,7 @@ class Worker:
         self.group = TrainGroup.join(
             rank, len(cmd.devices), host, port, device=self.spec.device, store=store, process_group=process_group,
             listening=True, abandon=lambda: self._abandoned == attempt, staged=self.spec.shared_gpu,
+            timeout_s=self.train_spec.collective_timeout_s,
         )  # fmt: skip
         self.group_devices = cmd.devices
         return self._met(self.group)
@@ -504,7 +511,7 @@ class Worker:
         group this device no longer waits for.
         """
         ctx = self._train_ctx(cmd.version)
-        self._step_group, self._in_step = None, True
+        self._step_group, self._in_step, self._attempt = None, True, attempt
         try:
             return self._step(ctx, cmd, rank, rendezvous, state_world, attempt)
         except BaseException:

@@ -22,6 +22,7 @@ This is the one module that names distributed backends (``backend_for``).
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,10 @@ from pivotrl.log import logger
 _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 
 DEFAULT_TIMEOUT_S = 600.0  # how long a collective (or the rendezvous) waits for the slowest rank
+MIN_COLLECTIVE_S = 60.0  # the least a collective is given, however short the device timeout
+# what NCCL's watchdog does when a collective fails or times out: abort the communicator and raise in the rank's
+# own thread, the process kept (torch's default, 3, ends the process without cleaning up)
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 CONNECT_TIMEOUT_S = 15.0  # how long joining may take to reach a rank 0 that already listens
 CONNECT_TRY_S = 2.0  # one try at it (a reset connection is looked at again, not retried blindly)
 ARRIVAL_POLL_S = 0.05  # how often a rank waiting for the others to arrive looks whether to give up
@@ -64,6 +69,14 @@ def backend_for(device: torch.device) -> str:
         raise ValueError(
             f"no distributed backend for device type {device.type!r}; supported: {', '.join(_BACKENDS)}"
         ) from None
+
+
+def collective_timeout(device_timeout: float) -> float:
+    """How long a train group's rendezvous and each collective wait: well under the driver's bound on a device's
+    call (``device_timeout``), so that a rank left waiting for a peer that will not come fails by itself (its
+    step reported failed, the device kept) before the driver takes it for lost too. NCCL gives a survivor no
+    error when a peer dies: it waits in the collective until this timeout."""
+    return max(MIN_COLLECTIVE_S, device_timeout / 3)
 
 
 def listen(world_size: int, master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
@@ -159,7 +172,7 @@ class TrainGroup:
     finishing the old epoch can never rendezvous with the new one.
     """
 
-    __slots__ = ("_joined", "address", "backend", "device", "marks", "rank", "staged", "world_size")
+    __slots__ = ("_joined", "aborted", "address", "backend", "device", "marks", "rank", "staged", "world_size")
 
     def __init__(
         self, rank: int, world_size: int, device: torch.device, backend: str, address: str | None, staged: bool = False
@@ -173,6 +186,7 @@ class TrainGroup:
         # where NCCL refuses a second rank on the same device
         self.staged = staged
         self._joined = False  # a process group is made (join sets it) for several ranks, or one if asked
+        self.aborted = False  # its communicator was aborted (``abort``): a member lost
         # how far this rank got: one more before each collective it enters. Ranks waiting in a collective have
         # counted it; one stuck before it (a hung kernel, a stuck call) has not: it is the one holding the others
         self.marks = 0
@@ -243,6 +257,8 @@ class TrainGroup:
         if dist.is_initialized():
             raise RuntimeError("this process is already in a train group (or another process group); leave() it first")
         kwargs: dict[str, Any] = {}
+        if backend == "nccl":  # (read when the process group is made; a setting of the user's is kept)
+            os.environ.setdefault(*NCCL_ERROR_HANDLING)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             if not staged:
@@ -280,9 +296,23 @@ class TrainGroup:
     def leave(self) -> None:
         """Destroy the process group so this process can join the next membership epoch. Idempotent."""
         if self._joined:
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # (a communicator aborted: torch's teardown of it may fail; it is gone either way)
+                if not self.aborted:
+                    raise
+                logger.warning("train group: rank %d left an aborted group (%s)", self.rank, e)
             self._joined = False
             logger.info("train group: rank %d/%d left %s", self.rank, self.world_size, self.address)
+
+    def abort(self) -> None:
+        """Abort the group's communicator from another thread, so that this rank's collective in progress fails now
+        instead of at its timeout: a member is lost. NCCL only: a dead peer gives its survivors no error there,
+        while gloo's fail as the peer's connections close (a peer hung, not dead, is met by the timeout)."""
+        if self._joined and self.backend == "nccl" and not self.aborted:
+            self.aborted = True
+            logger.warning("train group: rank %d aborts %s (a member is lost)", self.rank, self.address)
+            dist.distributed_c10d._abort_process_group()
 
     def __enter__(self) -> TrainGroup:
         return self

@@ -26,6 +26,7 @@ from pivotrl.control.messages import (
     Accumulate,
     Accumulated,
     Command,
+    DeviceJoined,
     DeviceLost,
     Event,
     Generate,
@@ -707,6 +708,43 @@ def test_an_optimizer_step_that_keeps_failing_stops_the_attempt():
     ctl = controller(Colocated(2))
     with pytest.raises(DeviceLostError, match=f"optimizer step of step 1 failed {UPDATE_ATTEMPTS} times in a row"):
         drive(FailingUpdates(ctl, fails=UPDATE_ATTEMPTS))
+
+
+class LosingWholeSteps(FakeCluster):
+    """The first optimizer step loses every member (their processes die, NCCL's watchdog or the driver ends
+    them): each is lost, the step fails with no survivor, and each comes back, restarted, later."""
+
+    def __init__(self, ctl: Controller) -> None:
+        super().__init__(ctl)
+        self.lost_once = False
+        self.back: list[Event] = []
+
+    def submit(self, cmd: Command) -> None:
+        if not isinstance(cmd, Step) or self.lost_once:
+            return super().submit(cmd)
+        self.lost_once = True
+        self.log.append(cmd)
+        for d in cmd.devices:
+            self.role[d], self.version[d] = None, -1
+            self.work[d].clear()
+            self.ready.append(DeviceLost(d, "its process died"))
+            self.back.append(DeviceJoined(d))
+        self.ready.append(StepFailed((), cmd.version, "every member lost"))
+
+    def next_events(self) -> list[Event]:
+        if self.back and not self.ready and not any(self.work.values()):  # (restarted once nothing else is left)
+            events, self.back = self.back, []
+            return events
+        return super().next_events()
+
+
+@pytest.mark.parametrize("policy", [Colocated(2), Shiftable(3, max_batch=4, rollout_tokens=8, judge_tokens=8)])
+def test_a_step_whose_every_member_is_lost_and_restarted_is_done_again(policy):
+    ctl = controller(policy)
+    cluster = LosingWholeSteps(ctl)
+    drive(cluster)
+    assert cluster.lost_once and ctl.version == ctl.spec.steps
+    assert ctl.metrics[0]["recovered"] > 0  # the step's samples went through backward again
 
 
 def test_how_long_groups_wait_for_the_judge_is_measured():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
 from pivotrl.gpucheck.sections import headline
 from pivotrl.gpucheck.shapes import TINY, Shape, Workload
-from pivotrl.gpucheck.train import fsdp_check, job, zero_check
+from pivotrl.gpucheck.train import fsdp_check, job, member_lost, zero_check
 from pivotrl.gpucheck.transfer import gps_load, shifts
 
 
@@ -76,3 +76,10 @@ def test_without_ray_the_job_runs_one_device_in_process(tmp_path) -> None:
     assert r["pass"], r.get("stderr_tail")
     assert r["steps"] == 2 and r["devices"] == 1 and "devices=1" in r["command"] and "mode=colocated" in r["command"]
     assert "1 device in process (no Ray)" in headline("job", {"result": r})
+
+
+def test_a_lost_rank_fails_the_others_collective_at_once_here_over_gloo() -> None:
+    """The member_lost section's harness on a CPU (gloo): rank 1 killed, rank 0's collective fails, its process
+    kept (on GPUs the same over NCCL, the group aborted)."""
+    r = member_lost("cpu")
+    assert r["pass"], r
