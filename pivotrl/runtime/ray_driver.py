@@ -118,10 +118,11 @@ class DeviceActor:
             kind=dev.CUDA if self.worker.spec.device == dev.CUDA else dev.CPU,
             threads=torch.get_num_threads(),
             memory_bytes=dev.gpu_memory() if self.worker.spec.device == dev.CUDA else 0,
+            bf16=dev.bf16_supported() if self.worker.spec.device == dev.CUDA else True,
         )
 
-    def configure_train(self, cfg: Any) -> None:
-        self.worker.configure_train(cfg)
+    def configure(self, plan: Any) -> None:
+        self.worker.configure(plan)
 
     def shift(self, role: Any, version: int) -> Event:
         return self.worker.shift(role, version)
@@ -350,7 +351,7 @@ class RayDriver:
             self.pg = _place(self.kind, cfg, address)
             threads = _threads(self.pg, cfg, local=address is None)
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
-            self.spec = spec = spec_for(self.kind)
+            self.spec = spec_for(self.kind)  # (configure gives it the plan's dtypes and backends)
             self.train = TrainSpec(cfg.train, cfg.rollout.temperature)  # (configure makes it concrete)
             gpus = cfg.gpus_per_device if self.kind == dev.CUDA else 0
 
@@ -358,7 +359,7 @@ class RayDriver:
                 where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
                 remote = ray.remote(concurrency_groups={PROBE: 1})(DeviceActor)
                 actor = remote.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=where_d)
-                return actor.remote(d, self.store, spec, self.train, self.origin, threads[d], d)
+                return actor.remote(d, self.store, self.spec, self.train, self.origin, threads[d], d)
 
             self.origin, self._start = origin, start
             self.actors = [start(d) for d in range(cfg.devices)]
@@ -402,13 +403,14 @@ class RayDriver:
             )  # fmt: skip
 
     def configure(self, plan: Plan) -> None:
-        """Every device's train config as the job resolved it once the devices were known (a device restarted
-        later starts with it), and whether a lost train device loses state no other holds."""
+        """Every device's train config, dtypes and backends as the job resolved them once the devices were known
+        (a device restarted later starts with them), and whether a lost train device loses state no other holds."""
         import ray
 
         self.sharded = plan.traits.unique_state
         self.train = replace(self.train, cfg=plan.train)
-        ray.get([a.configure_train.remote(plan.train) for a in self.actors], timeout=self.timeout)
+        self.spec = replace(self.spec, **plan.serving())
+        ray.get([a.configure.remote(plan) for a in self.actors], timeout=self.timeout)
 
     def start_clock(self, origin: float) -> None:
         """Wait until every device actor is up, then share the run clock's origin."""

@@ -12,6 +12,7 @@ from pivotrl.control.controller import sequence_seed
 from pivotrl.errors import UserError
 from pivotrl.model import CheckpointError, Tokenizer
 from pivotrl.model.chat import load_chat_template
+from pivotrl.resolve import Hardware, resolve
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import job
 from pivotrl.runtime.contexts import ContextSpec
@@ -157,9 +158,14 @@ def test_kl_to_the_initial_policy_is_trained_and_reported(tiny_checkpoints, tmp_
     assert all("train_kl" in m and m["train_kl"] >= 0 for m in lines)
 
 
-def test_context_spec_carries_the_rollout_dtype_and_kv_budget():
+def test_context_spec_carries_the_kv_budget_and_the_plan_its_dtypes():
+    """The spec a device starts with holds what the job says; the dtypes, backends and audit are the plan's, made
+    once the devices are up and given to each with it (``Worker.configure``), empty until then."""
     cfg = load_config(None, ["policy.dtype=float32", "rollout.kv_cache_gb=2.5"])
     on_gpu, on_cpu = context_spec(cfg, device="cuda"), context_spec(cfg)
+    assert (on_gpu.rollout_dtype, on_gpu.judge_dtype, on_gpu.rollout_backend, on_gpu.judge_backend) == ("",) * 4
+    on_gpu = replace(on_gpu, **resolve(cfg, Hardware("cuda")).serving())
+    on_cpu = replace(on_cpu, **resolve(cfg, Hardware("cpu")).serving())
     assert (on_gpu.device, on_gpu.rollout_dtype, on_gpu.policy_dtype) == ("cuda", "bfloat16", "float32")
     assert (on_cpu.device, on_cpu.rollout_dtype) == ("cpu", "float32")
     assert on_gpu.kv_cache_bytes == on_cpu.kv_cache_bytes == 2_500_000_000
