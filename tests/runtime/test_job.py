@@ -10,12 +10,13 @@ from pivotrl import checkpoint as ckpt
 from pivotrl.config import load_config
 from pivotrl.control.controller import sequence_seed
 from pivotrl.errors import UserError
+from pivotrl.gps import LocalStore
 from pivotrl.model import CheckpointError, Tokenizer
 from pivotrl.model.chat import load_chat_template
 from pivotrl.resolve import Hardware, resolve
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import job
-from pivotrl.runtime.contexts import ContextSpec
+from pivotrl.runtime.contexts import JUDGE, ContextSpec
 from pivotrl.runtime.job import chat_templates, context_spec, run_job
 from pivotrl.task import checkers
 from pivotrl.task.data import read_jsonl, read_problems, write_parquet
@@ -193,6 +194,37 @@ def test_auto_min_train_devices_follow_the_policy_and_the_gpu_memory(tmp_path):
     with pytest.raises(UserError, match=r"train.min_devices=auto: training 7.62B parameters with train.backend=fsdp "
                        r"needs \d+ GB a device even on all 8 devices, more than 90% of their 10 GB"):  # fmt: skip
         min_train(cfg, "cuda", 10e9)
+
+
+def test_a_run_refuses_what_its_gpus_cannot_hold_in_one_line(tmp_path, caplog):
+    """Resolved against the devices: a judge dtype their GPUs do not compute in, and a device share too small for
+    its largest role and its processes' CUDA contexts (the arithmetic pivotrl plan prints), are one line naming the
+    key; auto's native engine on CUDA, vLLM not installed, is said in the log with how to install it."""
+    from tests.test_cli import write_qwen7b_config
+
+    policy = write_qwen7b_config(tmp_path)
+    paths = [f"policy.path={policy}", f"judge.path={policy}"]
+    with pytest.raises(UserError, match=r"^judge.dtype=bfloat16: these GPUs do not compute in bfloat16"):
+        job.resolve_run(load_config(None, ["judge.dtype=bfloat16"]), "cuda", None, ContextSpec(), bf16=False)
+    assert job.resolve_run(load_config(None, []), "cuda", None, ContextSpec(), bf16=False).judge_dtype == "float16"
+    share = load_config(None, [*paths, "devices=8", "gpus_per_device=0.125", "train.min_devices=2"])
+    with pytest.raises(UserError, match=r"^gpus_per_device=0.125: a device's share of its GPU \(10.0 GB of 80 GB\)"):
+        job.resolve_run(share, "cuda", 10e9, ContextSpec())
+    with caplog.at_level("WARNING", logger="pivotrl"):
+        plan = job.resolve_run(load_config(None, []), "cuda", None, ContextSpec(), vllm=False)
+    assert (plan.rollout_backend, plan.judge_backend) == ("native", "native")
+    assert "the native engine on CUDA, as vLLM is not installed here" in caplog.text
+    assert job.resolve_run(load_config(None, []), "cuda", None, ContextSpec(), vllm=True).judge_backend == "vllm"
+
+
+def test_the_gps_holds_the_judge_once_in_the_dtype_it_is_served_in(tiny_checkpoints):
+    cfg = load_config(None, [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}"])
+    for hw, dtype in ((Hardware("cuda"), "bfloat16"), (Hardware("cpu"), "float32")):
+        store = LocalStore()
+        plan = resolve(cfg, hw)
+        job.publish_initial(store, cfg, plan)
+        assert plan.judge_dtype == dtype and store.versions(JUDGE) == [0]
+        assert {e.dtype for e in store.fetch(JUDGE, 0).manifest.entries} == {dtype}
 
 
 @pytest.fixture
