@@ -68,6 +68,7 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
         if isinstance(summary.get(key), int | float):
             result[key] = sig(summary[key])
     result["steps"] = steps_done
+    result["judge_dtype"] = summary.get("plan", {}).get("judge_dtype")  # (as the run resolved it on its devices)
     result["pass"] = steps_done == steps
     return result
 
