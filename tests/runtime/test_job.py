@@ -217,6 +217,24 @@ def test_a_run_refuses_what_its_gpus_cannot_hold_in_one_line(tmp_path, caplog):
     assert job.resolve_run(load_config(None, []), "cuda", None, ContextSpec(), vllm=True).judge_backend == "vllm"
 
 
+def test_ray_devices_say_what_the_plan_resolves_by():
+    """bf16 where every device's GPU computes in it; vLLM only for devices that compute on CUDA (GPU shares a
+    device's torch cannot use compute on the CPU, where auto's backend is native)."""
+    from types import SimpleNamespace
+
+    from pivotrl.runtime.devices import Binding
+
+    def driver(*bound: tuple[str, bool]) -> SimpleNamespace:
+        return SimpleNamespace(bindings=[Binding(d, d, "pg", "10.0.0.1", (str(d),), None, kind, 1, 80, bf16)
+                                         for d, (kind, bf16) in enumerate(bound)])  # type: ignore[arg-type]  # fmt: skip
+
+    assert job._bf16("cuda", driver(("cuda", True), ("cuda", True)))
+    assert not job._bf16("cuda", driver(("cuda", True), ("cuda", False)))  # (the smallest capability decides)
+    assert job._bf16("cpu", None)
+    assert job._on_cuda("cuda", driver(("cuda", True))) and job._on_cuda("cuda", None)
+    assert not job._on_cuda("cuda", driver(("cuda", True), ("cpu", True))) and not job._on_cuda("cpu", None)
+
+
 def test_the_gps_holds_the_judge_once_in_the_dtype_it_is_served_in(tiny_checkpoints):
     cfg = load_config(None, [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}"])
     for hw, dtype in ((Hardware("cuda"), "bfloat16"), (Hardware("cpu"), "float32")):

@@ -110,3 +110,4 @@ def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_clust
         assert b["logprob_mismatch"] < 1e-4
     audit = summary["migration_audit"]
     assert audit["identical"] == audit["checked"]
+    assert summary["plan"]["audit_migrations"]  # (auto: on with vLLM on a CPU, as the plan gave every device)
