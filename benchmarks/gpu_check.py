@@ -41,7 +41,20 @@ h. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    Where Ray is not installed, one device in the training process instead
    (``devices=1 mode=colocated``).
 
-Without CUDA it prints one line and exits 0. Nothing is downloaded.
+g. ``cuda_context``: the device memory one more process takes for its CUDA
+   context (a child process holding torch, a tensor and a matmul on the GPU),
+   against the estimate the job's plan counts per process on a GPU
+   (``pivotrl.resolve.CUDA_CONTEXT_BYTES``: a device's trainer and each of its
+   vLLM engines), and the child's start time.
+
+Before the sections it prints, and the report keeps (``resolved``), what the
+default job resolves to on this GPU: the judge's and the rollout's dtypes,
+the backends, the migration audit.
+
+Without CUDA it prints one line and exits 0; where ``nvidia-smi`` lists GPUs
+that torch does not see, it says so in one line and exits 1 (unless
+``CUDA_VISIBLE_DEVICES`` hides them on purpose: "" or -1). Nothing is
+downloaded.
 
     .venv/bin/python benchmarks/gpu_check.py                 # everything
     .venv/bin/python benchmarks/gpu_check.py --only gps_load,shifts
@@ -59,6 +72,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pivotrl.gpucheck.machine import cuda_context, resolved, unseen_gpus
 from pivotrl.gpucheck.models import engine_throughput, vllm_backend
 from pivotrl.gpucheck.sections import cannot_run, headline, run_section
 from pivotrl.gpucheck.shapes import gb
@@ -92,12 +106,15 @@ def machine() -> dict[str, Any]:
     }
 
 
-SECTIONS = ("gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "member_lost", "vllm", "vllm_job", "job")
+SECTIONS = (
+    "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "member_lost", "cuda_context", "vllm", "vllm_job",
+    "job",
+)  # fmt: skip
 
 
 ESTIMATE_S = {
     "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
-    "member_lost": 30, "vllm_job": 180, "job": 120,
+    "member_lost": 30, "cuda_context": 20, "vllm_job": 180, "job": 120,
 }  # fmt: skip
 
 
@@ -115,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        unseen = unseen_gpus(False, f"{torch.__version__}, {built}")
+        if unseen:
+            print(unseen)
+            return 1
         print(f"gpu-check: no CUDA device here (torch {torch.__version__}, {built}); nothing to check")
         return 0
 
@@ -130,15 +151,25 @@ def main(argv: list[str] | None = None) -> int:
         "zero": lambda: zero_check(device),
         "member_lost": lambda: member_lost(device),
         "vllm": lambda: vllm_backend(device),
+        "cuda_context": cuda_context,
     }
     sections: dict[str, dict[str, Any]] = {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    plan = resolved()  # (what the default job serves with on this GPU: the judge's dtype first)
+    print(
+        f"gpu-check: {plan['config']} resolves here to judge.dtype={plan['judge_dtype']} (asked: "
+        f"{plan['asked']['judge.dtype']}), rollout dtype {plan['rollout_dtype']}, backends rollout "
+        f"{plan['rollout_backend']} and judge {plan['judge_backend']}, migration audit "
+        f"{'on' if plan['audit_migrations'] else 'off'}",
+        flush=True,
+    )
 
     def write(done: bool) -> float:
         """The report so far: written after every section too, so that a native crash (NCCL, an allocator's
         teardown) in a later one loses none of those before it."""
         total = time.perf_counter() - start
-        report = {"machine": machine(), "total_seconds": round(total, 1), "complete": done, "sections": sections}
+        report = {"machine": machine(), "total_seconds": round(total, 1), "complete": done, "resolved": plan,
+                  "sections": sections}  # fmt: skip
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         return total
 

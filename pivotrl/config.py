@@ -39,9 +39,11 @@ ROLES = ("rollout", "judge", "train")
 Mode = Literal["colocated", "disaggregated", "shiftable"]
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cuda", "cpu"]
-RolloutDtype = Literal["auto", "float32", "bfloat16"]
-Backend = Literal["native", "vllm"]  # generation backend: pivotrl's engine or vLLM (see docs/backends.md)
-Audit = Literal["auto", "on", "off"]  # the migration audit: auto (with vLLM), on or off
+# a generating model's dtype; auto: bfloat16 on a GPU (float16 on one without bfloat16), else the CPU's choice
+ServingDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# generation backend: pivotrl's engine or vLLM; auto: vLLM on CUDA where it is installed (see docs/backends.md)
+Backend = Literal["auto", "native", "vllm"]
+Audit = Literal["auto", "on", "off"]  # the migration audit: auto (vLLM on a CPU), on or off
 WandbMode = Literal["offline", "online"]
 
 
@@ -133,20 +135,23 @@ class TaskConfig:
 class ModelRef:
     path: str = "models/policy"  # checkpoint directory (config.json, safetensors, tokenizer)
     dtype: Dtype = "float32"  # parameter dtype on device
-    rollout_dtype: RolloutDtype = "auto"  # dtype of the rollout copy; auto = bfloat16 on CUDA, else `dtype`
+    # dtype of the rollout copy; auto = bfloat16 on CUDA (float16 on a GPU without bfloat16), else `dtype`
+    rollout_dtype: ServingDtype = "auto"
 
 
 @dataclass(slots=True)
 class JudgeConfig:
     path: str = "models/judge"  # generative judge checkpoint directory
-    dtype: Dtype = "float32"  # parameter dtype on device
+    # dtype the judge is held in (GPS) and served in; auto = bfloat16 on CUDA (float16 on a GPU without bfloat16),
+    # float32 on a CPU (whose bfloat16 matmuls are slow)
+    dtype: ServingDtype = "auto"
     template: str = "Q:{question}\nR:{reference}\nA:{response}\nJ:"  # judge prompt
     verdict_pattern: str = "VERDICT: *(yes|no)"  # regex; its one group is the verdict label
     rewards: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})  # label -> reward
     fallback_reward: float = 0.0  # reward when no verdict parses or the label is not in rewards
     max_new_tokens: int = 48  # judge generation budget per response
     temperature: float = 0.0  # judge sampling temperature; 0 = greedy
-    backend: Backend = "native"  # generation backend of the judge: native | vllm
+    backend: Backend = "auto"  # generation backend of the judge: auto | native | vllm
     chat_template: ChatConfig = field(default_factory=ChatConfig)  # the judge's prompt in its chat template
 
     def __post_init__(self) -> None:
@@ -180,9 +185,10 @@ class RolloutConfig:
     max_batch: int = 64  # engine slots (concurrent sequences) per device
     kv_cache_gb: float = 0.0  # KV-cache budget per device (10^9 bytes, rollout and judge engines); 0 = auto
     rebalance: bool = True  # once no sequence is queued, even out those in flight over the rollout devices
-    backend: Backend = "native"  # generation backend of the policy: native | vllm
+    backend: Backend = "auto"  # generation backend of the policy: auto | native | vllm
     # regenerate each migrated sequence from scratch beside it and count identical tokens (summary.json);
-    # auto: with the vLLM backend, whose kernels are not batch-invariant (the native engine's migration is exact)
+    # auto: with the vLLM backend on a CPU, whose kernels are not batch-invariant (the native engine's migration is
+    # exact); off on CUDA, where it would be extra rollout compute on the hot path
     audit_migrations: Audit = "auto"
 
     def __post_init__(self) -> None:

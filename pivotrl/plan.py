@@ -13,11 +13,15 @@ It also prints what a train device would hold of the policy (``policy.path``'s
 config.json), by trainer and number of train devices at the optimizer step, in
 the compute dtype a GPU runs (``pivotrl.train.memory``'s arithmetic), and with
 ``device_gb`` the fewest train devices each trainer fits on: what
-``train.min_devices`` should be.
+``train.min_devices`` should be. Last, the job as it resolves on such GPUs
+(``pivotrl.resolve``): the trainer, the models' dtypes and backends, and
+with ``device_gb`` what a device's share of a GPU must hold
+(``gpus_per_device``); a share too small is refused as a run refuses it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -30,7 +34,7 @@ from pivotrl.control.planner import Estimate, Profiles, ShiftCosts, Workload, es
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.model.config import ModelConfig, UnsupportedModelError
-from pivotrl.resolve import Hardware, describe, resolve
+from pivotrl.resolve import Hardware, describe, resolve, sequence_lengths
 from pivotrl.runtime.devices import CUDA
 from pivotrl.telemetry import read_jsonl
 from pivotrl.train import memory
@@ -80,16 +84,31 @@ def measured(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def _architecture(path: str) -> ModelConfig:
+    file = Path(path) / "config.json"
+    try:
+        return ModelConfig.from_hf(json.loads(file.read_text()))
+    except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
+        raise ValueError(f"cannot read {str(file)!r} ({e})") from None
+
+
 def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, Any]:
     """Bytes a train device holds of the policy, by trainer and train devices at the step (1, 2, 4, ... and
-    every device), in GB; with ``device_gb``, the fewest train devices each trainer fits on (None: none)."""
-    file = Path(cfg.policy.path) / "config.json"
+    every device), in GB; with ``device_gb``, the fewest train devices each trainer fits on (None: none), and
+    what a device's share of such a GPU must hold (the judge's part where ``judge.path`` is readable; prompts of
+    at most ``PROMPT_BOUND`` tokens, as a run bounds them before it measures its own)."""
     try:
-        config = ModelConfig.from_hf(json.loads(file.read_text()))
-    except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
-        return {"error": f"policy.path: cannot read {str(file)!r} ({e})"}
-    hw = Hardware.of(cfg, CUDA, None if device_gb is None else device_gb * 1e9)
-    plan = resolve(cfg, hw, config)
+        config = _architecture(cfg.policy.path)
+    except ValueError as e:
+        return {"error": f"policy.path: {e}"}
+    try:
+        judge: ModelConfig | None = _architecture(cfg.judge.path)
+    except ValueError:
+        judge = None
+    vllm = importlib.util.find_spec("vllm") is not None  # (what auto's backends take: vLLM where it is installed)
+    hw = Hardware.of(cfg, CUDA, None if device_gb is None else device_gb * 1e9, vllm=vllm)
+    rollout_len, judge_len = sequence_lengths(cfg)
+    plan = resolve(cfg, hw, config, judge=judge, judge_max_len=judge_len, rollout_max_len=rollout_len)
     c, tokens, checkpointed = plan.compute_bytes, cfg.train.planned_tokens, plan.activation_checkpointing
     backend = plan.trainer.value
     worlds = sorted({2**i for i in range(cfg.devices.bit_length()) if 2**i <= cfg.devices} | {cfg.devices})
@@ -115,6 +134,8 @@ def train_memory(cfg: JobConfig, device_gb: float | None = None) -> dict[str, An
         }
         if plan.too_big:  # (train.min_devices=auto then stops a run: why)
             out["too_big"] = plan.too_big
+        if plan.too_small:  # (a run stops on it)
+            out["too_small"] = plan.too_small
     return out
 
 
@@ -128,6 +149,8 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
     min_train = memory_report["plan"]["min_train_devices"] if "plan" in memory_report else max(1, cfg.train.min_devices)
     if not cfg.train.min_devices and "too_big" in memory_report:  # (auto, as a run on such GPUs takes it)
         raise UserError(f"train.min_devices=auto: {memory_report['too_big']}")
+    if "too_small" in memory_report:
+        raise UserError(memory_report["too_small"])
     try:
         layout = make_policy(cfg.mode, cfg.devices, parse_split(cfg.split), r.max_batch, r.max_new_tokens,
                              cfg.judge.max_new_tokens, r.prompts_per_step * r.group_size, min_train)  # fmt: skip

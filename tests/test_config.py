@@ -120,6 +120,17 @@ def test_bad_enum():
     assert "policy.rollout_dtype: must be one of auto, float32, bfloat16" in error_of(None, "policy.rollout_dtype=fp8")
 
 
+def test_the_judges_dtype_and_the_backends_are_resolved_by_default():
+    """What depends on the devices defaults to auto (the job's plan makes it concrete, ``pivotrl.resolve``)."""
+    cfg = load_config(None, [])
+    assert (cfg.judge.dtype, cfg.rollout.backend, cfg.judge.backend, cfg.rollout.audit_migrations) == ("auto",) * 4
+    assert load_config(None, ["judge.dtype=float16"]).judge.dtype == "float16"  # (GPUs without bfloat16)
+    assert error_of(None, "judge.dtype=half") == (
+        "judge.dtype: must be one of auto, float32, bfloat16, float16, got 'half'"
+    )
+    assert error_of(None, "judge.backend=sglang") == "judge.backend: must be one of auto, native, vllm, got 'sglang'"
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

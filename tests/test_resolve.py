@@ -5,8 +5,18 @@ from pathlib import Path
 import pytest
 
 from pivotrl.config import load_config
+from pivotrl.errors import UserError
 from pivotrl.model.config import ModelConfig
-from pivotrl.resolve import Hardware, Plan, changed, resolve, rollout_dtype_for
+from pivotrl.resolve import (
+    CUDA_CONTEXT_BYTES,
+    Hardware,
+    Plan,
+    backend_note,
+    changed,
+    describe,
+    resolve,
+    rollout_dtype_for,
+)
 from pivotrl.train import memory
 from pivotrl.train.traits import TrainerKind
 from tests.train.test_memory import QWEN2_5_7B
@@ -179,3 +189,116 @@ def test_a_native_rollout_engine_whose_budget_holds_fewer_sequences_is_sent_fewe
     # on a CPU the budget given is the limit too; the rollout copy is fp32 there: half as many
     assert plan(gb, kind="cpu", memory_gb=None, policy=policy, rollout_max_len=600).rollout_per_device == 1
     assert plan(kind="cpu", memory_gb=None, policy=policy, rollout_max_len=600).rollout_per_device == 0  # (auto)
+
+
+@pytest.mark.parametrize(
+    ("judge_dtype", "kind", "bf16", "expected"),
+    [
+        ("auto", "cuda", True, "bfloat16"),  # served in bf16 on a GPU, as the policy's rollout copy
+        ("auto", "cuda", False, "float16"),  # a GPU without bf16 (compute capability below 8.0): fp16, as vLLM's auto
+        ("auto", "cpu", True, "float32"),  # a CPU's bf16 matmuls are slow
+        ("float32", "cuda", True, "float32"),  # asked for: kept
+        ("bfloat16", "cpu", True, "bfloat16"),
+        ("float16", "cuda", False, "float16"),
+        ("float32", "cuda", False, "float32"),
+    ],
+)
+def test_judge_dtype_resolution(judge_dtype, kind, bf16, expected):
+    cfg = load_config(None, [f"judge.dtype={judge_dtype}"])
+    assert resolve(cfg, Hardware(kind, bf16=bf16)).judge_dtype == expected
+
+
+def test_bf16_on_gpus_without_it_is_one_line_naming_the_key():
+    """An explicit bfloat16 where the GPUs do not compute in it is refused (vLLM's engine would refuse it when it
+    starts; torch would emulate it slowly); auto takes float16 there, for the rollout copy too."""
+    no_bf16 = Hardware("cuda", bf16=False)
+    for key in ("judge.dtype", "policy.rollout_dtype"):
+        with pytest.raises(
+            UserError,
+            match=rf"^{key}=bfloat16: these GPUs do not compute in bfloat16 \(compute "
+            r"capability below 8\.0\); allowed here: auto \(float16 on them\), float16 or float32$",
+        ):
+            resolve(load_config(None, [f"{key}=bfloat16"]), no_bf16)
+    assert resolve(load_config(None, []), no_bf16).rollout_dtype == "float16"
+    assert resolve(load_config(None, ["judge.dtype=bfloat16"]), Hardware("cpu", bf16=False)).judge_dtype == "bfloat16"
+
+
+def test_auto_backends_are_vllm_on_cuda_where_it_is_installed_and_native_elsewhere():
+    cfg = load_config(None, [])
+    backends = lambda hw: (lambda p: (p.rollout_backend, p.judge_backend))(resolve(cfg, hw))  # noqa: E731
+    assert backends(Hardware("cuda", vllm=True)) == ("vllm", "vllm")
+    assert backends(Hardware("cuda", vllm=False)) == ("native", "native")
+    assert backends(Hardware.of(cfg, "cpu", vllm=True)) == ("native", "native")  # (vLLM serves CUDA devices only)
+    given = load_config(None, ["rollout.backend=native", "judge.backend=vllm"])
+    assert (lambda p: (p.rollout_backend, p.judge_backend))(resolve(given, Hardware("cpu"))) == ("native", "vllm")
+    # where auto takes the native engine on CUDA, the run's log says why and how to install vLLM
+    note = backend_note(cfg, Hardware("cuda"), "pip install vllm")
+    assert note.startswith("rollout.backend and judge.backend=auto: the native engine on CUDA, as vLLM is not")
+    assert note.endswith("meant for CPUs and small models: install vLLM with pip install vllm")
+    assert backend_note(load_config(None, ["judge.backend=native"]), Hardware("cuda"), "x").startswith("rollout.")
+    assert backend_note(cfg, Hardware("cuda", vllm=True), "x") == backend_note(cfg, Hardware("cpu"), "x") == ""
+
+
+@pytest.mark.parametrize(
+    ("audit", "backend", "kind", "on"),
+    [
+        ("auto", "vllm", "cpu", True),  # vLLM's kernels are not batch-invariant: audited where it costs little
+        ("auto", "vllm", "cuda", False),  # on a GPU it would be rollout compute on the hot path
+        ("auto", "native", "cpu", False),  # the native engine's migration is exact
+        ("on", "native", "cuda", True),
+        ("off", "vllm", "cpu", False),
+    ],
+)
+def test_migration_audit_resolution(audit, backend, kind, on):
+    cfg = load_config(None, [f"rollout.audit_migrations={audit}", f"rollout.backend={backend}"])
+    assert resolve(cfg, Hardware(kind)).audit_migrations is on
+
+
+def test_the_plan_keeps_what_it_serves_with_and_reads_plans_written_before():
+    p = resolve(load_config(None, []), Hardware("cuda", vllm=True))
+    d = p.to_dict()
+    assert (d["judge_dtype"], d["rollout_backend"], d["judge_backend"], d["audit_migrations"]) == (
+        "bfloat16", "vllm", "vllm", False)  # fmt: skip
+    assert p.serving() == {k: d[k] for k in ("rollout_dtype", "judge_dtype", "rollout_backend", "judge_backend",
+                                             "audit_migrations")}  # fmt: skip
+    assert "  judge in bfloat16; backends: rollout vllm, judge vllm; migration audit off" in p.lines()
+    old = {k: v for k, v in d.items() if k not in ("judge_dtype", "rollout_backend", "judge_backend",
+                                                   "audit_migrations", "share_gb")}  # fmt: skip
+    assert describe(old) == p.lines()[:3]  # (a checkpoint's plan from before these keys: what it has)
+    assert changed(old, p) == []
+
+
+def test_a_devices_share_of_a_gpu_must_hold_its_largest_role_and_a_cuda_context_per_process():
+    """Where the GPU's memory is known: the trainer's bytes (as for too_big), each engine's weights in its dtype
+    and one sequence's KV cache, the largest of them and a CUDA context for each process of the device (the
+    trainer's, one per vLLM engine); a share that cannot hold it is one line naming gpus_per_device."""
+    job = ("devices=8", "mode=colocated", "train.backend=fsdp")
+    lens = {"judge": QWEN2_5_7B, "judge_max_len": 1000, "rollout_max_len": 600}
+    p = plan(*job, **lens)
+    s = p.share
+    assert s is not None and s.processes == 1  # (native engines: no process of their own)
+    assert s.train == memory.per_device(QWEN2_5_7B, "fsdp", 8, 16384, 2, True)
+    per_token = 2 * QWEN2_5_7B.num_hidden_layers * QWEN2_5_7B.num_key_value_heads * QWEN2_5_7B.head_dim * 2
+    weights = QWEN2_5_7B.num_parameters() * 2
+    assert (s.rollout, s.judge) == (weights + 600 * per_token, weights + 1000 * per_token)
+    assert s.need() == max(s.train, s.judge) + CUDA_CONTEXT_BYTES and not p.too_small
+    assert p.to_dict()["share_gb"]["need"] == pytest.approx(s.need() / 1e9)
+    assert any(line.startswith("  a device's share of its GPU, 80.0 GB, needs ") for line in p.lines())
+    # vLLM engines are processes of their own; a judge in fp32 is twice the bytes; on 20 GB only engines fit
+    vllm = plan(*job, "rollout.backend=vllm", "judge.backend=vllm", "judge.dtype=float32", memory_gb=20, **lens)
+    assert vllm.share is not None and vllm.share.processes == 3 and vllm.share.judge > 2 * weights
+    assert vllm.too_small.startswith("gpus_per_device=1: a device's share of its GPU (20.0 GB of 20 GB) cannot hold")
+    assert "the trainer, the policy's vLLM engine, the judge's vLLM engine" in vllm.too_small
+    assert "\n" not in vllm.too_small
+    # the trainer already fits none of the devices, run anyway (train.min_devices given): the engines are checked
+    cfg = load_config(None, [*job, "gpus_per_device=0.25", "train.min_devices=2"])
+    quarter = resolve(cfg, Hardware.of(cfg, "cuda", 80e9), QWEN2_5_7B, **lens)
+    assert quarter.too_big and not quarter.too_small  # (the 7B engines fit a 20 GB share)
+    cfg = load_config(None, ["devices=8", "gpus_per_device=0.125", "train.min_devices=2"])
+    eighth = resolve(cfg, Hardware.of(cfg, "cuda", 80e9), QWEN2_5_7B, **lens)
+    assert eighth.too_small.startswith("gpus_per_device=0.125: a device's share of its GPU (10.0 GB of 80 GB) "
+                                       "cannot hold what it needs, ")  # fmt: skip
+    assert "its largest role, judging (the judge's weights in bfloat16 and one sequence's KV cache)" in eighth.too_small
+    assert "use gpus_per_device=0.2 or more" in eighth.too_small
+    assert plan(*job, memory_gb=None).share is None and plan(*job, policy=None).share is None  # (not known)
+    assert plan(kind="cpu", memory_gb=None).share is None

@@ -74,10 +74,15 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"{r.get('steps')} steps in {r['seconds']} s; shifts {r.get('shifts_by_pair')}; "
             f"{r.get('engine_processes')} engine processes, each one model's: {r.get('engines_alone')}"
         )
+    if name == "cuda_context":
+        return (
+            f"one more process's CUDA context {r['context_gb']} GB ({r['of_estimate']}x the plan's estimate of "
+            f"{r['estimate_gb']} GB), started in {r['process_start_s']} s"
+        )
     if name == "job":
         where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
-        return (f"{r.get('steps')} steps on {where} in {r['seconds']} s, {r.get('samples_per_s')} samples/s; "
-                f"models: {r['models']}")  # fmt: skip
+        return (f"{r.get('steps')} steps on {where} in {r['seconds']} s, {r.get('samples_per_s')} samples/s, judge "
+                f"in {r.get('judge_dtype')}; models: {r['models']}")  # fmt: skip
     return json.dumps(r)[:200]
 
 

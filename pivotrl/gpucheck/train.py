@@ -83,6 +83,7 @@ def job(
         if isinstance(summary.get(key), int | float):
             result[key] = sig(summary[key])
     result["steps"] = steps_done
+    result["judge_dtype"] = summary.get("plan", {}).get("judge_dtype")  # (as the run resolved it on its devices)
     result |= shifts_and_engines(read_events(run_dir))
     result["pass"] = steps_done == steps and result["engines_alone"]
     return result

@@ -132,6 +132,7 @@ class Binding:
     kind: Kind  # what it computes on
     threads: int
     memory_bytes: int = 0  # its GPU's memory (0: it computes on the CPU)
+    bf16: bool = True  # its GPU computes in bfloat16 (``bf16_supported``; True on a CPU: no GPU's limit)
 
 
 def bind(kind: Kind) -> Kind:
@@ -151,6 +152,16 @@ def gpu_memory() -> int:
     import torch
 
     return torch.cuda.get_device_properties(0).total_memory
+
+
+def bf16_supported() -> bool:
+    """Whether the GPU this process is bound to (``bind``) computes in bfloat16: compute capability 8.0 or
+    above (``torch.cuda.is_bf16_supported(including_emulation=False)``), the line vLLM draws too
+    (``supported_dtypes`` and ``check_if_supports_dtype`` in ``vllm/platforms/cuda.py``). Below it torch would
+    emulate bfloat16, slowly; that does not count."""
+    import torch
+
+    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def check_bindings(requested: str, wanted: Kind, bindings: Sequence[Binding]) -> None:

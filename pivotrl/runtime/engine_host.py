@@ -51,6 +51,17 @@ def needs_process(backend: str) -> bool:
     return backend in OWN_PROCESS
 
 
+def engine_processes(rollout_backend: str, judge_backend: str, kind: str) -> int:
+    """The processes a device may run, counted before the plan resolves ``auto``: its own, and one per model whose
+    engine may need one (engine_host). An auto that resolves to the native engine leaves its share unused."""
+    from pivotrl.engine.vllm_engine import available
+
+    def maybe(asked: str) -> bool:
+        return needs_process(asked) or (asked == "auto" and kind == "cuda" and available())
+
+    return 1 + maybe(rollout_backend) + maybe(judge_backend)
+
+
 @dataclass(slots=True, frozen=True)
 class Opened:
     """What an engine's process answers when its engine wakes with a version."""

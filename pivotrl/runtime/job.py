@@ -33,7 +33,18 @@ from pivotrl.log import logger
 from pivotrl.model import load_model, save_model
 from pivotrl.model.chat import ChatTemplate, copy_chat_template, load_chat_template
 from pivotrl.model.loader import DTYPES, read_config
-from pivotrl.resolve import Hardware, Plan, base_trainer, changed, precision_for, resolve, rollout_dtype_for
+from pivotrl.resolve import (
+    PROMPT_BOUND,
+    Hardware,
+    Plan,
+    backend_note,
+    base_trainer,
+    changed,
+    precision_for,
+    resolve,
+    rollout_dtype_for,
+    sequence_lengths,
+)
 from pivotrl.reward import GenRM
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import devices as dev
@@ -46,7 +57,7 @@ from pivotrl.runtime.contexts import (
     build_model,
     publish_checkpoint,
 )
-from pivotrl.runtime.engine_host import needs_process
+from pivotrl.runtime.engine_host import engine_processes
 from pivotrl.runtime.local import LocalDriver
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.sample import Problem
@@ -77,13 +88,15 @@ def context_spec(
     policy_chat: ChatTemplate | None = None,
     judge_chat: ChatTemplate | None = None,
 ) -> ContextSpec:
-    """KV-cache lengths from the job: the longest prompt of ``problems`` (in UTF-8 bytes plus
-    special tokens, a bound on its token count for byte-level and character tokenizers; 256
-    when no problems are given) plus the generation limits. The judge's prompt holds the
-    response re-tokenized by its own tokenizer: twice the policy's token limit is its budget.
-    Prompts are measured as the models read them, in their chat templates (``*_chat``) if any.
-    Smaller caches make every shift into a generation role cheaper (they are allocated then)."""
-    rollout_dtype = rollout_dtype_for(cfg, device)
+    """KV-cache lengths from the job (``pivotrl.resolve.sequence_lengths``): the longest prompt of
+    ``problems`` (in UTF-8 bytes plus special tokens, a bound on its token count for byte-level and
+    character tokenizers; 256 when no problems are given) plus the generation limits. Prompts
+    are measured as the models read them, in their chat templates (``*_chat``) if any. Smaller
+    caches make every shift into a generation role cheaper (they are allocated then).
+
+    What the job's plan resolves (the models' dtypes, their backends, the migration audit) is left empty: the
+    plan is made once the devices are up, and the driver configures every device with it before any context
+    is built (``Worker.configure``, ``Plan.serving``)."""
     shared = dev.shares_gpu(device, cfg.gpus_per_device, cfg.devices)
     if shared and not traits(base_trainer(cfg.train, device, shared)).host_collectives:
         raise UserError(
@@ -93,8 +106,8 @@ def context_spec(
         )
     if base_trainer(cfg.train, device, shared) is TrainerKind.ZERO:  # (it computes from the rollout's weights)
         compute = torch.bfloat16 if precision_for(cfg.train, device) == "bf16" else torch.float32
-        try:
-            check_dtypes(compute, DTYPES[rollout_dtype])
+        try:  # (a mistake in the job, said before the devices start: the rollout's width is the kind's alone)
+            check_dtypes(compute, DTYPES[rollout_dtype_for(cfg, device)])
         except ValueError as e:
             raise UserError(str(e)) from None
     if problems:
@@ -105,15 +118,16 @@ def context_spec(
             len(judge_prompt(cfg.judge.template, p.question, p.reference, "", judge_chat).encode()) for p in problems
         )
     else:
-        prompt = judge_prompt_len = 256
+        prompt = judge_prompt_len = PROMPT_BOUND
+    max_len, judge_max_len = sequence_lengths(cfg, prompt, judge_prompt_len)
     return ContextSpec(
         device=device,
         policy_dtype=cfg.policy.dtype,
-        rollout_dtype=rollout_dtype,
-        judge_dtype=cfg.judge.dtype,
+        rollout_dtype="",
+        judge_dtype="",
         max_batch=cfg.rollout.max_batch,
-        max_len=prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens),
-        judge_max_len=judge_prompt_len + 2 * cfg.rollout.max_new_tokens + cfg.judge.max_new_tokens,
+        max_len=max_len,
+        judge_max_len=judge_max_len,
         judge_template=cfg.judge.template,
         judge_chat=judge_chat,
         policy_chat=policy_chat is not None,
@@ -121,16 +135,14 @@ def context_spec(
         memory_share=cfg.gpus_per_device,  # devices sharing a GPU size their caches from their share of it
         devices=cfg.devices,
         shared_gpu=shared,
-        rollout_backend=cfg.rollout.backend,
-        judge_backend=cfg.judge.backend,
-        audit_migrations=cfg.rollout.audit_migrations == "on"
-        or (cfg.rollout.audit_migrations == "auto" and cfg.rollout.backend == "vllm"),
+        rollout_backend="",
+        judge_backend="",
     )
 
 
-def publish_initial(store: ParameterStore, cfg: JobConfig, resume: ckpt.Checkpoint | None = None) -> None:
+def publish_initial(store: ParameterStore, cfg: JobConfig, plan: Plan, resume: ckpt.Checkpoint | None = None) -> None:
     """Policy version 0 (or the resumed checkpoint's version and optimizer state) and the judge go into the GPS;
-    devices load only from there."""
+    devices load only from there. The judge is held once, in the dtype it is served in (the plan's)."""
     policy, ptok = load_model(cfg.policy.path, cfg.policy.dtype)
     if resume is None:
         publish_checkpoint(store, POLICY, 0, policy, ptok)
@@ -138,7 +150,7 @@ def publish_initial(store: ParameterStore, cfg: JobConfig, resume: ckpt.Checkpoi
         resume.restore(store)
     if cfg.train.kl_coef > 0:  # the KL reference outlives the policy versions the GPS keeps
         publish_checkpoint(store, REFERENCE, 0, policy, ptok)
-    judge, jtok = load_model(cfg.judge.path, cfg.judge.dtype)
+    judge, jtok = load_model(cfg.judge.path, plan.judge_dtype)
     publish_checkpoint(store, JUDGE, 0, judge, jtok)
 
 
@@ -320,15 +332,38 @@ def _device_memory(cfg: JobConfig, kind: str, driver: Any) -> float | None:
     return min(b.memory_bytes for b in driver.bindings) * min(1.0, cfg.gpus_per_device)
 
 
+def _bf16(kind: str, driver: Any) -> bool:
+    """Whether the devices' GPUs compute in bfloat16: every Ray device's, as it reports it (``driver``), or this
+    process's GPU (True where they compute on CPUs: no GPU's limit)."""
+    if kind != dev.CUDA:
+        return True
+    if driver is None:
+        return dev.bf16_supported()
+    return all(b.bf16 for b in driver.bindings)
+
+
+def _on_cuda(kind: str, driver: Any) -> bool:
+    """Whether the devices compute on CUDA (Ray devices holding GPU shares their torch cannot use do not)."""
+    return kind == dev.CUDA and (driver is None or all(b.kind == dev.CUDA for b in driver.bindings))
+
+
 def resolve_run(
-    cfg: JobConfig, kind: str, device_bytes: float | None, spec: ContextSpec, start: ckpt.Checkpoint | None = None
+    cfg: JobConfig,
+    kind: str,
+    device_bytes: float | None,
+    spec: ContextSpec,
+    start: ckpt.Checkpoint | None = None,
+    *,
+    bf16: bool = True,
+    vllm: bool = False,
 ) -> Plan:
     """The job resolved against its devices (``pivotrl.resolve``), the architectures read from the checkpoints
-    where the memory rules need them. A resumed run keeps the trainer that wrote its state (a checkpoint from
-    before the plan was kept: its ``train_backend``, or auto's rule by the devices' kind), and says what else
-    resolved differently on these devices."""
+    where the memory rules need them. ``bf16``: their GPUs compute in bfloat16; ``vllm``: vLLM can serve them. A
+    resumed run keeps the trainer that wrote its state (a checkpoint from before the plan was kept: its
+    ``train_backend``, or auto's rule by the devices' kind), and says what else resolved differently on these
+    devices. What the devices cannot hold is one line naming the key."""
     shared = dev.shares_gpu(kind, cfg.gpus_per_device, cfg.devices)
-    hw = Hardware(kind, device_bytes, shared)  # type: ignore[arg-type]
+    hw = Hardware(kind, device_bytes, shared, bf16, vllm)  # type: ignore[arg-type]
     needs_models = device_bytes is not None or cfg.rollout.kv_cache_gb > 0
     policy = read_config(cfg.policy.path) if needs_models else None
     judge = read_config(cfg.judge.path) if needs_models else None
@@ -339,6 +374,10 @@ def resolve_run(
                    trainer=trainer)  # fmt: skip
     if plan.too_big and not cfg.train.min_devices:
         raise UserError(f"train.min_devices=auto: {plan.too_big}, or set train.min_devices to run anyway")
+    if plan.too_small:
+        raise UserError(plan.too_small)
+    if note := backend_note(cfg, hw, VLLM_INSTALL):
+        logger.warning("%s", note)
     if start is not None and (differs := changed(start.state.get("plan", {}), plan)):
         logger.warning("resumed on devices that resolve the job differently: %s", "; ".join(differs))
     return plan
@@ -421,7 +460,7 @@ def _run_once(
     check_train_size(cfg, len(train_set))
     origin = time.time()
     if in_process is None:  # (an engine that needs a process of its own has one on Ray: engine_host)
-        own = any(needs_process(b) for b in (cfg.rollout.backend, cfg.judge.backend))
+        own = engine_processes(cfg.rollout.backend, cfg.judge.backend, dev.resolve(cfg.device, dev.local_gpus())) > 1
         in_process = cfg.devices == 1 and ray_address is None and not own
     if in_process and (cfg.fault.device >= 0 or cfg.fault.first):
         raise UserError("fault.device: faults are injected into Ray devices (devices > 1, or --ray-address)")
@@ -449,8 +488,10 @@ def _run_once(
     try:  # the devices are known: the job is resolved against them once, and so the layout
         kind = kind if in_process else driver.kind
         cspec = cspec if in_process else driver.spec
-        plan = resolve_run(cfg, kind, _device_memory(cfg, kind, driver if not in_process else None), cspec, start)
-        driver.configure(plan)
+        devices = None if in_process else driver
+        plan = resolve_run(cfg, kind, _device_memory(cfg, kind, devices), cspec, start, bf16=_bf16(kind, devices),
+                           vllm=vllm_available() and _on_cuda(kind, devices))  # fmt: skip
+        driver.configure(plan)  # (every device takes the plan's train config, dtypes and backends)
         try:
             policy = policy or make_policy(
                 cfg.mode,
@@ -465,7 +506,7 @@ def _run_once(
         except ValueError as e:
             auto = "" if cfg.train.min_devices else " (train.min_devices=auto found it)"
             raise UserError(f"{e}{auto}") from None
-        publish_initial(store, cfg, start)  # (the models are read here: a checkpoint that does not load stops it)
+        publish_initial(store, cfg, plan, start)  # (the models are read here: a checkpoint that does not load stops it)
     except BaseException:
         driver.close()
         raise

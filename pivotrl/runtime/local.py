@@ -26,9 +26,9 @@ class LocalDriver:
         self.groups = TrainGroups()
 
     def configure(self, plan: Plan) -> None:
-        """Every device's train config, as the job resolved it once the devices were known."""
+        """Every device's train config, dtypes and backends, as the job resolved them once the devices were known."""
         for w in self.workers:
-            w.configure_train(plan.train)
+            w.configure(plan)
 
     def submit(self, cmd: Command) -> None:
         if isinstance(cmd, Shift):

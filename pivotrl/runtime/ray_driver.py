@@ -48,7 +48,7 @@ from pivotrl.resolve import Plan
 from pivotrl.runtime import devices as dev
 from pivotrl.runtime.blame import PROBE_S, blame, told
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec
-from pivotrl.runtime.engine_host import EngineClient, EngineHost, needs_process, ray_client
+from pivotrl.runtime.engine_host import EngineClient, EngineHost, engine_processes, needs_process, ray_client
 from pivotrl.runtime.groups import TrainGroups
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
@@ -95,13 +95,11 @@ class DeviceActor:
         bundle: int | None = None,
         gpu_share: float = 0.0,
     ) -> None:
-        # its models' engines that run in processes of their own start now, beside it, in its bundle: the start of
-        # a process and its imports is paid once, in parallel, not at the first shift (engine_host)
-        self.clients = {
-            name: _engine_process(name, store, spec, threads, bundle, gpu_share)
-            for name in (POLICY, JUDGE)
-            if needs_process(spec.backend(name))
-        }
+        # its models' engines that run in processes of their own (engine_host), once their backends are known: now
+        # for a device restarted with the run's plan, else when the plan comes (configure)
+        self.clients: dict[str, EngineClient] = {}
+        self._engines = (store, spec, threads, bundle, gpu_share)
+        self._start_engines(spec)
         spec = replace(spec, device=dev.bind(spec.device))  # see the devices module for a GPU torch cannot see
         self.bundle = bundle  # the placement-group bundle it was scheduled into (Ray does not tell an actor)
         self.worker = Worker(device, store, spec, train, origin, threads=threads, engines=self.clients.__getitem__)
@@ -128,10 +126,20 @@ class DeviceActor:
             kind=dev.CUDA if self.worker.spec.device == dev.CUDA else dev.CPU,
             threads=torch.get_num_threads(),
             memory_bytes=dev.gpu_memory() if self.worker.spec.device == dev.CUDA else 0,
+            bf16=dev.bf16_supported() if self.worker.spec.device == dev.CUDA else True,
         )
 
-    def configure_train(self, cfg: Any) -> None:
-        self.worker.configure_train(cfg)
+    def configure(self, plan: Any) -> None:
+        self.worker.configure(plan)
+        self._start_engines(replace(self._engines[1], **plan.serving()))
+
+    def _start_engines(self, spec: ContextSpec) -> None:
+        """Start the engine process of each model whose backend needs one (in the background: the start of a
+        process and its imports is paid beside the rest, not at the first shift)."""
+        store, _, threads, bundle, share = self._engines
+        for name in (POLICY, JUDGE):
+            if needs_process(spec.backend(name)) and name not in self.clients:
+                self.clients[name] = _engine_process(name, store, spec, threads, bundle, share)
 
     def shift(self, role: Any, version: int) -> Event:
         return self.worker.shift(role, version)
@@ -187,11 +195,6 @@ class DeviceActor:
 
     def set_origin(self, origin: float) -> None:
         self.worker.origin = origin
-
-
-def engine_processes(spec: ContextSpec) -> int:
-    """The processes each device runs: its own, and one per model whose engine needs one (engine_host)."""
-    return 1 + sum(needs_process(spec.backend(name)) for name in (POLICY, JUDGE))
 
 
 def _engine_process(
@@ -379,18 +382,19 @@ class RayDriver:
             self.pg = _place(self.kind, cfg, address)
             threads = _threads(self.pg, cfg, local=address is None)
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
-            self.spec = spec = spec_for(self.kind)
+            self.spec = spec_for(self.kind)  # (configure gives it the plan's dtypes and backends)
             self.train = TrainSpec(
                 cfg.train, cfg.rollout.temperature, collective_timeout_s=collective_timeout(cfg.device_timeout)
             )  # (configure makes it concrete)
             # each of a device's processes (its own, its engines') holds an equal share of its bundle's GPU
-            share = dev.process_share(cfg.gpus_per_device, engine_processes(spec)) if self.kind == dev.CUDA else 0
+            processes = engine_processes(cfg.rollout.backend, cfg.judge.backend, self.kind)
+            share = dev.process_share(cfg.gpus_per_device, processes) if self.kind == dev.CUDA else 0
 
             def start(d: int) -> Any:
                 where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
                 remote = ray.remote(concurrency_groups={PROBE: 1})(DeviceActor)
                 actor = remote.options(num_cpus=1, num_gpus=share, scheduling_strategy=where_d)
-                return actor.remote(d, self.store, spec, self.train, self.origin, threads[d], d, share)
+                return actor.remote(d, self.store, self.spec, self.train, self.origin, threads[d], d, share)
 
             self.origin, self._start = origin, start
             self.actors = [start(d) for d in range(cfg.devices)]
@@ -434,13 +438,14 @@ class RayDriver:
             )  # fmt: skip
 
     def configure(self, plan: Plan) -> None:
-        """Every device's train config as the job resolved it once the devices were known (a device restarted
-        later starts with it), and whether a lost train device loses state no other holds."""
+        """Every device's train config, dtypes and backends as the job resolved them once the devices were known
+        (a device restarted later starts with them), and whether a lost train device loses state no other holds."""
         import ray
 
         self.sharded = plan.traits.unique_state
         self.train = replace(self.train, cfg=plan.train)
-        ray.get([a.configure_train.remote(plan.train) for a in self.actors], timeout=self.timeout)
+        self.spec = replace(self.spec, **plan.serving())
+        ray.get([a.configure.remote(plan) for a in self.actors], timeout=self.timeout)
 
     def start_clock(self, origin: float) -> None:
         """Wait until every device actor is up, then share the run clock's origin."""

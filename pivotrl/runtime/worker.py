@@ -41,6 +41,7 @@ from pivotrl.control.messages import (
 from pivotrl.engine import SamplingParams, SeqState
 from pivotrl.gps import ParameterStore, VersionError
 from pivotrl.log import logger
+from pivotrl.resolve import Plan
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime.contexts import (
     JUDGE,
@@ -134,11 +135,13 @@ class Worker:
         return time.time() - self.origin
 
     # -- shifts ---------------------------------------------------------------------
-    def configure_train(self, cfg: TrainConfig) -> None:
-        """The run's train config, as the driver made it concrete (``train.backend``), before any train context."""
+    def configure(self, plan: Plan) -> None:
+        """The run's plan, before any context: the train config it made concrete (``train.backend``), and the
+        dtypes, backends and migration audit the generation contexts take (``Plan.serving``)."""
         if isinstance(self.ctx, TrainContext):
             raise RuntimeError(f"device {self.device}: its trainer is built already; configure it before the run")
-        self.train_spec = replace(self.train_spec, cfg=cfg)
+        self.train_spec = replace(self.train_spec, cfg=plan.train)
+        self.spec = replace(self.spec, **plan.serving())
 
     def shift(self, role: Role, version: int) -> ShiftDone:
         """Release the current context, load ``role`` at ``version`` from the GPS."""

@@ -29,7 +29,7 @@ from pivotrl.control.profiles import Profiles, RoleProfile, TrainProfile
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.errors import UserError
 from pivotrl.log import logger
-from pivotrl.resolve import Hardware, Plan, resolve
+from pivotrl.resolve import DTYPE_BYTES, Hardware, Plan, resolve
 from pivotrl.reward.genrm import GenRM
 from pivotrl.runtime.devices import CPU, CUDA
 from pivotrl.sample import Problem
@@ -118,6 +118,8 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
     hw = Hardware(CPU) if measured else Hardware(CUDA, GPUS[sim.gpu].hbm_bytes)
     plan = resolve(dataclasses.replace(cfg, devices=sim.gpus), hw, None if measured else shape,
                    ranks_per_device=sim.instance_gpus)  # fmt: skip
+    if not measured:  # the judge priced in the dtype a run would hold and serve it in
+        judge_model = dataclasses.replace(judge_model, dtype_bytes=DTYPE_BYTES[plan.judge_dtype])
     if isinstance(costs, RooflineCosts) and shape is not None and plan.activation_checkpointing:
         costs = dataclasses.replace(costs, train_forwards=4.0)  # each layer's forward again in the backward
     if sim.shift_scale != 1 or sim.migration_scale != 1:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pivotrl.gpucheck.machine import cuda_context, resolved
 from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
 from pivotrl.gpucheck.sections import cannot_run
 from pivotrl.gpucheck.train import fsdp_check, job, vllm_job, zero_check
@@ -124,3 +125,20 @@ def test_a_job_runs_every_step_with_its_devices_sharing_the_gpu(tmp_path) -> Non
     r = job(DEVICE, tmp_path)
     assert r["pass"], r.get("stderr_tail")
     assert r["returncode"] == 0 and r["steps"] == 10
+    assert r["judge_dtype"] == ("bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16")
+
+
+def test_the_default_job_serves_its_judge_in_bf16_where_the_gpu_computes_in_it() -> None:
+    """judge.dtype=auto and policy.rollout_dtype=auto on this GPU: bf16 (compute capability 8.0 and above),
+    else fp16, as vLLM's own auto; vLLM is the backend where it is installed, and no migration audit runs."""
+    r = resolved()
+    low = "bfloat16" if r["gpu_bf16"] else "float16"
+    assert (r["judge_dtype"], r["rollout_dtype"], r["audit_migrations"]) == (low, low, False), r
+    assert r["judge_backend"] == ("vllm" if cannot_run("vllm") is None else "native"), r
+
+
+def test_one_more_process_takes_about_the_cuda_context_the_plan_counts() -> None:
+    """The plan counts CUDA_CONTEXT_BYTES for each process a device keeps on its GPU (the trainer, each vLLM
+    engine): a process holding torch, a tensor and a matmul takes of that order (the section reports the figure)."""
+    r = cuda_context()
+    assert 0.25 <= r["of_estimate"] <= 4.0, r

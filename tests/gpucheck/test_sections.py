@@ -76,6 +76,7 @@ def test_without_ray_the_job_runs_one_device_in_process(tmp_path) -> None:
     assert r["pass"], r.get("stderr_tail")
     assert r["steps"] == 2 and r["devices"] == 1 and "devices=1" in r["command"] and "mode=colocated" in r["command"]
     assert "1 device in process (no Ray)" in headline("job", {"result": r})
+    assert r["judge_dtype"] == "float32"  # (judge.dtype=auto, as the run resolved it on a CPU)
 
 
 def test_a_lost_rank_fails_the_others_collective_at_once_here_over_gloo() -> None:

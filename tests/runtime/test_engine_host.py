@@ -10,10 +10,8 @@ import pytest
 from pivotrl.engine import vllm_engine
 from pivotrl.engine.engine import EngineStats, SamplingParams, SeqState
 from pivotrl.engine.protocol import SliceReport
-from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.devices import process_share
-from pivotrl.runtime.engine_host import EngineClient, Opened, needs_process
-from pivotrl.runtime.ray_driver import engine_processes
+from pivotrl.runtime.engine_host import EngineClient, Opened, engine_processes, needs_process
 
 
 class FakeHost:
@@ -98,11 +96,16 @@ def test_a_device_s_processes_split_its_gpu_share(name, gpus, processes, share):
     assert process_share(gpus, processes) * processes <= gpus
 
 
-def test_vllm_engines_have_processes_of_their_own_and_native_ones_not():
-    assert needs_process("vllm") and not needs_process("native")
-    assert engine_processes(ContextSpec()) == 1
-    assert engine_processes(ContextSpec(rollout_backend="vllm")) == 2
-    assert engine_processes(ContextSpec(rollout_backend="vllm", judge_backend="vllm")) == 3
+def test_vllm_engines_have_processes_of_their_own_and_native_ones_not(monkeypatch):
+    assert needs_process("vllm") and not needs_process("native") and not needs_process("auto")
+    assert engine_processes("native", "native", "cuda") == 1
+    assert engine_processes("vllm", "native", "cpu") == 2
+    assert engine_processes("vllm", "vllm", "cpu") == 3
+    monkeypatch.setattr(vllm_engine, "available", lambda: True)
+    assert engine_processes("auto", "auto", "cuda") == 3  # (auto may resolve to vLLM there: its share is kept)
+    assert engine_processes("auto", "auto", "cpu") == 1
+    monkeypatch.setattr(vllm_engine, "available", lambda: False)
+    assert engine_processes("auto", "vllm", "cuda") == 2
 
 
 def test_an_engine_with_sleep_mode_is_alone_in_its_process(monkeypatch):

@@ -10,11 +10,13 @@ from pivotrl import checkpoint as ckpt
 from pivotrl.config import load_config
 from pivotrl.control.controller import sequence_seed
 from pivotrl.errors import UserError
+from pivotrl.gps import LocalStore
 from pivotrl.model import CheckpointError, Tokenizer
 from pivotrl.model.chat import load_chat_template
+from pivotrl.resolve import Hardware, resolve
 from pivotrl.reward.genrm import judge_prompt
 from pivotrl.runtime import job
-from pivotrl.runtime.contexts import ContextSpec
+from pivotrl.runtime.contexts import JUDGE, ContextSpec
 from pivotrl.runtime.job import chat_templates, context_spec, run_job
 from pivotrl.task import checkers
 from pivotrl.task.data import read_jsonl, read_problems, write_parquet
@@ -157,9 +159,14 @@ def test_kl_to_the_initial_policy_is_trained_and_reported(tiny_checkpoints, tmp_
     assert all("train_kl" in m and m["train_kl"] >= 0 for m in lines)
 
 
-def test_context_spec_carries_the_rollout_dtype_and_kv_budget():
+def test_context_spec_carries_the_kv_budget_and_the_plan_its_dtypes():
+    """The spec a device starts with holds what the job says; the dtypes, backends and audit are the plan's, made
+    once the devices are up and given to each with it (``Worker.configure``), empty until then."""
     cfg = load_config(None, ["policy.dtype=float32", "rollout.kv_cache_gb=2.5"])
     on_gpu, on_cpu = context_spec(cfg, device="cuda"), context_spec(cfg)
+    assert (on_gpu.rollout_dtype, on_gpu.judge_dtype, on_gpu.rollout_backend, on_gpu.judge_backend) == ("",) * 4
+    on_gpu = replace(on_gpu, **resolve(cfg, Hardware("cuda")).serving())
+    on_cpu = replace(on_cpu, **resolve(cfg, Hardware("cpu")).serving())
     assert (on_gpu.device, on_gpu.rollout_dtype, on_gpu.policy_dtype) == ("cuda", "bfloat16", "float32")
     assert (on_cpu.device, on_cpu.rollout_dtype) == ("cpu", "float32")
     assert on_gpu.kv_cache_bytes == on_cpu.kv_cache_bytes == 2_500_000_000
@@ -187,6 +194,55 @@ def test_auto_min_train_devices_follow_the_policy_and_the_gpu_memory(tmp_path):
     with pytest.raises(UserError, match=r"train.min_devices=auto: training 7.62B parameters with train.backend=fsdp "
                        r"needs \d+ GB a device even on all 8 devices, more than 90% of their 10 GB"):  # fmt: skip
         min_train(cfg, "cuda", 10e9)
+
+
+def test_a_run_refuses_what_its_gpus_cannot_hold_in_one_line(tmp_path, caplog):
+    """Resolved against the devices: a judge dtype their GPUs do not compute in, and a device share too small for
+    its largest role and its processes' CUDA contexts (the arithmetic pivotrl plan prints), are one line naming the
+    key; auto's native engine on CUDA, vLLM not installed, is said in the log with how to install it."""
+    from tests.test_cli import write_qwen7b_config
+
+    policy = write_qwen7b_config(tmp_path)
+    paths = [f"policy.path={policy}", f"judge.path={policy}"]
+    with pytest.raises(UserError, match=r"^judge.dtype=bfloat16: these GPUs do not compute in bfloat16"):
+        job.resolve_run(load_config(None, ["judge.dtype=bfloat16"]), "cuda", None, ContextSpec(), bf16=False)
+    assert job.resolve_run(load_config(None, []), "cuda", None, ContextSpec(), bf16=False).judge_dtype == "float16"
+    share = load_config(None, [*paths, "devices=8", "gpus_per_device=0.125", "train.min_devices=2"])
+    with pytest.raises(UserError, match=r"^gpus_per_device=0.125: a device's share of its GPU \(10.0 GB of 80 GB\)"):
+        job.resolve_run(share, "cuda", 10e9, ContextSpec())
+    with caplog.at_level("WARNING", logger="pivotrl"):
+        plan = job.resolve_run(load_config(None, []), "cuda", None, ContextSpec(), vllm=False)
+    assert (plan.rollout_backend, plan.judge_backend) == ("native", "native")
+    assert "the native engine on CUDA, as vLLM is not installed here" in caplog.text
+    assert job.resolve_run(load_config(None, []), "cuda", None, ContextSpec(), vllm=True).judge_backend == "vllm"
+
+
+def test_ray_devices_say_what_the_plan_resolves_by():
+    """bf16 where every device's GPU computes in it; vLLM only for devices that compute on CUDA (GPU shares a
+    device's torch cannot use compute on the CPU, where auto's backend is native)."""
+    from types import SimpleNamespace
+
+    from pivotrl.runtime.devices import Binding
+
+    def driver(*bound: tuple[str, bool]) -> SimpleNamespace:
+        return SimpleNamespace(bindings=[Binding(d, d, "pg", "10.0.0.1", (str(d),), None, kind, 1, 80, bf16)
+                                         for d, (kind, bf16) in enumerate(bound)])  # type: ignore[arg-type]  # fmt: skip
+
+    assert job._bf16("cuda", driver(("cuda", True), ("cuda", True)))
+    assert not job._bf16("cuda", driver(("cuda", True), ("cuda", False)))  # (the smallest capability decides)
+    assert job._bf16("cpu", None)
+    assert job._on_cuda("cuda", driver(("cuda", True))) and job._on_cuda("cuda", None)
+    assert not job._on_cuda("cuda", driver(("cuda", True), ("cpu", True))) and not job._on_cuda("cpu", None)
+
+
+def test_the_gps_holds_the_judge_once_in_the_dtype_it_is_served_in(tiny_checkpoints):
+    cfg = load_config(None, [f"policy.path={tiny_checkpoints['policy']}", f"judge.path={tiny_checkpoints['judge']}"])
+    for hw, dtype in ((Hardware("cuda"), "bfloat16"), (Hardware("cpu"), "float32")):
+        store = LocalStore()
+        plan = resolve(cfg, hw)
+        job.publish_initial(store, cfg, plan)
+        assert plan.judge_dtype == dtype and store.versions(JUDGE) == [0]
+        assert {e.dtype for e in store.fetch(JUDGE, 0).manifest.entries} == {dtype}
 
 
 @pytest.fixture

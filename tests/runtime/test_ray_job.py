@@ -111,6 +111,7 @@ def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_clust
         assert b["logprob_mismatch"] < 1e-4
     audit = summary["migration_audit"]
     assert audit["identical"] == audit["checked"]
+    assert summary["plan"]["audit_migrations"]  # (auto: on with vLLM on a CPU, as the plan gave every device)
     events = [json.loads(x) for x in (tmp_path / "vllm" / "events.jsonl").read_text().splitlines()]
     opened = [e for e in events if e["role"] == "shift" and "engine_pid" in e["args"]]
     models_of: dict[int, set[str]] = {}

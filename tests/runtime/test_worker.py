@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pivotrl.config import load_config
 from pivotrl.control.messages import (
     Accumulate,
     Generate,
@@ -33,6 +34,7 @@ from pivotrl.control.messages import (
 from pivotrl.engine.kv_budget import KVBudgetError, bytes_per_token
 from pivotrl.gps import Kind, LocalStore, VersionError, module_tensors, publish_optimizer
 from pivotrl.model import char_tokenizer
+from pivotrl.resolve import Hardware, Plan, resolve
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec, GenerationContext, TrainContext, publish_checkpoint
 from pivotrl.runtime.worker import TrainSpec, Worker, WrongVersionError
 from pivotrl.train.config import TrainConfig
@@ -487,15 +489,32 @@ def test_a_trainer_that_missed_an_update_must_shift_to_the_new_version_first():
     assert train(b, 1, 1, shard, tokens).version == 2
 
 
+def job_plan(*overrides: str, kind: str = "cpu") -> Plan:
+    """The plan a job of ``overrides`` resolves to on devices of ``kind`` whose memory is not known."""
+    return resolve(load_config(None, list(overrides)), Hardware(kind))  # type: ignore[arg-type]
+
+
 def test_the_driver_configures_the_trainer_before_the_run_and_not_after(store):
-    """configure_train gives a device the train config the job made concrete (here ZeRO-1 for auto): the next
+    """configure gives a device the train config the job made concrete (here ZeRO-1 for auto): the next
     train context is built with it; once one is built, configuring is refused."""
     w = make_worker(store)
-    w.configure_train(planned(TrainConfig(backend="zero")))
+    w.configure(job_plan("train.backend=zero"))
     w.shift(Role.TRAIN, 1)
     assert w.ctx.trainer.traits.kind is TrainerKind.ZERO and w.ctx.trainer.shard is not None
     with pytest.raises(RuntimeError, match="configure it before the run"):
-        w.configure_train(TrainConfig())
+        w.configure(job_plan())
+
+
+def test_the_plan_gives_a_device_its_models_dtypes_and_backends(store):
+    """The dtypes, backends and migration audit a device's contexts take are the plan's (``Plan.serving``): the
+    judge is served in the plan's dtype, whatever the spec the device started with held."""
+    w = Worker(0, store, replace(SPEC, judge_dtype=""), TrainSpec(planned(), 1.0), origin=time.time())
+    plan = job_plan("judge.dtype=bfloat16", "rollout.audit_migrations=on")
+    w.configure(plan)
+    assert (w.spec.judge_dtype, w.spec.rollout_dtype, w.spec.audit_migrations) == ("bfloat16", "float32", True)
+    assert (w.spec.rollout_backend, w.spec.judge_backend) == ("native", "native")  # (auto on a CPU)
+    w.shift(Role.JUDGE, 0)
+    assert {p.dtype for p in w.ctx.model.parameters()} == {torch.bfloat16}
 
 
 def test_a_retired_train_group_hands_its_memory_back(store, monkeypatch):

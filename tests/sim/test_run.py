@@ -119,6 +119,12 @@ def test_the_simulated_trainer_is_the_one_the_runtime_would_run():
         assert not build(load_config(None, ["sim.gpus=2", f"train.backend={backend}"])).spec.lockstep_train
 
 
+def test_the_simulated_judge_is_priced_in_the_dtype_a_run_serves_it_in():
+    """judge.dtype=auto is bf16 on the modeled GPUs, as the runtime resolves it; one given is priced as given."""
+    assert build(load_config(None, ["sim.gpus=2"])).spec.genrm.dtype_bytes == 2
+    assert build(load_config(None, ["sim.gpus=2", "judge.dtype=float32"])).spec.genrm.dtype_bytes == 4
+
+
 def test_every_optimizer_step_runs_on_the_train_devices_it_needs(tmp_path):
     """train.min_devices=4 on 4 simulated instances: the planner brings every one of them to each step."""
     simulate(tmp_path / "run", "mode=shiftable", "train.min_devices=4", "train.backend=zero")
