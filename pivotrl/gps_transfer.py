@@ -337,6 +337,7 @@ class _Ring:
         self.turn += 1
 
 
+@torch.no_grad()
 def load_bucketed(
     snap: Snapshot, targets: dict[str, Tensor], bucket_bytes: int = BUCKET_BYTES, staging: Staging | None = None
 ) -> None:
