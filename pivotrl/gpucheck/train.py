@@ -68,6 +68,9 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
         if isinstance(summary.get(key), int | float):
             result[key] = sig(summary[key])
     result["steps"] = steps_done
+    # Ray's object store as the job configured it (a Ray run), and what the GPS held at the end
+    result["object_store"] = summary.get("object_store")
+    result["gps_gb"] = gb(summary.get("gps_bytes", {}).get("total", 0))
     result["pass"] = steps_done == steps
     return result
 
