@@ -29,9 +29,10 @@ Two backends share the :class:`ParameterStore` protocol:
   :class:`GPSDirectory` actor. Reads inside a node map the shared-memory
   object (zero-copy); Ray moves the bytes between nodes.
 
-One host copy per publish in Ray. The publisher packs the version (from a
-GPU: by DMA into its page-locked staging buffer, no pass of the CPU over the
-bytes) and ``ray.put`` s it: the object store's memcpy is the one host copy.
+One host copy per publish in Ray. The publisher packs the version into a
+buffer its process keeps (a device's: ``gps_transfer.publish_staging``;
+page-locked on a GPU, where the bytes arrive by DMA, no pass of the CPU over
+them) and ``ray.put`` s it: the object store's memcpy is the one host copy.
 The directory is handed the ref, never the bytes (no argument staging, no
 second put). A Ray object belongs to the process that created it and is lost
 with it, whoever holds a reference (``ray.get`` raises ``OwnerDiedError``;

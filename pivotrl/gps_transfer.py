@@ -165,13 +165,16 @@ PINS = HostPins()  # this process's registrations
 # Staging buffers: page-locked once per process, reused
 
 
-def _pinned_buffer(nbytes: int) -> tuple[np.ndarray, bool]:
-    """A page-aligned host buffer of ``nbytes``, and whether CUDA page-locked it."""
+def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool | None]:
+    """A page-aligned host buffer of ``nbytes``, and whether CUDA page-locked it: asked only where this process
+    computes on a GPU (None elsewhere: a process that never used CUDA creates no context for it)."""
     buffer = _aligned_empty(nbytes, PAGE)
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return buffer, None
     return buffer, _cuda_register(buffer.ctypes.data, nbytes)
 
 
-def _unpin_buffer(buffer: np.ndarray, pinned: bool) -> None:
+def _let_go(buffer: np.ndarray, pinned: bool) -> None:
     if pinned:
         _cuda_unregister(buffer.ctypes.data)
 
@@ -184,14 +187,15 @@ class Staging:
     dropped after its load, so registering the version itself paid both at every load. A staging buffer
     registered once is reused by every load and publish of the process. It grows when a larger request comes
     (the smaller one is let go first) and never shrinks: a process moves the same models over and over. One
-    user at a time (:meth:`hold` takes its lock). ``allocate`` returns a page-aligned buffer and whether it is
-    page-locked; ``release`` lets it go: injectable, so that the bookkeeping is tested without CUDA.
+    user at a time (:meth:`hold` takes its lock). ``allocate`` returns a page-aligned buffer and whether CUDA
+    page-locked it (None: not asked, no GPU in the process); ``release`` lets it go: injectable, so that the
+    bookkeeping is tested without CUDA.
     """
 
     def __init__(
         self,
-        allocate: Callable[[int], tuple[np.ndarray, bool]] = _pinned_buffer,
-        release: Callable[[np.ndarray, bool], None] = _unpin_buffer,
+        allocate: Callable[[int], tuple[np.ndarray, bool | None]] = _host_buffer,
+        release: Callable[[np.ndarray, bool], None] = _let_go,
     ) -> None:
         self._allocate, self._release = allocate, release
         self._lock = threading.Lock()
@@ -211,9 +215,10 @@ class Staging:
         with self._lock:
             if self._buffer is None or self._buffer.nbytes < nbytes:
                 self._drop()
-                self._buffer, self.pinned = self._allocate(-(-max(nbytes, 1) // PAGE) * PAGE)
+                self._buffer, pinned = self._allocate(-(-max(nbytes, 1) // PAGE) * PAGE)
+                self.pinned = bool(pinned)
                 self.allocations += 1
-                if not self.pinned and not self._warned:
+                if pinned is False and not self._warned:
                     self._warned = True
                     logger.warning("gps: cannot page-lock a %d-byte staging buffer; copies go through pageable "
                                    "memory", self._buffer.nbytes)  # fmt: skip
@@ -231,15 +236,18 @@ class Staging:
 
 
 STAGING = Staging()  # this process's loads onto a GPU: two buckets' worth
-PUBLISH = Staging()  # this process's publishes from a GPU: the largest version it published
+PUBLISH = Staging()  # this process's publishes into Ray's object store: the largest version it published
 
 
 def publish_staging() -> Staging | None:
-    """Where a publish of this process packs before the object store copies it: the process's page-locked
-    staging buffer once it computes on a GPU (a GPU's bytes then arrive by DMA, and the pages were locked once
-    for every publish), else None (a fresh buffer: a process that publishes from the CPU, such as the driver
-    publishing the initial weights, keeps no version-sized buffer)."""
-    return PUBLISH if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    """Where a publish of this process packs before Ray's object store copies the bytes: in a Ray actor (a
+    device, whose trainer publishes every step) the process's kept buffer, page-locked where it computes on a
+    GPU (a GPU's bytes then arrive by DMA; the pages were locked, and faulted in, once for every publish).
+    None in the driver: it publishes the initial weights once and keeps no version-sized buffer (a fresh one,
+    let go after the put)."""
+    import ray
+
+    return PUBLISH if ray.get_runtime_context().get_actor_id() is not None else None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

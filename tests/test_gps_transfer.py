@@ -65,6 +65,29 @@ def test_staging_that_cannot_be_page_locked_still_serves_and_says_so_once(caplog
     assert len([r for r in caplog.records if "cannot page-lock" in r.getMessage()]) == 1
 
 
+def test_a_process_without_a_gpu_asks_for_no_page_locking_and_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    def allocate(nbytes: int) -> tuple[np.ndarray, None]:
+        return np.empty(nbytes, dtype=np.uint8), None
+
+    s = Staging(allocate, lambda buffer, pinned: None)
+    with caplog.at_level("WARNING", logger="pivotrl"), s.hold(3 * PAGE):
+        pass
+    assert not s.pinned and not caplog.records
+
+
+def test_the_default_allocator_touches_no_cuda_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_cuda() -> None:
+        raise AssertionError("the CUDA runtime was called in a process without CUDA")
+
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    s = Staging()
+    with s.hold(PAGE + 1) as view:
+        view[:] = 1
+    assert s.capacity == 2 * PAGE and not s.pinned
+    s.release()
+
+
 def test_a_held_staging_buffer_is_one_callers_at_a_time() -> None:
     import threading
 
