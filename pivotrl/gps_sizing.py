@@ -68,6 +68,16 @@ def dtype_bytes(name: str) -> int:
     return DTYPE_BYTES.get(name, WIDEST)
 
 
+def _unit(n: float) -> tuple[float, str]:
+    return (GB, "GB") if n >= GB else (10**6, "MB")
+
+
+def size(n: float) -> str:
+    """Bytes as a person reads them: GB, or MB below one GB."""
+    scale, unit = _unit(n)
+    return f"{n / scale:.3g} {unit}"
+
+
 @dataclass(frozen=True, slots=True)
 class Holdings:
     """What the GPS holds at its fullest, by piece (bytes), and the object store that needs."""
@@ -83,10 +93,10 @@ class Holdings:
         return math.ceil(self.total * HEADROOM)
 
     def line(self) -> str:
-        parts = ", ".join(f"{k} {v / GB:.3g}" for k, v in self.pieces.items() if v)
-        return f"the GPS holds up to {self.total / GB:.3g} GB ({parts or 'nothing'}); its object store needs " + (
-            f"{self.need / GB:.3g} GB"
-        )
+        scale, unit = _unit(self.total)
+        parts = ", ".join(f"{k} {v / scale:.3g}" for k, v in self.pieces.items() if v) or "nothing"
+        held = f"{self.total / scale:.3g} {unit} ({parts})"
+        return f"the GPS holds up to {held}; its object store needs {size(self.need)}"
 
 
 def holdings(
@@ -170,8 +180,8 @@ def local_size(need: int, free_memory: int, shm_free: int) -> int:
     room = min(free_memory, shm_free)
     if need > room:
         raise UserError(
-            f"the GPS of this job needs an object store of {need / GB:.3g} GB; this machine has "
-            f"{free_memory / GB:.3g} GB of memory free and {shm_free / GB:.3g} GB free in /dev/shm (smaller models, "
+            f"the GPS of this job needs an object store of {size(need)}; this machine has {size(free_memory)} of "
+            f"memory free and {size(shm_free)} free in /dev/shm (smaller models, "
             "or a Ray cluster with --ray-address)"
         )
     return min(max(need, FLOOR), room)
@@ -192,10 +202,10 @@ def machine_room(shm: str = "/dev/shm") -> tuple[int, int]:
 def local_store(held: Holdings) -> tuple[ObjectStore, dict[str, Any]]:
     """The store of the job's own Ray instance and the ``ray.init`` arguments that make it (preallocated);
     says both in one line."""
-    size = local_size(held.need, *machine_room())
-    store = ObjectStore(size, True, held.total, held.need)
-    logger.info("%s; a local object store of %.3g GB, preallocated", held.line(), size / GB)
-    return store, {"object_store_memory": size, "_system_config": {"preallocate_plasma_memory": True}}
+    bytes_ = local_size(held.need, *machine_room())
+    store = ObjectStore(bytes_, True, held.total, held.need)
+    logger.info("%s; a local object store of %s, preallocated", held.line(), size(bytes_))
+    return store, {"object_store_memory": bytes_, "_system_config": {"preallocate_plasma_memory": True}}
 
 
 def check_nodes(need: int, stores: Mapping[str, float], where: str) -> int:
@@ -203,14 +213,14 @@ def check_nodes(need: int, stores: Mapping[str, float], where: str) -> int:
     naming the node when it cannot hold ``need``."""
     if not stores:
         return 0
-    node, size = min(stores.items(), key=lambda kv: kv[1])
-    if size < need:
+    node, smallest = min(stores.items(), key=lambda kv: kv[1])
+    if smallest < need:
         raise UserError(
-            f"the GPS of this job needs an object store of {need / GB:.3g} GB on each node that runs devices; "
-            f"node {node} of {where} has {size / GB:.3g} GB (start its nodes with `ray start "
+            f"the GPS of this job needs an object store of {size(need)} on each node that runs devices; "
+            f"node {node} of {where} has {size(smallest)} (start its nodes with `ray start "
             f"--object-store-memory={need}`, preallocated with RAY_preallocate_plasma_memory=1)"
         )
-    return int(size)
+    return int(smallest)
 
 
 def device_node_stores(pg: Any, devices: int) -> dict[str, float]:
@@ -228,6 +238,6 @@ def device_node_stores(pg: Any, devices: int) -> dict[str, float]:
 
 def joined_store(held: Holdings, pg: Any, devices: int, where: str) -> ObjectStore:
     """A joined cluster's store, checked against the need; says it in one line."""
-    size = check_nodes(held.need, device_node_stores(pg, devices), where)
-    logger.info("%s; the object store of %s holds %.3g GB a node", held.line(), where, size / GB)
-    return ObjectStore(size, None, held.total, held.need)
+    smallest = check_nodes(held.need, device_node_stores(pg, devices), where)
+    logger.info("%s; the object store of %s holds %s a node", held.line(), where, size(smallest))
+    return ObjectStore(smallest, None, held.total, held.need)

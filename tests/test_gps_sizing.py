@@ -143,7 +143,10 @@ def test_a_local_store_is_preallocated_and_said_in_one_line(caplog: pytest.LogCa
     assert kwargs == {"object_store_memory": FLOOR, "_system_config": {"preallocate_plasma_memory": True}}
     assert store.to_dict() == {"bytes": FLOOR, "preallocated": True, "gps_bytes": held.total, "need": held.need}
     lines = [r.getMessage() for r in caplog.records if "the GPS holds up to" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].endswith("a local object store of 0.537 GB, preallocated")
+    assert lines == [
+        "the GPS holds up to 0.03 MB (judge 0.002, policy v0 0.004, 2 policy versions 0.008, optimizer state 0.016); "
+        "its object store needs 0.0375 MB; a local object store of 537 MB, preallocated"
+    ]
 
 
 @pytest.mark.parametrize(
