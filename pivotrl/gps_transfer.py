@@ -321,8 +321,8 @@ class _Ring:
     out of the other. A slot is refilled only once the copies that read it are done (a CUDA event recorded
     after them; on a CPU the copies are done when they return)."""
 
-    def __init__(self, host: Tensor, slot: int, cuda: bool) -> None:
-        self.host, self.slot, self.cuda = host, slot, cuda
+    def __init__(self, host: Tensor, slot: int, device: torch.device) -> None:
+        self.host, self.slot, self.device = host, slot, device
         self.fences: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
 
@@ -338,9 +338,9 @@ class _Ring:
 
     def sent(self) -> None:
         """The copies out of the slot last filled are queued."""
-        if self.cuda:
+        if self.device.type == "cuda":  # (after the copies on the stream they were queued on: the device's)
             fence = torch.cuda.Event()
-            fence.record()
+            fence.record(torch.cuda.current_stream(self.device))
             self.fences[self.turn % 2] = fence
         self.turn += 1
 
@@ -376,7 +376,7 @@ def load_bucketed(
     buckets = plan_buckets(entries, bucket_bytes)
     slot = -(-max(b.end - b.start for b in buckets) // PAGE) * PAGE
     with staging.hold(2 * slot) if staging is not None else contextlib.nullcontext(None) as host:
-        ring = None if host is None else _Ring(torch.from_numpy(host), slot, cuda)
+        ring = None if host is None else _Ring(torch.from_numpy(host), slot, device)
         pinned = in_place if ring is None else ((0, slot) if staging is not None and staging.pinned else None)
         device_staging: Tensor | None = None
         for bucket in buckets:
