@@ -10,7 +10,17 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.errors import UserError
 from pivotrl.gps import LocalStore, module_tensors
-from pivotrl.gps_sizing import FLOOR, GB, HEADROOM, check_nodes, for_job, holdings, local_size, local_store
+from pivotrl.gps_sizing import (
+    FLOOR,
+    GB,
+    HEADROOM,
+    check_nodes,
+    for_job,
+    holdings,
+    joined_store,
+    local_size,
+    local_store,
+)
 from pivotrl.model import Decoder
 from pivotrl.model.loader import read_config
 from pivotrl.train.traits import TrainerKind
@@ -167,3 +177,19 @@ def test_a_cluster_node_that_cannot_hold_the_need_is_named_in_one_line() -> None
         "the GPS of this job needs an object store of 5 GB on each node that runs devices; node 10.0.0.2 of the "
         "Ray cluster at 10.0.0.1:6379 has 4 GB (start its nodes with `ray start --object-store-memory=5000000000`"
     )
+
+
+def test_a_joined_instance_is_read_at_the_nodes_its_devices_run_on(ray_cluster: None) -> None:
+    """The session's Ray (512 MiB of object store) as a cluster the job joins: its devices' node is read, and a
+    need beyond its store is refused in one line naming it."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([{"CPU": 1}])
+    try:
+        assert pg.wait(timeout_seconds=60)
+        fits = joined_store(holdings(10**6, 10**6, trainer=TrainerKind.REPLICATED, **BASE), pg, 1, "this machine")
+        assert fits.bytes == 512 * 2**20 and fits.preallocated is None
+        with pytest.raises(UserError, match=r"needs an object store of 3\.5 GB on each node that runs devices; node "):
+            joined_store(holdings(10**8, 0, trainer=TrainerKind.REPLICATED, **BASE), pg, 1, "this machine")
+    finally:
+        remove_placement_group(pg)
