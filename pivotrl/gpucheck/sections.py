@@ -70,12 +70,14 @@ def headline(name: str, section: dict[str, Any]) -> str:
         )
     if name == "job":
         where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
+        from pivotrl.gps_sizing import size
+
         store, held = r.get("object_store"), ""
         if store:  # (a Ray run)
-            held = f"; object store {store['bytes'] / 1e9:.3g} GB{', preallocated' if store['preallocated'] else ''}"
-            held += f" for a GPS of up to {store['gps_bytes'] / 1e9:.3g} GB"
+            held = f"; object store {size(store['bytes'])}{', preallocated' if store['preallocated'] else ''}"
+            held += f" for a GPS of up to {size(store['gps_bytes'])}"
         return (f"{r.get('steps')} steps on {where} in {r['seconds']} s, {r.get('samples_per_s')} samples/s; "
-                f"GPS {r.get('gps_gb')} GB at the end{held}; models: {r['models']}")  # fmt: skip
+                f"GPS {size(r.get('gps_bytes', 0))} at the end{held}; models: {r['models']}")  # fmt: skip
     return json.dumps(r)[:200]
 
 

@@ -70,7 +70,7 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
     result["steps"] = steps_done
     # Ray's object store as the job configured it (a Ray run), and what the GPS held at the end
     result["object_store"] = summary.get("object_store")
-    result["gps_gb"] = gb(summary.get("gps_bytes", {}).get("total", 0))
+    result["gps_bytes"] = summary.get("gps_bytes", {}).get("total", 0)
     result["pass"] = steps_done == steps
     return result
 

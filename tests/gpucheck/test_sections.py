@@ -38,9 +38,9 @@ def test_gps_load_section_on_cpu() -> None:
 
 def test_the_job_line_says_the_object_store_as_configured_and_the_gps() -> None:
     store = {"bytes": 536870912, "preallocated": True, "gps_bytes": 4_000_000, "need": 5_000_000}
-    r = {"steps": 10, "ray": True, "seconds": 60.0, "samples_per_s": 5.0, "models": "tiny", "gps_gb": 0.003}
+    r = {"steps": 10, "ray": True, "seconds": 60.0, "samples_per_s": 5.0, "models": "tiny", "gps_bytes": 3_000_000}
     line = headline("job", {"result": r | {"object_store": store}})
-    assert "GPS 0.003 GB at the end; object store 0.537 GB, preallocated for a GPS of up to 0.004 GB;" in line
+    assert "GPS 3 MB at the end; object store 537 MB, preallocated for a GPS of up to 4 MB;" in line
     assert "object store" not in headline("job", {"result": r | {"ray": False, "object_store": None}})
 
 
