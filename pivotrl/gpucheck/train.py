@@ -67,10 +67,10 @@ def job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 10, ray: 
     for key in ("samples_per_s", "tokens_per_s", "shifts", "wall_s"):
         if isinstance(summary.get(key), int | float):
             result[key] = sig(summary[key])
-    result["steps"] = steps_done
     # Ray's object store as the job configured it (a Ray run), and what the GPS held at the end
     result["object_store"] = summary.get("object_store")
     result["gps_bytes"] = summary.get("gps_bytes", {}).get("total", 0)
+    result["steps"] = steps_done
     result["pass"] = steps_done == steps
     return result
 
