@@ -69,11 +69,11 @@ def dtype_bytes(name: str) -> int:
 
 
 def _unit(n: float) -> tuple[float, str]:
-    return (GB, "GB") if n >= GB else (10**6, "MB")
+    return (10**12, "TB") if n >= 10**12 else (GB, "GB") if n >= GB else (10**6, "MB")
 
 
 def size(n: float) -> str:
-    """Bytes as a person reads them: GB, or MB below one GB."""
+    """Bytes as a person reads them: TB, GB, or MB below one GB."""
     scale, unit = _unit(n)
     return f"{n / scale:.3g} {unit}"
 
