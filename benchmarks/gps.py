@@ -7,8 +7,16 @@ zero-copy (views of the stored buffer, or of the shared-memory Ray object), so
 that cost should be one memcpy of the model's bytes: the ratio against a plain
 ``dst.copy_(src)`` of the same number of bytes (target >= 0.5) says how close
 the GPS comes. Publish latency is what the trainer pays per step to make v+1
-available: LocalStore packs once; RayStore packs, Ray stages the argument, and
-the directory actor re-puts it to own it (see pivotrl/gps.py), i.e. three copies.
+available: LocalStore packs once; RayStore packs and ``ray.put`` s the buffer
+from the publishing process, handing the directory the ref, not the bytes (see
+pivotrl/gps.py). The Ray publishes come from a Ray actor, as a device's do (its
+process keeps the buffer it packs into); loads run in this process. Host copies per publish are counted by construction
+(``PublishInfo.host_copies``: the passes of the CPU over the version's bytes
+that the code path makes; the pack of tensors in host memory is one, a GPU's
+bytes arriving by DMA in the page-locked staging buffer are none, Ray's put is
+one) and cross-checked by time: ``publish / memcpy`` is the publish's time in
+units of one plain memcpy of its bytes (a measurement; it also pays the
+directory's round trip and, on a store not preallocated, page faults).
 A trainer publishes its fp32 weights as the rollout's bf16: ``cast`` times that
 publish (LocalStore) two ways, side by side: each tensor cast into a host copy
 of the whole model first, then packed (how the trainers published before), and
@@ -27,11 +35,11 @@ descheduled peer (it goes away with ``OMP_WAIT_POLICY=PASSIVE``). That is a
 property of the machine's oversubscription, not of the GPS.
 
 Prefault: by default Ray maps object-store pages lazily, so a publish into a
-region of the store not used before pays a page fault per 4 KiB, twice (the
-staged argument and the directory's copy): on this machine a 100 MB publish
-took 35 ms or 450-970 ms depending on where it landed. ``--prefault`` (on
-unless ``--no-prefault``) starts Ray with ``preallocate_plasma_memory``, which
-populates the whole store at startup; the runtime should do the same.
+region of the store not used before pays a page fault per 4 KiB: on this
+machine a 100 MB publish took 35 ms or 450-970 ms depending on where it
+landed. ``--prefault`` (on unless ``--no-prefault``) starts Ray with
+``preallocate_plasma_memory``, which populates the whole store at startup, as
+the runtime's own instance does (``pivotrl.gps_sizing``).
 
     .venv/bin/python benchmarks/gps.py                     # 1M, 25M, 100M; writes benchmarks/results/gps.json
     .venv/bin/python benchmarks/gps.py --sizes 1M,10M      # other sizes
@@ -55,7 +63,7 @@ import ray
 import torch
 from common import machine, parse_size, write_report
 
-from pivotrl.gps import LocalStore, ParameterStore, RayStore, cast, module_tensors
+from pivotrl.gps import LocalStore, ParameterStore, PublishInfo, RayStore, cast, module_tensors
 from pivotrl.model import Decoder, ModelConfig
 
 RESULTS = Path(__file__).parent / "results" / "gps.json"
@@ -90,6 +98,20 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+@ray.remote(num_cpus=0)
+class Publisher:
+    """The publishing side as on a device: a Ray actor (its process keeps its publish buffer, see
+    ``gps_transfer.publish_staging``), holding the same model as the benchmark's source."""
+
+    def __init__(self, cfg: ModelConfig, threads: int) -> None:
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        self.tensors = module_tensors(Decoder(cfg))
+
+    def publish(self, store: RayStore, name: str, version: int) -> PublishInfo:
+        return store.publish(name, version, self.tensors)
+
+
 def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
     cfg = config_for(size)
     torch.manual_seed(0)
@@ -105,7 +127,9 @@ def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
     name = f"bench-{size}"
 
     samples: dict[str, list[float]] = {"memcpy_s": [], "cast_host_copy_s": [], "cast_deferred_s": []}
+    copies: dict[str, float] = {}
     local = LocalStore()
+    publisher = Publisher.remote(cfg, torch.get_num_threads())
     for backend in stores:
         samples |= {f"{backend}_publish_s": [], f"{backend}_fetch_s": [], f"{backend}_load_s": []}
     for rep in range(reps + 1):  # rep 0 warms up (first-touch of buffers, lazy imports) and is dropped
@@ -123,13 +147,17 @@ def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
                 samples[f"cast_{way}_s"].append(time.perf_counter() - start)
             local.free(f"{name}-cast-{way}", rep)
         for backend, store in stores.items():
-            info = store.publish(name, rep, tensors)
-            store.retain(name, keep_last=1)  # at most this version and one staged copy alive
+            if isinstance(store, RayStore):  # published by a device, loaded here
+                info = ray.get(publisher.publish.remote(store, name, rep))
+            else:
+                info = store.publish(name, rep, tensors)
+            store.retain(name, keep_last=1)  # this version alone: the next publish lands beside it
             start = time.perf_counter()
             snap = store.fetch(name, rep)
             fetched = time.perf_counter()
             snap.load_into(target)
             done = time.perf_counter()
+            copies[backend] = info.host_copies
             if keep:
                 samples[f"{backend}_publish_s"].append(info.seconds)
                 samples[f"{backend}_fetch_s"].append(fetched - start)
@@ -140,6 +168,7 @@ def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
             raise RuntimeError(f"fetched weights differ from the source at {n}")
     for store in stores.values():
         store.free(name, reps)
+    ray.kill(publisher)
 
     med = {k: statistics.median(v) for k, v in samples.items()}
     out: dict = {
@@ -156,13 +185,16 @@ def measure(size: int, reps: int, stores: dict[str, ParameterStore]) -> dict:
         load_gb_s = nbytes / med[f"{backend}_load_s"] / 1e9
         out[f"{backend}_load_gb_s"] = load_gb_s
         out[f"{backend}_ratio"] = load_gb_s / out["memcpy_gb_s"]
+        out[f"{backend}_host_copies"] = copies[backend]  # by construction (PublishInfo.host_copies)
+        out[f"{backend}_publish_memcpys"] = med[f"{backend}_publish_s"] / med["memcpy_s"]  # measured
     return out
 
 
 def print_table(results: list[dict], backends: list[str]) -> None:
     head = ["params", "MB", "memcpy GB/s", "bf16 publish ms: host copy first", "as copied"]
     for b in backends:
-        head += [f"{b} publish ms", f"{b} fetch ms", f"{b} load GB/s", f"{b} ratio"]
+        head += [f"{b} publish ms", f"{b} host copies", "publish / memcpy", f"{b} fetch ms", f"{b} load GB/s"]
+        head += [f"{b} ratio"]
     rows = []
     for r in results:
         m = r["median"]
@@ -171,6 +203,8 @@ def print_table(results: list[dict], backends: list[str]) -> None:
         for b in backends:
             row += [
                 f"{m[f'{b}_publish_s'] * 1e3:.1f}",
+                f"{r[f'{b}_host_copies']:g}",
+                f"{r[f'{b}_publish_memcpys']:.1f}",
                 f"{m[f'{b}_fetch_s'] * 1e3:.2f}",
                 f"{r[f'{b}_load_gb_s']:.2f}",
                 f"{r[f'{b}_ratio']:.2f}",
@@ -210,7 +244,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     largest = 4 * max(config_for(s).num_parameters() for s in args.sizes)
-    # published version + the staged argument copy + the previous version until retain(), with headroom
+    # the version published beside the one kept until retain(), with headroom
     store_memory = max(512 * 1024**2, 4 * largest)
     start = time.perf_counter()
     ray.init(
@@ -243,7 +277,9 @@ def main() -> None:
         f"fp32 Llama-shaped decoders ({LAYERS} layers, vocab {VOCAB}), median of {args.repeats}, "
         f"torch threads {torch.get_num_threads()}, load average at start {load[0]:.2f}"
     )
-    print("publish = pack + store; fetch = zero-copy views; load = fetch + load_into(model); ratio = load / memcpy")
+    print("publish = pack + store; host copies = the CPU's passes over the bytes per publish, by construction;")
+    print("publish / memcpy = publish time in plain memcpys; fetch = zero-copy views; load = fetch + load_into(model);")
+    print("ratio = load / memcpy")
     print_table(results, list(stores))
     report = {
         "benchmark": "gps",

@@ -14,10 +14,12 @@ a. ``engine``: tokens/s of the native engine against ``transformers.generate``
 b. ``gps_load``: a version of about 2 GB (the 0.5B shape in fp32) brought onto
    the GPU by ``fetch`` + ``load_into`` from a LocalStore, into an fp32 copy
    (bytes straight into the parameters) and a bf16 copy (cast on the GPU),
-   against a plain page-locked host-to-device copy of the same bytes (ratio,
-   GB/s); the one-off page-locking of the buffer is timed apart.
-   ``gps_load_ray``: the same from Ray's object store (shared memory mapped
-   into this process, registered at its first load).
+   through the process's page-locked staging buffer (two 32 MB buckets, locked
+   once), against a plain page-locked host-to-device copy of the same bytes:
+   the physical limit, bytes / host-to-device bandwidth (ratio, GB/s); then the
+   same version page-locked in place (``Snapshot.pin``, timed apart) and loaded
+   from there. ``gps_load_ray``: the same from Ray's object store (shared
+   memory mapped into this process; the store started here, preallocated).
 c. ``shifts``: wall time of ``Worker.shift`` per role pair on device "cuda"
    with a LocalStore (0.5B-shaped policy and judge, rollout and judge in bf16),
    and the device memory held after each shift.
@@ -38,6 +40,8 @@ h. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    device=cuda gpus_per_device=0.25`` in a subprocess, four device actors
    sharing the GPU; with tiny random checkpoints and a small job when the
    bundled models are not built (``make prepare``), which the output says.
+   It reports Ray's object store as the job configured it (bytes, preallocated
+   or not, the GPS's peak it was sized for) and the GPS's bytes at the end.
    Where Ray is not installed, one device in the training process instead
    (``devices=1 mode=colocated``).
 

@@ -77,6 +77,7 @@ def gps(results: Path) -> str:
             f"{x['params'] / 1e6:.1f}M", f"{x['memcpy_gb_s']:.2f}",
             f"{x['local_load_gb_s']:.2f} ({x['local_ratio']:.2f}x)",
             f"{x['ray_load_gb_s']:.2f} ({x['ray_ratio']:.2f}x)",
+            f"{1e3 * m['ray_publish_s']:.1f} ({x['ray_publish_memcpys']:.1f})", f"{x['ray_host_copies']:g}",
             f"{1e3 * m['cast_deferred_s']:.1f} ({1e3 * m['cast_host_copy_s']:.1f})",
         ])  # fmt: skip
     head = [
@@ -84,6 +85,8 @@ def gps(results: Path) -> str:
         "memcpy GB/s",
         "load GB/s in-process (of memcpy)",
         "through Ray",
+        "Ray publish ms (memcpys)",
+        "host copies a publish",
         "bf16 publish ms (host copy)",
     ]
     return md(head, rows)

@@ -13,13 +13,13 @@ Fetching returns zero-copy torch views into that buffer; the one real copy is
 :meth:`Snapshot.load_into` into a model's existing parameters - the cost of
 bringing a version onto a device.
 
-On a GPU that copy runs at host-to-device bandwidth: the buffer is page-locked
-for CUDA (registered in place at its first load into a GPU, once per process
-and buffer, unregistered when the last snapshot of it goes:
-:class:`pivotrl.gps_transfer.HostPins` says why not torch's pinned allocator), and the bytes move in buckets of tens
-of MB, non-blocking, with dtype conversion done on the device (fp32 stored,
-bf16 rollout) and one synchronize at the end. On a CPU: a ``copy_`` per tensor.
-Nothing here touches CUDA in a process that never loads into a GPU.
+On a GPU that copy runs at host-to-device bandwidth: the bytes move in
+buckets of tens of MB through a page-locked staging buffer the process keeps
+(:class:`pivotrl.gps_transfer.Staging`: locked once, reused by every load,
+two buckets small), non-blocking, with dtype conversion done on the device
+(fp32 stored, bf16 rollout) and one synchronize at the end. On a CPU: a
+``copy_`` per tensor. Nothing here touches CUDA in a process that never loads
+into a GPU.
 
 Two backends share the :class:`ParameterStore` protocol:
 
@@ -29,27 +29,30 @@ Two backends share the :class:`ParameterStore` protocol:
   :class:`GPSDirectory` actor. Reads inside a node map the shared-memory
   object (zero-copy); Ray moves the bytes between nodes.
 
-Ownership in Ray (why the directory copies once). A Ray object belongs to the
-process that created it and is lost when that process dies, whoever still
-holds a reference: a ref the publisher ``ray.put`` and handed over (even
-wrapped in a list so it is passed as a ref, not a value) only makes the
-directory a *borrower*; after ``ray.kill`` of the publisher, ``ray.get`` on it
-raises ``OwnerDiedError`` (checked on Ray 2.60). ``ray.put(..., _owner=...)``,
-which used to hand ownership over, was removed in Ray 2.56. So the publisher
-passes the packed buffer *by value* to ``GPSDirectory.put``: Ray stages the
-argument in the object store, the directory receives a read-only zero-copy
-view of it and ``ray.put`` s it again, which makes the directory the owner.
-That costs one extra memcpy per publish (publishes are rare, one per step);
-fetches stay zero-copy, and a version outlives its publisher for as long as
-the directory lives. The directory should therefore be created by a
-long-lived process (the driver), since an actor dies with its owner.
+One host copy per publish in Ray. The publisher packs the version into a
+buffer its process keeps (a device's: ``gps_transfer.publish_staging``;
+page-locked on a GPU, where the bytes arrive by DMA, no pass of the CPU over
+them) and ``ray.put`` s it: the object store's memcpy is the one host copy.
+The directory is handed the ref, never the bytes (no argument staging, no
+second put). A Ray object belongs to the process that created it and is lost
+with it, whoever holds a reference (``ray.get`` raises ``OwnerDiedError``;
+``ray.put(..., _owner=...)``, which handed ownership over, was removed in Ray
+2.56). So the directory keeps a zero-copy view of each version (a mapping of
+the same shared memory: it keeps the bytes in the store after their owner
+dies), and a fetch that finds the publisher dead asks the directory to adopt
+the version: it puts the bytes again from its view and owns the copy. That
+copy is paid once per version whose publisher died, not per publish; a
+version outlives its publisher for as long as the directory lives (create
+the directory from a long-lived process, the driver: an actor dies with its
+owner). Across nodes the directory's view is a replica on its own node.
 
 Costs (benchmarks/gps.py): a fetch-and-load runs at 0.8-0.95x a plain memcpy
-for 100M-parameter models. Start Ray with
-``_system_config={"preallocate_plasma_memory": True}``: otherwise each publish
-into a fresh part of the object store pays page faults on both copies (10x
-slower publishes measured). Keep torch's OpenMP threads below the free cores
-of the process doing ``load_into`` (Ray workers default to one).
+for 100M-parameter models. Preallocate Ray's object store
+(``_system_config={"preallocate_plasma_memory": True}``, as the job's local
+instance does, sized by ``pivotrl.gps_sizing``): otherwise each publish into a
+fresh part of the store pays a page fault per 4 KiB (10x slower publishes
+measured). Keep torch's OpenMP threads below the free cores of the process
+doing ``load_into`` (Ray workers default to one).
 
 Versions are immutable and always named: publishing an existing
 (model, version, kind) raises, and fetching an absent one raises
@@ -59,6 +62,7 @@ Versions are immutable and always named: publishing an existing
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import time
@@ -132,6 +136,9 @@ class PublishInfo:
 
     nbytes: int
     seconds: float  # pack + store, as seen by the publisher
+    # passes of the host's CPU over the version's bytes: the pack's copies out of host memory (a GPU's bytes
+    # arriving by DMA in page-locked memory are none) plus the object store's memcpy
+    host_copies: float = 0.0
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -205,22 +212,39 @@ def _flat_tensor(buffer: np.ndarray) -> Tensor:
 def pack(tensors: Mapping[str, Tensor | Deferred]) -> tuple[np.ndarray, tuple[TensorEntry, ...]]:
     """Copy ``tensors`` (any device, any strides; ``Deferred`` ones made as their turn comes) into one new
     flat buffer: one copy per tensor."""
+    buffer, entries, _ = _pack(tensors)
+    return buffer, entries
+
+
+def _pack(
+    tensors: Mapping[str, Tensor | Deferred], out: np.ndarray | None = None, pinned: bool = False
+) -> tuple[np.ndarray, tuple[TensorEntry, ...], int]:
+    """:func:`pack` into ``out`` (exactly the layout's size; a new buffer when None), which is page-locked where
+    ``pinned``; also the bytes the host's CPU copied: those of tensors in host memory, and those of a GPU's
+    tensors unless they land in page-locked memory by DMA (same dtype; into pageable memory CUDA stages them
+    through a buffer of its own, a host copy)."""
     entries, nbytes = layout(tensors)
-    buffer = _aligned_empty(nbytes, PAGE)  # page-aligned: its pages are its own, so it can be page-locked whole
-    flat = torch.from_numpy(buffer)
-    end = 0
+    if out is None:
+        out = _aligned_empty(nbytes, PAGE)  # page-aligned: its pages are its own, so it can be page-locked whole
+    elif out.nbytes != nbytes or not out.flags.writeable:
+        raise ValueError(f"pack: a writable buffer of {nbytes} bytes is needed, got {out.nbytes} bytes")
+    flat = torch.from_numpy(out)
+    end = host = 0
     with torch.no_grad():
         for entry, t in zip(entries, tensors.values(), strict=True):
-            buffer[end : entry.offset] = 0  # padding too, so equal tensors give equal bytes
+            out[end : entry.offset] = 0  # padding too, so equal tensors give equal bytes
             if isinstance(t, Deferred):
                 t = t.make()
                 if tuple(t.shape) != entry.shape:
                     raise ValueError(f"{entry.name!r}: made a tensor of shape {tuple(t.shape)}, declared {entry.shape}")
-            _typed_view(flat, entry).copy_(t.detach())
+            view = _typed_view(flat, entry)
+            if not (t.is_cuda and pinned and t.dtype == view.dtype):
+                host += entry.nbytes
+            view.copy_(t.detach())
             del t
             end = entry.offset + entry.nbytes
-    buffer.flags.writeable = False  # published bytes are immutable
-    return buffer, entries
+    out.flags.writeable = False  # published bytes are immutable
+    return out, entries, host
 
 
 def unpack(buffer: np.ndarray, entries: Iterable[TensorEntry]) -> dict[str, Tensor]:
@@ -280,12 +304,12 @@ class Snapshot:
         return {k: v.clone() for k, v in self.tensors.items()} if copy else dict(self.tensors)
 
     def pin(self) -> bool:
-        """Page-lock this version's buffer for CUDA now (once per process and buffer; see ``gps_transfer.HostPins``).
+        """Page-lock this version's buffer for CUDA in place (once per process and buffer; see
+        ``gps_transfer.HostPins``), for a caller that holds the snapshot and loads it several times.
 
-        :meth:`load_into` does it on its first load into a GPU; calling it
-        earlier takes the registration off that load. False without CUDA or
-        when the memory cannot be registered (loads then copy from pageable
-        memory, correct and slower).
+        :meth:`load_into` then copies straight from it instead of through the
+        process's staging buffer. False without CUDA or when the memory cannot
+        be registered (loads then go through the staging buffer).
         """
         from pivotrl.gps_transfer import PINS
 
@@ -301,7 +325,8 @@ class Snapshot:
 
         On a GPU (``bucketed`` None means: when every tensor is on one CUDA
         device) every copy is a non-blocking host-to-device copy from
-        page-locked memory. Tensors whose dtype matches go straight into the
+        page-locked memory (the process's staging buffer, a bucket at a time:
+        ``gps_transfer.load_bucketed``). Tensors whose dtype matches go straight into the
         parameters' bytes (large ones in pieces of ``bucket_bytes``). Tensors
         to convert travel in buckets of about ``bucket_bytes`` (small tensors
         together) into a staging buffer on the device, and are cast from there
@@ -522,6 +547,13 @@ class _Index:
         with self._lock:
             self._pending.discard(key)
 
+    def swap(self, key: Key, obj: Any) -> None:
+        """The stored object of ``key`` replaced (the same bytes, held another way)."""
+        with self._lock:
+            if key not in self._items:
+                raise _absent(key, self._versions(key[0], key[2]))
+            self._items[key] = (self._items[key][0], obj)
+
     def get(self, key: Key) -> tuple[Manifest, Any]:
         with self._lock:
             if key not in self._items:
@@ -567,8 +599,8 @@ def _manifest(key: Key, entries: tuple[TensorEntry, ...], nbytes: int, meta: Map
 # LocalStore
 
 
-def _published(key: Key, nbytes: int, start: float) -> PublishInfo:
-    info = PublishInfo(nbytes, time.perf_counter() - start)
+def _published(key: Key, nbytes: int, start: float, host_bytes: float) -> PublishInfo:
+    info = PublishInfo(nbytes, time.perf_counter() - start, host_bytes / nbytes if nbytes else 0.0)
     logger.debug("gps: published %s %s v%d, %d bytes in %.3f s", key[0], key[2], key[1], info.nbytes, info.seconds)
     return info
 
@@ -602,12 +634,12 @@ class LocalStore(_Latest):
         start = time.perf_counter()
         self._index.reserve(key)
         try:
-            buffer, entries = pack(tensors)
+            buffer, entries, host = _pack(tensors)
         except BaseException:
             self._index.abandon(key)
             raise
         self._index.commit(key, _manifest(key, entries, buffer.nbytes, meta), buffer)
-        return _published(key, buffer.nbytes, start)
+        return _published(key, buffer.nbytes, start, host)
 
     def fetch(self, model_name: str, version: int, kind: Kind | str = Kind.WEIGHTS) -> Snapshot:
         manifest, buffer = self._index.get(_key(model_name, version, kind))
@@ -632,8 +664,18 @@ class LocalStore(_Latest):
 # RayStore
 
 
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A version as the directory holds it: the ref fetchers get, and while its publisher owns the object, a
+    zero-copy view of its bytes (what keeps them in the store should the publisher die; see the module)."""
+
+    ref: Any
+    view: np.ndarray | None = None  # None once this actor owns the object
+
+
 class GPSDirectory:
-    """Ray actor (see :meth:`RayStore.create`): owns every published object and maps keys to refs.
+    """Ray actor (see :meth:`RayStore.create`): maps keys to the refs of published objects, and keeps every
+    version readable after its publisher dies (:meth:`adopt`).
 
     Methods return error messages instead of raising so that callers raise a
     plain :class:`VersionError` rather than a wrapped remote traceback.
@@ -642,8 +684,10 @@ class GPSDirectory:
 
     def __init__(self) -> None:
         self._index = _Index()
+        self._adopting = threading.Lock()
 
-    def put(self, key: Key, manifest: Manifest, buffer: np.ndarray) -> str | None:
+    def put(self, key: Key, manifest: Manifest, refs: list[Any]) -> str | None:
+        """Index the object the publisher put (``refs[0]``, passed in a list so that it arrives as a ref)."""
         import ray
 
         try:
@@ -651,19 +695,36 @@ class GPSDirectory:
         except VersionError as e:
             return str(e)
         try:
-            ref = ray.put(buffer)  # this actor now owns the object: it outlives the publisher
+            view = ray.get(refs[0])  # on this node a mapping of the same shared memory: no copy
         except BaseException:
             self._index.abandon(key)
             raise
-        self._index.commit(key, manifest, ref)
+        self._index.commit(key, manifest, _Held(refs[0], view))
         return None
 
     def get(self, key: Key) -> tuple[Manifest | None, list[Any], str | None]:
         try:
-            manifest, ref = self._index.get(key)
+            manifest, held = self._index.get(key)
         except VersionError as e:
             return None, [], str(e)
-        return manifest, [ref], None  # a ref inside a list reaches the caller as a ref (a borrow), not its value
+        return manifest, [held.ref], None  # a ref inside a list reaches the caller as a ref (a borrow), not its value
+
+    def adopt(self, key: Key) -> tuple[Manifest | None, list[Any], str | None]:
+        """``key``'s publisher died with the object it owned: put the bytes again from the view held, so that
+        this actor owns them from now on; then as :meth:`get`."""
+        import ray
+
+        with self._adopting:  # (fetchers that found the owner dead at once: one copy)
+            try:
+                manifest, held = self._index.get(key)
+            except VersionError as e:
+                return None, [], str(e)
+            if held.view is not None:
+                held = _Held(ray.put(held.view))
+                self._index.swap(key, held)
+                logger.warning("gps: %s %s v%d outlived its publisher; the directory holds it now", key[0],
+                               key[2].value, key[1])  # fmt: skip
+        return manifest, [held.ref], None
 
     def versions(self, model_name: str, kind: Kind) -> list[int]:
         return self._index.versions(model_name, kind)
@@ -734,21 +795,36 @@ class RayStore(_Latest):
     ) -> PublishInfo:
         import ray
 
+        from pivotrl.gps_transfer import publish_staging
+
         key = _key(model_name, version, kind)
         start = time.perf_counter()
-        buffer, entries = pack(tensors)
-        error = ray.get(self.directory.put.remote(key, _manifest(key, entries, buffer.nbytes, meta), buffer))
+        staging = publish_staging()
+        nbytes = layout(tensors)[1]
+        with staging.hold(nbytes) if staging is not None else contextlib.nullcontext(None) as out:
+            buffer, entries, host = _pack(tensors, out, pinned=staging is not None and staging.pinned)
+            ref = ray.put(buffer)  # the one copy into the object store; this process owns the object
+            del buffer
+        error = ray.get(self.directory.put.remote(key, _manifest(key, entries, nbytes, meta), [ref]))
         if error is not None:
             raise VersionError(error)
-        return _published(key, buffer.nbytes, start)
+        return _published(key, nbytes, start, host + nbytes)
 
     def fetch(self, model_name: str, version: int, kind: Kind | str = Kind.WEIGHTS) -> Snapshot:
         import ray
 
-        manifest, refs, error = ray.get(self.directory.get.remote(_key(model_name, version, kind)))
+        key = _key(model_name, version, kind)
+        manifest, refs, error = ray.get(self.directory.get.remote(key))
         if error is not None:
             raise VersionError(error)
-        return Snapshot.of(manifest, ray.get(refs[0]))  # same node: a read-only view of shared memory
+        try:
+            buffer = ray.get(refs[0])  # same node: a read-only view of shared memory
+        except ray.exceptions.ObjectLostError:  # its publisher died: the directory takes the bytes over
+            manifest, refs, error = ray.get(self.directory.adopt.remote(key))
+            if error is not None:
+                raise VersionError(error) from None
+            buffer = ray.get(refs[0])
+        return Snapshot.of(manifest, buffer)
 
     def versions(self, model_name: str, kind: Kind | str = Kind.WEIGHTS) -> list[int]:
         import ray

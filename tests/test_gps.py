@@ -161,6 +161,11 @@ def test_publish_fetch_round_trip(store: ParameterStore, name: str, dtype: torch
     assert_same(snap.state_dict(), module_tensors(model))
 
 
+def test_a_publish_of_host_tensors_copies_them_once_and_the_object_store_once(store: ParameterStore, name: str) -> None:
+    info = publish_model(store, name, 0, tiny(0))
+    assert info.host_copies == (1.0 if isinstance(store, LocalStore) else 2.0)  # the pack; Ray's put into its store
+
+
 def test_fetch_is_zero_copy(store: ParameterStore, name: str) -> None:
     publish_model(store, name, 0, tiny(0))
     snap = store.fetch(name, 0)
@@ -369,6 +374,48 @@ def test_ray_version_outlives_its_publisher(
     assert_same(ray_store.fetch(name, 0).state_dict(), expected)
     assert_same(ray.get(reader.read.remote(ray_store, name, 0)), expected)
     assert np.array_equal(ray_store.fetch(name, 0).buffer, pack(expected)[0])  # byte for byte, padding included
+
+
+def test_a_gpu_process_publishes_through_one_kept_staging_buffer(
+    ray_store: RayStore, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``publish_staging`` gives a process that computes on a GPU, with the page-locking faked: every
+    publish packs into the same buffer, and the object store holds each version's own bytes."""
+    import pivotrl.gps_transfer as transfer
+
+    calls: list[int] = []
+
+    def allocate(nbytes: int) -> tuple[np.ndarray, bool]:
+        calls.append(nbytes)
+        raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+        start = (-raw.ctypes.data) % PAGE
+        return raw[start : start + nbytes], True
+
+    staging = transfer.Staging(allocate, lambda buffer, pinned: None)
+    monkeypatch.setattr(transfer, "publish_staging", lambda: staging)
+    models = [tiny(seed) for seed in range(3)]
+    infos = [publish_model(ray_store, name, v, m) for v, m in enumerate(models)]
+    assert len(calls) == 1  # one buffer for every publish of the process
+    for v, m in enumerate(models):
+        assert np.array_equal(ray_store.fetch(name, v).buffer, pack(module_tensors(m))[0])
+    assert [i.host_copies for i in infos] == [2.0] * 3  # (host tensors: packed by the CPU, then Ray's put)
+
+
+def test_the_directory_adopts_a_version_once(ray_store: RayStore, name: str) -> None:
+    """What a fetch asks when a version's publisher is gone: the directory puts the bytes it holds again and
+    owns them; asked again, it has nothing more to do."""
+    import ray
+
+    model = tiny(3)
+    publish_model(ray_store, name, 0, model)
+    key = (name, 0, Kind.WEIGHTS)
+    for _ in range(2):
+        manifest, refs, error = ray.get(ray_store.directory.adopt.remote(key))
+        assert error is None and manifest.version == 0
+        assert np.array_equal(ray.get(refs[0]), pack(module_tensors(model))[0])
+    assert_same(ray_store.fetch(name, 0).state_dict(), module_tensors(model))
+    ray_store.free(name, 0)
+    assert "none published" in ray.get(ray_store.directory.adopt.remote(key))[2]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

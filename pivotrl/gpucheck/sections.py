@@ -42,8 +42,9 @@ def headline(name: str, section: dict[str, Any]) -> str:
         )
     if name.startswith("gps_load"):
         plain = r.get("plain_copy", {}).get("pinned", {}).get("gb_per_s")
-        head = f"{r['version_gb']} GB: fp32 {r['float32']['gb_per_s']} GB/s, bf16 {r['bfloat16']['gb_per_s']} GB/s"
-        head += f", pin {r['pin_seconds']} s"
+        head = f"{r['version_gb']} GB staged: fp32 {r['float32']['gb_per_s']} GB/s"
+        head += f", bf16 {r['bfloat16']['gb_per_s']} GB/s; in place {r['in_place']['gb_per_s']} GB/s"
+        head += f" after a {r['pin_seconds']} s pin"
         return head + (f"; plain pinned {plain} GB/s (ratio {r['ratio_fp32']}, {r['ratio_bf16']})" if plain else "")
     if name == "shifts":
         return ", ".join(f"{k} {v['median_s']:.3f}s" for k, v in r["pairs"].items())
@@ -81,8 +82,15 @@ def headline(name: str, section: dict[str, Any]) -> str:
         )
     if name == "job":
         where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
+        from pivotrl.gps_sizing import size
+
+        store, held = r.get("object_store"), ""
+        if store:  # (a Ray run)
+            held = f"; object store {size(store['bytes'])}{', preallocated' if store['preallocated'] else ''}"
+            held += f" for a GPS of up to {size(store['gps_bytes'])}"
         return (f"{r.get('steps')} steps on {where} in {r['seconds']} s, {r.get('samples_per_s')} samples/s, judge "
-                f"in {r.get('judge_dtype')}; models: {r['models']}")  # fmt: skip
+                f"in {r.get('judge_dtype')}; GPS {size(r.get('gps_bytes', 0))} at the end{held}; "
+                f"models: {r['models']}")  # fmt: skip
     return json.dumps(r)[:200]
 
 

@@ -82,6 +82,9 @@ def job(
     for key in ("samples_per_s", "tokens_per_s", "shifts", "wall_s"):
         if isinstance(summary.get(key), int | float):
             result[key] = sig(summary[key])
+    # Ray's object store as the job configured it (a Ray run), and what the GPS held at the end
+    result["object_store"] = summary.get("object_store")
+    result["gps_bytes"] = summary.get("gps_bytes", {}).get("total", 0)
     result["steps"] = steps_done
     result["judge_dtype"] = summary.get("plan", {}).get("judge_dtype")  # (as the run resolved it on its devices)
     result |= shifts_and_engines(read_events(run_dir))

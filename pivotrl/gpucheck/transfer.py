@@ -1,5 +1,6 @@
 """The transfer sections: a GPS version loaded onto the device (from a LocalStore and from Ray's object store)
-against a plain page-locked copy of the same bytes, and ``Worker.shift`` through every role pair a step makes."""
+through the process's staging buffer, against a plain page-locked copy of the same bytes (bytes over the
+host-to-device bandwidth: the physical limit), and ``Worker.shift`` through every role pair a step makes."""
 
 from __future__ import annotations
 
@@ -13,24 +14,22 @@ from pivotrl.gpucheck.shapes import QWEN2_05B, Shape, gb, peak_memory, random_st
 
 
 def _load_timings(store: Any, name: str, shape: Shape, device: str, repeats: int) -> dict[str, Any]:
-    """Registration, first load and warm loads of version 0 of ``name`` into an fp32 and a bf16 copy."""
+    """Loads of version 0 of ``name`` as a device makes them, into an fp32 and a bf16 copy: fetched, loaded
+    (on a GPU through the process's page-locked staging buffer), dropped. Then from a snapshot held and
+    page-locked in place (``in_place``; the one-off registration timed apart)."""
     import torch
 
-    from pivotrl.gps_transfer import PINS
+    from pivotrl.gps_transfer import PINS, STAGING
     from pivotrl.model import Decoder
 
+    cuda = device.startswith("cuda")
     out: dict[str, Any] = {}
-    held = store.fetch(name, 0)  # held throughout, as a device holds the version it serves: registered once
-    nbytes = held.nbytes
-    t0 = time.perf_counter()
-    out["pinned"] = held.pin()
-    out["pin_seconds"] = sig(time.perf_counter() - t0)
-    out["pinned_bytes"] = PINS.registered_bytes if device.startswith("cuda") else 0
+    nbytes = store.fetch(name, 0).nbytes
+    probe = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
     for dtype in ("float32", "bfloat16"):
         target = Decoder.empty(shape.model_config(), device, getattr(torch, dtype))
         runs = [timed(device, lambda target=target: store.fetch(name, 0).load_into(target)) for _ in range(repeats)]
         stored = store.fetch(name, 0).tensors
-        probe = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
         ok = all(
             torch.equal(dict(target.named_parameters())[k].cpu(), stored[k].to(getattr(torch, dtype))) for k in probe
         )
@@ -42,7 +41,18 @@ def _load_timings(store: Any, name: str, shape: Shape, device: str, repeats: int
             "correct": ok,
         }
         del target
-    del held
+    out["staging_bytes"] = STAGING.capacity if cuda else 0  # two buckets, whatever the version's size
+    out["staging_pinned"] = STAGING.pinned if cuda else False
+    held = store.fetch(name, 0)  # held throughout, as a caller of Snapshot.pin would: registered once
+    t0 = time.perf_counter()
+    out["pinned"] = held.pin()
+    out["pin_seconds"] = sig(time.perf_counter() - t0)
+    out["pinned_bytes"] = PINS.registered_bytes if cuda else 0
+    fp32 = Decoder.empty(shape.model_config(), device, torch.float32)
+    runs = [timed(device, lambda fp32=fp32: store.fetch(name, 0).load_into(fp32)) for _ in range(repeats)]
+    med = statistics.median(runs)
+    out["in_place"] = {"median_s": sig(med), "gb_per_s": sig(nbytes / med / 1e9)}
+    del held, fp32
     return out
 
 
@@ -88,12 +98,13 @@ def gps_load_ray(device: str, shape: Shape = QWEN2_05B, repeats: int = 5) -> dic
     state = random_state(shape)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     started = not ray.is_initialized()
+    store_bytes = max(int(2.5 * nbytes), 256 * 2**20)
     if started:
         ray.init(
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,
-            object_store_memory=max(int(2.5 * nbytes), 256 * 2**20),
+            object_store_memory=store_bytes,
             _system_config={"preallocate_plasma_memory": True},
         )
     store = RayStore.create(f"gpu-check-{os.getpid()}")
@@ -101,6 +112,7 @@ def gps_load_ray(device: str, shape: Shape = QWEN2_05B, repeats: int = 5) -> dic
         store.publish("policy", 0, state)
         del state
         out: dict[str, Any] = {"version_gb": gb(nbytes), "store": "ray"}
+        out["object_store_gb"] = gb(store_bytes) if started else None  # (preallocated)
         out |= _load_timings(store, "policy", shape, device, repeats)
         out["pass"] = out["float32"]["correct"] and out["bfloat16"]["correct"]
         return out

@@ -555,6 +555,8 @@ def _run_once(
         summary["resumed_from_step"] = start.step
     summary["policy_checkpoint"] = str(Path(out) / "policy")
     summary["gps_bytes"] = gps_memory
+    if not in_process:  # Ray's object store as the job configured it (or found it on a cluster)
+        summary["object_store"] = driver.object_store.to_dict()
     summary["train_backend"] = plan.trainer.value  # (train.backend=auto's choice for these devices)
     summary["train_min_devices"] = plan.min_train_devices
     summary["plan"] = plan.to_dict()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pivotrl import gps_sizing
 from pivotrl.config import JobConfig
 from pivotrl.control.controller import DeviceLostError
 from pivotrl.control.drive import StallError
@@ -346,6 +347,11 @@ def _threads(pg: Any, cfg: JobConfig, local: bool) -> list[int]:
     return dev.thread_shares(nodes, cores, cfg.threads_per_device)
 
 
+def _keep_versions(cfg: JobConfig) -> int:
+    """The policy versions the GPS keeps, as the devices' train spec says."""
+    return TrainSpec(cfg.train, cfg.rollout.temperature).keep_versions
+
+
 class RayDriver:
     def __init__(
         self, cfg: JobConfig, spec_for: Callable[[str], ContextSpec], origin: float, address: str | None = None
@@ -361,6 +367,7 @@ class RayDriver:
         self.started_ray = not ray.is_initialized()
         self.session_dir: str | None = None  # that of the instance this driver started and marked as its own
         self.store: RayStore | None = None
+        self.object_store: gps_sizing.ObjectStore | None = None
         self.actors: list[Any] = []
         self.pg: Any = None
         if self.started_ray:
@@ -370,8 +377,11 @@ class RayDriver:
                 # for a local instance is what guards it.)
                 clean_stale_sessions()
                 gpus = dev.local_gpus() if cfg.device != dev.CPU else 0
+                # the object store sized from what the GPS will hold, preallocated (see pivotrl.gps_sizing)
+                held = gps_sizing.for_job(cfg, dev.resolve(cfg.device, gpus), _keep_versions(cfg))
+                self.object_store, store_kwargs = gps_sizing.local_store(held)
                 ray.init(address="local", num_cpus=max(2, cfg.devices), num_gpus=gpus, _node_ip_address=dev.LOOPBACK,
-                         **kwargs)  # fmt: skip
+                         **store_kwargs, **kwargs)  # fmt: skip
                 self.session_dir = ray._private.worker._global_node.get_session_dir_path()
                 mark_session(self.session_dir)
             else:
@@ -380,6 +390,9 @@ class RayDriver:
             where = f"the Ray cluster at {address}" if address else "this machine"
             self.kind = dev.resolve(cfg.device, ray.cluster_resources().get("GPU", 0.0), where)
             self.pg = _place(self.kind, cfg, address)
+            if self.object_store is None:  # a cluster's store: checked against what the GPS will hold
+                held = gps_sizing.for_job(cfg, self.kind, _keep_versions(cfg))
+                self.object_store = gps_sizing.joined_store(held, self.pg, cfg.devices, where)
             threads = _threads(self.pg, cfg, local=address is None)
             self.store = RayStore.create(f"pivotrl-gps-{uuid.uuid4().hex[:8]}")
             self.spec = spec_for(self.kind)  # (configure gives it the plan's dtypes and backends)

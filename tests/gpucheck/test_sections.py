@@ -32,7 +32,16 @@ def test_gps_load_section_on_cpu() -> None:
     assert r["pass"] and r["float32"]["correct"] and r["bfloat16"]["correct"]
     assert r["pinned"] is False and r["pinned_bytes"] == 0  # nothing to page-lock without CUDA
     assert r["ratio_fp32"] > 0 and r["plain_copy"]["pinned"]["gb_per_s"] > 0
+    assert r["in_place"]["gb_per_s"] > 0 and r["staging_bytes"] == 0  # (a CPU load reads the version in place)
     assert "GB/s" in headline("gps_load", {"result": r})
+
+
+def test_the_job_line_says_the_object_store_as_configured_and_the_gps() -> None:
+    store = {"bytes": 536870912, "preallocated": True, "gps_bytes": 4_000_000, "need": 5_000_000}
+    r = {"steps": 10, "ray": True, "seconds": 60.0, "samples_per_s": 5.0, "models": "tiny", "gps_bytes": 3_000_000}
+    line = headline("job", {"result": r | {"object_store": store}})
+    assert "GPS 3 MB at the end; object store 537 MB, preallocated for a GPS of up to 4 MB;" in line
+    assert "object store" not in headline("job", {"result": r | {"ray": False, "object_store": None}})
 
 
 def test_shifts_section_on_cpu() -> None:
