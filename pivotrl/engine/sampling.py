@@ -120,11 +120,8 @@ _constants: dict[str, tuple[Tensor, Tensor]] = {}
 
 def _vocab_key(vocab: int, device: torch.device) -> Tensor:
     key = (vocab, str(device))
-    if key not in _vocab_keys:
-        index = torch.arange(1, vocab + 1, dtype=torch.int64)  # (built on the host: no device work per vocabulary)
-        words = (index * _PHI & _M32).to(torch.int64)
-        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-        _vocab_keys[key] = _lowbias32_open(words).to(device)
+    if key not in _vocab_keys:  # (made on the device: nothing crosses from the host, even the first time)
+        _vocab_keys[key] = _lowbias32_open(torch.arange(1, vocab + 1, dtype=torch.int32, device=device) * _PHI32)
     return _vocab_keys[key]
 
 
@@ -132,7 +129,7 @@ def _affine(device: torch.device) -> tuple[Tensor, Tensor]:
     """(1/2 + 2**-24, 2**-23) on the device: u = 1/2 + 2**-24 + m * 2**-23 for the signed top 23 bits m."""
     key = str(device)
     if key not in _constants:
-        _constants[key] = (torch.tensor(0.5 + 2.0**-24, device=device), torch.tensor(2.0**-23, device=device))
+        _constants[key] = (torch.full((), 0.5 + 2.0**-24, device=device), torch.full((), 2.0**-23, device=device))
     return _constants[key]
 
 
@@ -295,7 +292,8 @@ def draw(logits: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
                 rows.top_k_max,
                 rows.top_p_any,
             )
-            race.index_copy_(0, rows.filtered, race.index_select(0, rows.filtered).masked_fill_(sub.isneginf(), float("-inf")))
+            dropped = race.index_select(0, rows.filtered).masked_fill_(sub.isneginf(), float("-inf"))
+            race.index_copy_(0, rows.filtered, dropped)
         tokens = race.argmax(-1)
         del race
         if rows.greedy:
