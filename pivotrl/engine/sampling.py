@@ -133,11 +133,35 @@ def _affine(device: torch.device) -> tuple[Tensor, Tensor]:
     return _constants[key]
 
 
-def _uniforms(keys: Tensor, vocab: int) -> Tensor:
-    """Uniforms in (0, 1), float32 ``[B, vocab]``, from row keys (:func:`row_keys`): 8 passes, in place."""
-    x = torch.bitwise_xor(keys[:, None], _vocab_key(vocab, keys.device)[None, :])
+class Scratch:
+    """The two ``[rows, vocab]`` int32 buffers a draw works in, kept from one draw to the next. On a CPU every
+    fresh buffer of that size is mapped and faulted in anew (torch keeps no cache of host memory), which costs
+    as much as several passes; device memory needs none (torch's caching allocator reuses it, and hands it back
+    while an engine sleeps)."""
+
+    def __init__(self) -> None:
+        self.buffers: Tensor | None = None
+
+    def take(self, rows: int, vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        need = rows * vocab
+        if self.buffers is None or self.buffers.shape[1] < need or self.buffers.device != device:
+            self.buffers = torch.empty((2, need), dtype=torch.int32, device=device)
+        return self.buffers[0, :need].view(rows, vocab), self.buffers[1, :need].view(rows, vocab)
+
+
+def _buffers(scratch: Scratch | None, rows: int, vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    if scratch is not None:
+        return scratch.take(rows, vocab, device)
+    return (torch.empty((rows, vocab), dtype=torch.int32, device=device),
+            torch.empty((rows, vocab), dtype=torch.int32, device=device))  # fmt: skip
+
+
+def _uniforms(keys: Tensor, x: Tensor, t: Tensor) -> Tensor:
+    """Uniforms in (0, 1), float32 ``[B, vocab]`` (``x``'s memory), from row keys (:func:`row_keys`); ``x`` and
+    ``t``: int32 ``[B, vocab]`` to work in. 8 passes."""
+    torch.bitwise_xor(keys[:, None], _vocab_key(x.shape[1], keys.device)[None, :], out=x)
     x.mul_(_A32)
-    t = torch.bitwise_right_shift(x, 15)
+    torch.bitwise_right_shift(x, 15, out=t)
     t.bitwise_and_(0x1FFFF)
     x.bitwise_xor_(t)
     x.mul_(_B32)
@@ -150,15 +174,15 @@ def uniforms(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
     """Uniforms in (0, 1), float32 ``[B, vocab]``, a pure function of (seed, position, index): the ones
     :func:`draw` races on."""
     keys = torch.tensor([seed_key(s) for s in seeds.tolist()], dtype=torch.int32, device=positions.device)
-    return _uniforms(row_keys(keys, positions), vocab)
+    return _uniforms(row_keys(keys, positions), *_buffers(None, len(keys), vocab, positions.device))
 
 
-def gumbel_race(scaled: Tensor, keys: Tensor) -> Tensor:
-    """``scaled`` plus Gumbel noise, float32 ``[B, vocab]`` (a new tensor): its argmax is a draw from
-    ``softmax(scaled)``. Written ``scaled - log(E)`` with ``E = -log(u)`` ~ Exp(1)."""
-    race = _uniforms(keys, scaled.shape[-1])
-    torch.xlogy(-1.0, race, out=race)  # E
-    race.log_()
+def gumbel_race(scaled: Tensor, keys: Tensor, x: Tensor, t: Tensor) -> Tensor:
+    """``scaled`` plus Gumbel noise, float32 ``[B, vocab]`` in ``x``'s memory (``x``, ``t``: int32 buffers of
+    that shape): its argmax is a draw from ``softmax(scaled)``. Written ``scaled - log(E)``, ``E = -log(u)``
+    ~ Exp(1)."""
+    race = _uniforms(keys, x, t)
+    race.log_().neg_().log_()
     return torch.sub(scaled, race, out=race)
 
 
@@ -271,9 +295,9 @@ def filter_logits(
     return scaled
 
 
-def draw(logits: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
+def draw(logits: Tensor, rows: Rows, scratch: Scratch | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row. Returns ``(tokens [B] int64, logprobs [B] float32)``, on the device, without
-    reading it.
+    reading it. ``scratch``: buffers to work in, kept by a caller that draws again (see :class:`Scratch`).
 
     The log-prob is that of the token under the temperature-scaled, unfiltered distribution - the one the
     trainer recomputes - so importance ratios start at 1 (greedy rows: temperature 1).
@@ -282,8 +306,9 @@ def draw(logits: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
     scaled = logits
     if not rows.unit_temperature:
         scaled = logits / torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    x, t = _buffers(scratch, *logits.shape, logits.device)
     if rows.sampled:
-        race = gumbel_race(scaled, row_keys(rows.seed_keys, rows.positions))
+        race = gumbel_race(scaled, row_keys(rows.seed_keys, rows.positions), x, t)
         if rows.filtered is not None:
             sub = filter_logits(
                 scaled.index_select(0, rows.filtered),
@@ -300,7 +325,7 @@ def draw(logits: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
             tokens = torch.where(rows.temperature > 0, tokens, logits.argmax(-1))
     else:
         tokens = logits.argmax(-1)
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = torch.log_softmax(scaled, dim=-1, out=t.view(torch.float32)).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs
 
 

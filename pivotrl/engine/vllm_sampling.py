@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pivotrl.engine.sampling import Rows, draw, seed_key
+from pivotrl.engine.sampling import Rows, Scratch, draw, seed_key
 
 _SEED, _POS, _TOP_K, _TEMP, _TOP_P, _OURS = range(6)  # the columns of the table
 
@@ -79,6 +79,7 @@ class CounterDraws:
         self.rows: Rows | None = None  # the draw's view of the first ``rows_n`` rows
         self.rows_n = -1
         self.ours = (False, False)  # (any, every) of the first ``rows_n`` rows is pivotrl's
+        self.scratch = Scratch() if device.type == "cpu" else None  # (device memory: torch's allocator caches it)
 
     # -- update_state ------------------------------------------------------------------------------------------
     def update_state(self, batch_update: Any) -> None:
@@ -149,7 +150,7 @@ class CounterDraws:
         if not any_ours:
             return logits
         assert self.rows is not None and self.channel is not None
-        tokens, logprobs = draw(logits, self.rows)
+        tokens, logprobs = draw(logits, self.rows, self.scratch)
         host = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
         host.copy_(logprobs, non_blocking=self.pin)
         _HANDED.setdefault(self.channel, []).append(Drawn(self.uids[:n].copy(), self.host[:n, _POS].copy(), host))
