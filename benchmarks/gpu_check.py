@@ -27,7 +27,14 @@ d. ``fsdp`` and ``zero``: a bf16 step of the 0.5B shape with activation
 e. ``vllm``: the vLLM backend's tokens/s beside the native engine on the engine
    section's requests, a version swapped in place from the GPS, sleep and wake
    (device memory freed, seconds). Skipped when vLLM is not installed.
-f. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
+f. ``sampling``: pivotrl's counter-based draw inside vLLM (the logits processor,
+   run by vLLM's sampler as the backend runs it) against its element-wise form
+   (``benchmarks/sampling_baseline.py``) and vLLM's own sampler at temperature
+   1, with and without a seed per request: milliseconds per step at
+   vocabulary 151,936, batch 64 and 256; the processor's tokens and log-probs
+   against the native engine's sampler on the same logits (every kind of row
+   mixed), and the uniforms' bits against the CPU's. Skipped without vLLM.
+g. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    device=cuda gpus_per_device=0.25`` in a subprocess, four device actors
    sharing the GPU; with tiny random checkpoints and a small job when the
    bundled models are not built (``make prepare``), which the output says.
@@ -52,7 +59,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sampling_baseline import processor_class as element_wise_processor
+
 from pivotrl.gpucheck.models import engine_throughput, vllm_backend
+from pivotrl.gpucheck.sampling import processor_step, sampling_check
 from pivotrl.gpucheck.sections import cannot_run, headline, run_section
 from pivotrl.gpucheck.shapes import gb
 from pivotrl.gpucheck.train import fsdp_check, job, zero_check
@@ -61,6 +71,11 @@ from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 BUDGET_S = 8 * 60
+
+
+def element_wise(batch: int, device: str) -> Callable[[Any], Any]:
+    """A step of the element-wise processor, the sampling section's baseline."""
+    return processor_step(element_wise_processor(), batch, device)
 
 
 def print_table(sections: dict[str, dict[str, Any]]) -> None:
@@ -85,12 +100,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-SECTIONS = ("gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "job")
+SECTIONS = ("gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "sampling", "job")
 
 
 ESTIMATE_S = {
     "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
-    "job": 120,
+    "sampling": 30, "job": 120,
 }  # fmt: skip
 
 
@@ -122,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp": lambda: fsdp_check(device),
         "zero": lambda: zero_check(device),
         "vllm": lambda: vllm_backend(device),
+        "sampling": lambda: sampling_check(device, others={"element-wise processor": element_wise}),
     }
     sections: dict[str, dict[str, Any]] = {}
     args.out.parent.mkdir(parents=True, exist_ok=True)

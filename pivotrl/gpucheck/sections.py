@@ -67,6 +67,14 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s; woken beside "
             f"an engine asleep it maps {r['wake_beside_asleep_gb']} GB"
         )
+    if name == "sampling":
+        a = r["agreement"]
+        times = "; ".join(
+            f"batch {b}: " + ", ".join(f"{k} {v['ms']:.3g}" for k, v in row.items()) for b, row in r["batches"].items()
+        )
+        return (f"ms a step at vocab {r['vocab']}: {times}; processor = native sampler on {a['rows']} rows: tokens "
+                f"{a['tokens_equal']:.2f}, log-probs max|d| {a['logprob_max_abs_diff']:.1e}; uniforms = CPU's "
+                f"{r['uniforms_match_cpu']}")  # fmt: skip
     if name == "job":
         where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
         return (f"{r.get('steps')} steps on {where} in {r['seconds']} s, {r.get('samples_per_s')} samples/s; "
@@ -93,7 +101,7 @@ def cannot_run(name: str) -> str | None:
     or orjson."""
     import importlib.util
 
-    if name == "vllm":
+    if name in ("vllm", "sampling"):
         try:
             from pivotrl.engine.vllm_engine import available as vllm_available
         except ImportError as e:  # (a package the backend's module needs)
