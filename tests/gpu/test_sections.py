@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
+from pivotrl.gpucheck.sampling import sampling_check
 from pivotrl.gpucheck.sections import cannot_run
 from pivotrl.gpucheck.train import fsdp_check, job, zero_check
 from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
@@ -108,6 +109,16 @@ def test_the_vllm_backend_swaps_sleeps_wakes_and_builds_inside_a_train_group() -
     assert r["after_wake_equal"], r
     assert r["wake_own_only"], r
     assert r["build_in_train_group"], r
+    assert r["pass"]
+
+
+def test_the_vllm_processor_draws_what_the_native_sampler_draws_without_waiting_on_the_gpu() -> None:
+    """On the same logits, every kind of row mixed: the same tokens and log-probs; the hash's uniforms are the
+    CPU's bit for bit; and the processor's step is timed beside vLLM's sampler (benchmarks/gpu_check.py)."""
+    needs("sampling")
+    r = sampling_check(DEVICE, batches=(64,), repeats=2)
+    assert r["agreement"]["tokens_equal"] == 1.0 and r["agreement"]["logprob_max_abs_diff"] == 0.0, r
+    assert r["uniforms_match_cpu"], r
     assert r["pass"]
 
 

@@ -76,3 +76,19 @@ def test_without_ray_the_job_runs_one_device_in_process(tmp_path) -> None:
     assert r["pass"], r.get("stderr_tail")
     assert r["steps"] == 2 and r["devices"] == 1 and "devices=1" in r["command"] and "mode=colocated" in r["command"]
     assert "1 device in process (no Ray)" in headline("job", {"result": r})
+
+
+def test_sampling_section_on_cpu() -> None:
+    """The processor inside vLLM's sampler, vLLM's own sampler (with and without seeds) and a contender a caller
+    adds, at a small vocabulary; the processor's draws are the native sampler's, the uniforms the CPU's."""
+    from pivotrl.engine.vllm_engine import _processor_class
+    from pivotrl.gpucheck.sampling import processor_step, sampling_check
+
+    extra = {"again": lambda b, d: processor_step(_processor_class(), b, d)}
+    r = sampling_check("cpu", vocab=500, batches=(4, 6), repeats=1, others=extra)
+    assert r["pass"], r
+    assert set(r["batches"]) == {"4", "6"}
+    assert all(set(row) == {"processor", "vllm", "vllm seeded", "again"} for row in r["batches"].values())
+    assert all(c["ms"] > 0 for row in r["batches"].values() for c in row.values())
+    assert r["agreement"]["rows"] == 12 and r["agreement"]["tokens_equal"] == 1.0
+    assert "processor = native sampler on 12 rows" in headline("sampling", {"result": r})
