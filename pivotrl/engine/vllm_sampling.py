@@ -40,17 +40,17 @@ _SEED, _POS, _TOP_K, _TEMP, _TOP_P, _OURS = range(6)  # the columns of the table
 
 @dataclass(slots=True)
 class Drawn:
-    """One step's draws: row i drew position ``positions[i]`` of sequence ``uids[i]`` (-1: not pivotrl's)."""
+    """One step's draws: row i, where ``ours[i]``, drew position ``positions[i]`` of sequence ``uids[i]``."""
 
     uids: np.ndarray
     positions: np.ndarray
+    ours: np.ndarray
     logprobs: torch.Tensor  # on the host; holds its values once the step has synchronised
 
     def items(self) -> Iterator[tuple[tuple[int, int], float]]:
         """((uid, position), log-prob) of each of pivotrl's rows."""
-        for uid, pos, lp in zip(self.uids.tolist(), self.positions.tolist(), self.logprobs.tolist(), strict=True):
-            if uid >= 0:
-                yield (uid, pos), lp
+        rows = zip(self.uids.tolist(), self.positions.tolist(), self.ours.tolist(), self.logprobs.tolist(), strict=True)
+        return (((uid, pos), lp) for uid, pos, ours, lp in rows if ours)
 
 
 _HANDED: dict[int, list[Drawn]] = {}  # channel -> draws its engine has not read yet
@@ -71,7 +71,7 @@ class CounterDraws:
         self.table = torch.zeros((max_rows, 6), dtype=torch.int32, device=device)
         self.host = np.zeros((max_rows, 6), dtype=np.int32)  # what the table holds (or will, once sent)
         self.host_f = self.host.view(np.float32)
-        self.uids = np.full(max_rows, -1, dtype=np.int64)
+        self.uids = np.zeros(max_rows, dtype=np.int64)
         self.offsets = np.zeros(max_rows, dtype=np.int64)
         self.outputs: list[Sequence[int]] = [()] * max_rows  # live output lists (vLLM appends to them)
         self.channel: int | None = None
@@ -115,7 +115,7 @@ class CounterDraws:
 
     def _clear(self, row: int) -> None:
         self.host[row] = 0
-        self.uids[row], self.offsets[row], self.outputs[row] = -1, 0, ()
+        self.uids[row], self.offsets[row], self.outputs[row] = 0, 0, ()
 
     def _move(self, a: int, b: int, swap: bool) -> None:
         for arr in (self.host, self.uids, self.offsets):
@@ -153,7 +153,10 @@ class CounterDraws:
         tokens, logprobs = draw(logits, self.rows, self.scratch)
         host = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
         host.copy_(logprobs, non_blocking=self.pin)
-        _HANDED.setdefault(self.channel, []).append(Drawn(self.uids[:n].copy(), self.host[:n, _POS].copy(), host))
+        h = self.host[:n]
+        _HANDED.setdefault(self.channel, []).append(
+            Drawn(self.uids[:n].copy(), h[:, _POS].copy(), h[:, _OURS] == 1, host)
+        )
         ours = self.table[:n, _OURS]
         self.table[:n, _POS] += ours  # the next position, on the device
         self.host[:n, _POS] += self.host[:n, _OURS]  # and in its mirror

@@ -65,7 +65,8 @@ def proc() -> CounterDraws:
 
 def test_rows_draw_what_the_native_sampler_draws_and_move_on_as_their_outputs_grow(proc):
     reqs = [request(10, 1), request(11, 2, offset=5, temperature=0.7), request(12, 3, temperature=0.0),
-            request(13, 4, top_k=3), request(14, 5, top_p=0.8)]  # fmt: skip
+            request(13, 4, top_k=3), request(-15, 5, top_p=0.8)]  # fmt: skip
+    # (uid -15: the migration audit's copies have negative uids)
     draws = [p.extra_args[_KEY] for p, _ in reqs]
     proc.update_state(update(5, added=[(i, p, None, out) for i, (p, out) in enumerate(reqs)]))
     for step in range(4):
