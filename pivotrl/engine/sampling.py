@@ -11,37 +11,41 @@ stopped.
 
 **The hash.** ``lowbias32`` (C. Wellons' hash-prospector; ``x ^= x >> 16;
 x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16``, logical shifts,
-products mod 2**32) is applied in three places::
+products mod 2**32) is applied four times::
 
     seed key  s = lowbias32(lo32(seed) ^ lowbias32(hi32(seed)))       host, once a sequence
     row key   k = lowbias32(s + position * 0x9E3779B9)                device, [batch]
-    vocab key v = lowbias32((index + 1) * 0x9E3779B9)                 device, [vocab], cached
-    token     y = lowbias32(k ^ v) before its last xorshift           device, [batch, vocab]
-    uniform   u = (top 23 bits of y + 1/2) / 2**23, in (0, 1)
+    vocab key w = lowbias32((index + 1) * 0x9E3779B9)                 device, [vocab], cached
+    token     y = lowbias32(k ^ w) before its last xorshift           device, [batch, vocab]
+    uniform   v = (top 31 bits of y + 1/2) / 2**31, in (0, 1)
+    noise     E = -log1p(-v) ~ Exp(1); the token drawn: argmax(logits / T - log E)
 
 Every step is a bijection of 32-bit words, so within a row every vocabulary
 entry gets its own word and within a sequence every position its own row key.
-The last xorshift of ``lowbias32`` only copies high bits into low ones; taking
-the top 23 bits of the last product instead (a product's top bits depend on
-every bit of its operand) keeps the same information and saves passes. Since
-``x ^ (x >> 16)`` is linear and its own inverse, ``lowbias32(k ^ v)``'s first
+The last xorshift of ``lowbias32`` would only fold high bits into low ones (an
+invertible map of the 31 bits kept), so it is left out. Since
+``x ^ (x >> 16)`` is linear and its own inverse, ``lowbias32(k ^ w)``'s first
 step is done once per row and once per vocabulary entry, not per token. The
-hash runs in int32 over [batch, vocab]: torch's integer products wrap modulo
-2**32 on every backend (two's complement), right shifts of int32 are
+hash runs in int32 over [batch, vocab]: torch's int32 products wrap modulo
+2**32 (two's complement, on CPU and CUDA), right shifts of int32 are
 arithmetic and are masked where a logical one is meant; the tests check the
 bits against Python's exact integers, and ``make gpu-check`` CUDA's against the
 CPU's.
 
-**Why 23 bits suffice.** u is exact in float32 (24 significant bits), never 0
-or 1, and lies on a grid of 2**-23: the Gumbel noise ``-log(-log u)`` is cut
-off above 16.6 and below -2.8, events of probability 6e-8 per token, and each
-token's chance of being drawn is off by at most about 2**-23 of itself - far
-below what float32 (let alone bf16) logits carry. The race itself is the
-Gumbel-max trick written as an exponential race, ``argmax(scaled - log E)``
-with ``E = -log u`` ~ Exp(1), in float32; greedy rows take the exact argmax
-of their logits.
+**Why these bits suffice.** The race is the Gumbel-max trick written as an
+exponential race, in float32: a token wins with a small E, about 1/N in a row
+spread over N likely tokens. There v is exact in float32 (m < 2**23) and
+``log1p`` keeps E's relative resolution, 1/m: about N * 2**-31, so two
+winners share a value (a tie, which argmax gives to the lower index) in about
+N * 2**-31 of the draws - 7e-5 for a row flat over all 151,936 tokens of a
+Qwen vocabulary, as with 32-bit uniforms in float64. (23-bit uniforms and
+``E = -log u`` would put E near 0 on a grid of 2**-23: 1.8% there.) The noise
+is cut off above 22.2, an event of probability 2e-10 per token; where v rounds
+to 1 (3e-8 of the tokens) E is infinite and the token cannot win, which moves
+no token's chance by more than that. Greedy rows take the exact argmax of
+their logits.
 
-**Cost.** One draw is 13 element-wise passes over [batch, vocab] (int32 and
+**Cost.** One draw is 14 element-wise passes over [batch, vocab] (int32 and
 float32, most in place) plus a log-softmax for the log-prob, with no host
 synchronisation: what the host must know (is any row greedy, sampled, at a
 temperature other than 1, filtered) travels in :class:`Rows` beside the
@@ -115,7 +119,7 @@ def row_keys(seed_keys: Tensor, positions: Tensor) -> Tensor:
 
 
 _vocab_keys: dict[tuple[int, str], Tensor] = {}
-_constants: dict[str, tuple[Tensor, Tensor]] = {}
+_constants: dict[tuple[str, int], tuple[Tensor, Tensor]] = {}
 
 
 def _vocab_key(vocab: int, device: torch.device) -> Tensor:
@@ -125,11 +129,14 @@ def _vocab_key(vocab: int, device: torch.device) -> Tensor:
     return _vocab_keys[key]
 
 
-def _affine(device: torch.device) -> tuple[Tensor, Tensor]:
-    """(1/2 + 2**-24, 2**-23) on the device: u = 1/2 + 2**-24 + m * 2**-23 for the signed top 23 bits m."""
-    key = str(device)
+def _affine(device: torch.device, sign: int) -> tuple[Tensor, Tensor]:
+    """``sign`` * (2**-32, 2**-31) on the device: ``sign * v = c + m * s`` for the top 31 bits m of a word."""
+    key = (str(device), sign)
     if key not in _constants:
-        _constants[key] = (torch.full((), 0.5 + 2.0**-24, device=device), torch.full((), 2.0**-23, device=device))
+        _constants[key] = (
+            torch.full((), sign * 2.0**-32, device=device),
+            torch.full((), sign * 2.0**-31, device=device),
+        )
     return _constants[key]
 
 
@@ -156,33 +163,36 @@ def _buffers(scratch: Scratch | None, rows: int, vocab: int, device: torch.devic
             torch.empty((rows, vocab), dtype=torch.int32, device=device))  # fmt: skip
 
 
-def _uniforms(keys: Tensor, x: Tensor, t: Tensor) -> Tensor:
-    """Uniforms in (0, 1), float32 ``[B, vocab]`` (``x``'s memory), from row keys (:func:`row_keys`); ``x`` and
-    ``t``: int32 ``[B, vocab]`` to work in. 8 passes."""
+def _top31(keys: Tensor, x: Tensor, t: Tensor) -> Tensor:
+    """Each token's 31 bits (``t``, int32 ``[B, vocab]``, non-negative) from row keys (:func:`row_keys`); ``x`` and
+    ``t``: int32 buffers of that shape to work in. 8 passes."""
     torch.bitwise_xor(keys[:, None], _vocab_key(x.shape[1], keys.device)[None, :], out=x)
     x.mul_(_A32)
     torch.bitwise_right_shift(x, 15, out=t)
     t.bitwise_and_(0x1FFFF)
     x.bitwise_xor_(t)
     x.mul_(_B32)
-    torch.bitwise_right_shift(x, 9, out=t)  # the top 23 bits, signed: uniform on [-2**22, 2**22)
-    half, step = _affine(keys.device)
-    return torch.addcmul(half, t, step, out=x.view(torch.float32))  # exact: 24 significant bits
+    torch.bitwise_right_shift(x, 1, out=t)
+    return t.bitwise_and_(0x7FFFFFFF)
 
 
 def uniforms(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
-    """Uniforms in (0, 1), float32 ``[B, vocab]``, a pure function of (seed, position, index): the ones
-    :func:`draw` races on."""
+    """The uniforms v in (0, 1), float32 ``[B, vocab]``, a pure function of (seed, position, index): the race's
+    noise is ``-log(-log1p(-v))``."""
     keys = torch.tensor([seed_key(s) for s in seeds.tolist()], dtype=torch.int32, device=positions.device)
-    return _uniforms(row_keys(keys, positions), *_buffers(None, len(keys), vocab, positions.device))
+    x, t = _buffers(None, len(keys), vocab, positions.device)
+    c, s = _affine(positions.device, 1)
+    return torch.addcmul(c, _top31(row_keys(keys, positions), x, t), s, out=x.view(torch.float32))
 
 
 def gumbel_race(scaled: Tensor, keys: Tensor, x: Tensor, t: Tensor) -> Tensor:
     """``scaled`` plus Gumbel noise, float32 ``[B, vocab]`` in ``x``'s memory (``x``, ``t``: int32 buffers of
-    that shape): its argmax is a draw from ``softmax(scaled)``. Written ``scaled - log(E)``, ``E = -log(u)``
-    ~ Exp(1)."""
-    race = _uniforms(keys, x, t)
-    race.log_().neg_().log_()
+    that shape): its argmax is a draw from ``softmax(scaled)``. Written ``scaled - log(E)`` with
+    ``E = -log1p(-v)`` ~ Exp(1), which keeps v's resolution where it decides the winner (E small)."""
+    m = _top31(keys, x, t)
+    c, s = _affine(keys.device, -1)
+    race = torch.addcmul(c, m, s, out=x.view(torch.float32))  # -v
+    race.log1p_().neg_().log_()
     return torch.sub(scaled, race, out=race)
 
 

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pivotrl.engine import sample, sampling
-from pivotrl.engine.sampling import Rows, filter_logits, lowbias32, seed_key, uniforms
+from pivotrl.engine.sampling import Rows, filter_logits, lowbias32, row_keys, seed_key, uniforms
 from pivotrl.engine.sampling import draw as draw_rows
 
 
@@ -51,14 +51,12 @@ def ref_lowbias32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def ref_uniform(seed: int, position: int, index: int) -> float:
-    """The documented draw: seed key, row key, vocabulary key, token word, its top 23 bits as a signed number."""
+def ref_top31(seed: int, position: int, index: int) -> int:
+    """The documented draw: seed key, row key, vocabulary key, token word, its top 31 bits."""
     s = ref_lowbias32((seed & M32) ^ ref_lowbias32((seed >> 32) & M32))
     k = ref_lowbias32(s + position * PHI)
-    v = ref_lowbias32((index + 1) * PHI)
-    top = ref_open(k ^ v) >> 9
-    signed = top - (1 << 23) if top >= 1 << 22 else top
-    return (signed + 2**22 + 0.5) / 2**23
+    w = ref_lowbias32((index + 1) * PHI)
+    return ref_open(k ^ w) >> 1
 
 
 def words(xs: list[int]) -> torch.Tensor:
@@ -87,13 +85,19 @@ def test_seed_key_matches_reference_and_folds_every_bit():
     assert seed_key(5) != seed_key(5 + 2**32)
 
 
-def test_uniforms_match_the_documented_hash_bit_for_bit():
+def test_token_bits_match_the_documented_hash_and_the_uniforms_follow():
     seeds = [0, 1, 2**31, 2**40 + 3, -5, 123456789]
     positions = [0, 3, 100, 7, 1, 2**20]
+    keys = row_keys(torch.tensor([seed_key(s) for s in seeds], dtype=torch.int32), torch.tensor(positions))
+    bits = sampling._top31(keys, *(torch.empty(6, 300, dtype=torch.int32) for _ in range(2)))
     u = uniforms(torch.tensor(seeds), torch.tensor(positions), 300)
     for r, (seed, pos) in enumerate(zip(seeds, positions, strict=True)):
         for i in (0, 1, 2, 17, 150, 299):
-            assert float(u[r, i]) == ref_uniform(seed, pos, i), (seed, pos, i)
+            assert int(bits[r, i]) == ref_top31(seed, pos, i), (seed, pos, i)
+    want = (bits.double() + 0.5) / 2**31
+    assert torch.allclose(u.double(), want, rtol=2**-23, atol=0)  # (float32: two roundings)
+    small = bits < 2**23  # where the winners are: exact
+    assert torch.equal(u.double()[small], want[small])
 
 
 def test_uniforms_deterministic_and_open_interval():
@@ -108,11 +112,16 @@ def test_uniforms_deterministic_and_open_interval():
     assert all(len(set(r)) > 990 for r in u.tolist())
 
 
-def test_uniforms_reach_both_ends_of_their_grid():
-    """The extremes are 2**-24 and 1 - 2**-24: never 0 or 1, so the noise is always finite."""
-    m = torch.tensor([-(2**22), 2**22 - 1], dtype=torch.int32)
-    half, step = sampling._affine(torch.device("cpu"))
-    assert torch.addcmul(half, m, step).tolist() == [2.0**-24, 1 - 2.0**-24]
+def test_the_race_noise_at_the_ends_of_the_grid():
+    """m = 0 gives E = 2**-32 (noise 22.2, the cut-off); small m keep E's relative resolution; the top m rounds
+    v to 1, whose token cannot win (noise -inf)."""
+    m = torch.tensor([[0, 1, 2**23 - 1, 2**30, 2**31 - 1]], dtype=torch.int32)
+    c, s = sampling._affine(torch.device("cpu"), -1)
+    noise = -torch.addcmul(c, m, s).log1p_().neg_().log_()[0].double()
+    exact = [-math.log(-math.log1p(-(x + 0.5) / 2**31)) for x in (0, 1, 2**23 - 1, 2**30)]
+    assert torch.allclose(noise[:4], torch.tensor(exact, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert 22.1 < float(noise[0]) < 22.3 and float(noise[-1]) == -math.inf
+    assert float(noise[1] - noise[0]) == pytest.approx(-math.log(3), rel=1e-4)  # E from 0.5 to 1.5 units
 
 
 def test_uniforms_row_independent_of_batch():
@@ -161,10 +170,10 @@ def test_uniforms_roughly_uniform_and_uncorrelated():
 
 
 def test_gumbel_noise_has_the_gumbel_moments_and_tail():
-    """-log(-log u): mean Euler's gamma, variance pi**2/6, P(G > 3) = 1 - exp(-exp(-3))."""
+    """The race's noise -log(-log1p(-v)): mean Euler's gamma, variance pi**2/6, P(G > 3) = 1 - exp(-exp(-3))."""
     seeds = torch.arange(400).repeat_interleave(10)
     positions = torch.arange(10).repeat(400)
-    g = -torch.log(-torch.log(uniforms(seeds, positions, 512).double()))  # 2,048,000 draws
+    g = -torch.log(-torch.log1p(-uniforms(seeds, positions, 512).double()))  # 2,048,000 draws
     assert abs(float(g.mean()) - 0.5772157) < 0.005
     assert abs(float(g.var()) - math.pi**2 / 6) < 0.01
     tail = float((g > 3).double().mean())
