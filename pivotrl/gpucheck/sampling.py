@@ -156,8 +156,9 @@ def sampling_check(
     repeats: int = 5,
     others: Mapping[str, Contender] | None = None,
 ) -> dict[str, Any]:
-    """Milliseconds per step of each contender at each batch (median of ``repeats`` after one warm-up), the
-    processor's agreement with the native sampler, and (on CUDA) the uniforms' bits against the CPU's."""
+    """Milliseconds per step of each contender at each batch (median of ``repeats`` after one warm-up, the
+    contenders taking turns; the processor's time over vLLM's, median of the repeats' ratios), the processor's
+    agreement with the native sampler, and (on CUDA) the uniforms' bits against the CPU's."""
     import torch
 
     from pivotrl.engine.vllm_engine import _processor_class
@@ -172,16 +173,20 @@ def sampling_check(
     for batch in batches:
         source = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)).mul_(3).to(device)
         logits = torch.empty_like(source)
-        row: dict[str, Any] = {}
-        for name, make in contenders.items():
-            step = make(batch, device)
-            runs = []
-            for _ in range(repeats + 1):
+        steps = {name: make(batch, device) for name, make in contenders.items()}
+        runs: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(repeats + 1):  # the contenders alternate, so that a busy machine slows them alike
+            for name, step in steps.items():
                 logits.copy_(source)
-                runs.append(timed(device, lambda step=step, logits=logits: step(logits)))
-            row[name] = {"ms": sig(1e3 * statistics.median(runs[1:])), "runs_ms": [sig(1e3 * r) for r in runs[1:]]}
-            del step
+                runs[name].append(timed(device, lambda step=step, logits=logits: step(logits)))
+        row: dict[str, Any] = {
+            name: {"ms": sig(1e3 * statistics.median(r[1:])), "runs_ms": [sig(1e3 * x) for x in r[1:]]}
+            for name, r in runs.items()
+        }
+        paired = [p / v for p, v in zip(runs["processor"][1:], runs["vllm"][1:], strict=True)]
+        row["processor_over_vllm"] = sig(statistics.median(paired))  # (median of each repeat's ratio)
         result["batches"][str(batch)] = row
+        del steps
     result["agreement"] = agreement(device, vocab, min(batches))
     result["uniforms_match_cpu"] = uniforms_match_cpu(device, vocab)
     a = result["agreement"]

@@ -70,7 +70,8 @@ def headline(name: str, section: dict[str, Any]) -> str:
     if name == "sampling":
         a = r["agreement"]
         times = "; ".join(
-            f"batch {b}: " + ", ".join(f"{k} {v['ms']:.3g}" for k, v in row.items()) for b, row in r["batches"].items()
+            f"batch {b}: " + ", ".join(f"{k} {v['ms']:.3g}" for k, v in row.items() if k != "processor_over_vllm")
+            for b, row in r["batches"].items()
         )
         return (f"ms a step at vocab {r['vocab']}: {times}; processor = native sampler on {a['rows']} rows: tokens "
                 f"{a['tokens_equal']:.2f}, log-probs max|d| {a['logprob_max_abs_diff']:.1e}; uniforms = CPU's "

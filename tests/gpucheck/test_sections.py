@@ -88,7 +88,8 @@ def test_sampling_section_on_cpu() -> None:
     r = sampling_check("cpu", vocab=500, batches=(4, 6), repeats=1, others=extra)
     assert r["pass"], r
     assert set(r["batches"]) == {"4", "6"}
-    assert all(set(row) == {"processor", "vllm", "vllm seeded", "again"} for row in r["batches"].values())
-    assert all(c["ms"] > 0 for row in r["batches"].values() for c in row.values())
+    names = {"processor", "vllm", "vllm seeded", "again"}
+    assert all(set(row) == names | {"processor_over_vllm"} for row in r["batches"].values())
+    assert all(row[n]["ms"] > 0 and row["processor_over_vllm"] > 0 for row in r["batches"].values() for n in names)
     assert r["agreement"]["rows"] == 12 and r["agreement"]["tokens_equal"] == 1.0
     assert "processor = native sampler on 12 rows" in headline("sampling", {"result": r})
