@@ -31,8 +31,19 @@ and including the stop token) are counted. Each measurement is repeated,
 alternating the sides, and the median is reported; speedups are against
 transformers, paired per repeat.
 
+The ``sampling`` section times one decode step's sampling at vocabulary
+151,936, batch 64 and 256, temperature 1, fp32 logits, on the same threads:
+pivotrl's logits processor run by vLLM's sampler as the vLLM backend runs it
+(every request greedy, the processor drawing with the counter-based sampler),
+its element-wise form (``sampling_baseline.py``), and vLLM's own ``Sampler``
+at temperature 1, with and without a seed per request
+(:mod:`pivotrl.gpucheck.sampling`; ``make gpu-check`` runs the same on a GPU).
+It checks too that the processor draws the native engine's tokens and
+log-probs on the same logits. Writes ``results/engine_sampling.json``.
+
     .venv/bin/python benchmarks/engine.py            # full run, writes benchmarks/results/engine.json
-    .venv/bin/python benchmarks/engine.py --quick    # smoke run (< 30 s)
+    .venv/bin/python benchmarks/engine.py --quick    # smoke run (< 60 s)
+    .venv/bin/python benchmarks/engine.py --sections sampling
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from pathlib import Path
 import torch
 import transformers
 from common import machine, write_report
+from sampling_baseline import processor_class as element_wise_processor
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 from transformers.utils import logging as hf_logging
 
@@ -64,6 +76,8 @@ SIZES = {  # checkpoint -> (hidden, layers, heads, kv_heads, intermediate)
     "25m": (512, 8, 8, 4, 1536),
 }
 RESULTS = Path(__file__).parent / "results" / "engine.json"
+SAMPLING_RESULTS = Path(__file__).parent / "results" / "engine_sampling.json"
+SECTIONS = ("generation", "sampling")
 
 
 @dataclass(slots=True, frozen=True)
@@ -312,6 +326,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="random,25m,bundled", help="checkpoints, comma-separated: random,25m,bundled")
     ap.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    ap.add_argument("--vocab", type=int, default=151_936, help="sampling: vocabulary size")
+    ap.add_argument("--sampling-batches", default="64,256", help="sampling: batch sizes, comma-separated")
+    ap.add_argument("--sampling-repeats", type=int, default=7, help="sampling: steps timed per contender")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run (< 60 s)")
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default: results/engine.json; temp dir if --quick)"
@@ -320,9 +338,19 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.requests, args.max_new_tokens, args.batch, args.repeats = 48, 32, 16, 1
         args.models = "random" if args.models == ap.get_default("models") else args.models
+        args.sampling_batches, args.sampling_repeats = "8", 1
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "pivotrl-engine-quick.json" if args.quick else RESULTS
-    for name in ("requests", "max_new_tokens", "batch", "threads", "repeats"):
+    args.sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if not args.sections or set(args.sections) - set(SECTIONS):
+        ap.error(f"--sections: got {args.sections}; allowed: {', '.join(SECTIONS)}")
+    try:
+        args.sampling_batches = [int(b) for b in args.sampling_batches.split(",")]
+    except ValueError:
+        ap.error(f"--sampling-batches: comma-separated integers, got {args.sampling_batches!r}")
+    if "sampling" in args.sections and args.no_vllm:
+        ap.error("--sections sampling times vLLM's sampler: it cannot run with --no-vllm")
+    for name in ("requests", "max_new_tokens", "batch", "threads", "repeats", "vocab", "sampling_repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -363,8 +391,56 @@ def subject(name: str, setup: Setup, tmp: Path) -> tuple[Setup, Decoder, PreTrai
     return setup, ours, theirs, tok, info
 
 
+def sampling(args: argparse.Namespace) -> None:
+    """The ``sampling`` section: milliseconds a step of each sampler (see the module docstring)."""
+    from pivotrl.gpucheck.sampling import processor_step, sampling_check
+
+    torch.set_num_threads(args.threads)
+    load_at_start = list(os.getloadavg())
+    result = sampling_check(
+        "cpu",
+        vocab=args.vocab,
+        batches=tuple(args.sampling_batches),
+        repeats=args.sampling_repeats,
+        others={"element-wise processor": lambda b, d: processor_step(element_wise_processor(), b, d)},
+    )
+    names = [n for n in next(iter(result["batches"].values())) if n != "processor_over_vllm"]
+    print(
+        f"\nsampling: ms a step, vocab {args.vocab}, fp32, {args.threads} thread(s), median of {args.sampling_repeats}"
+    )
+    print("  ".join(["batch".ljust(5), *(n.rjust(max(len(n), 9)) for n in names), "processor vs vllm"]))
+    for batch, row in result["batches"].items():
+        cells = [f"{row[n]['ms']:.1f}".rjust(max(len(n), 9)) for n in names]
+        print("  ".join([batch.ljust(5), *cells, f"{row['processor_over_vllm']:.2f}x".rjust(17)]))
+    a = result["agreement"]
+    print(f"processor against the native sampler, {a['rows']} rows of every kind: tokens equal {a['tokens_equal']}, "
+          f"log-probs max |d| {a['logprob_max_abs_diff']}")  # fmt: skip
+    import vllm
+
+    report = {
+        "benchmark": "engine_sampling",
+        "quick": args.quick,
+        "threads": args.threads,
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+        "machine": machine(load_at_start),
+        **result,
+    }
+    out = args.out.with_name(args.out.stem + "_sampling.json") if args.out != RESULTS else SAMPLING_RESULTS
+    write_report(out, report)
+    if not result["pass"]:
+        raise SystemExit("sampling: the processor's draws differ from the native sampler's (see the report)")
+
+
 def main() -> None:
     args = parse_args()
+    if "generation" in args.sections:
+        generation(args)
+    if "sampling" in args.sections:
+        sampling(args)
+
+
+def generation(args: argparse.Namespace) -> None:
+    """The generation workloads (see the module docstring)."""
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)

@@ -33,10 +33,17 @@ f. ``member_lost``: two ranks of an NCCL train group, one per GPU, rank 1
    killed: rank 0's collective fails within seconds once the group is aborted,
    its process kept. Needs two GPUs (NCCL takes one rank per GPU); on one it
    says so.
-g. ``vllm_job``: two devices sharing the GPU with the policy and the judge on
+g. ``sampling``: pivotrl's counter-based draw inside vLLM (the logits processor,
+   run by vLLM's sampler as the backend runs it) against its element-wise form
+   (``benchmarks/sampling_baseline.py``) and vLLM's own sampler at temperature
+   1, with and without a seed per request: milliseconds per step at
+   vocabulary 151,936, batch 64 and 256; the processor's tokens and log-probs
+   against the native engine's sampler on the same logits (every kind of row
+   mixed), and the uniforms' bits against the CPU's. Skipped without vLLM.
+h. ``vllm_job``: two devices sharing the GPU with the policy and the judge on
    vLLM, shiftable, temperature 1: every engine in a process of its own, and
    shifts between rollout and judge both ways, at least twice each.
-h. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
+i. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    device=cuda gpus_per_device=0.25`` in a subprocess, four device actors
    sharing the GPU; with tiny random checkpoints and a small job when the
    bundled models are not built (``make prepare``), which the output says.
@@ -45,7 +52,7 @@ h. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    Where Ray is not installed, one device in the training process instead
    (``devices=1 mode=colocated``).
 
-g. ``cuda_context``: the device memory one more process takes for its CUDA
+j. ``cuda_context``: the device memory one more process takes for its CUDA
    context (a child process holding torch, a tensor and a matmul on the GPU),
    against the estimate the job's plan counts per process on a GPU
    (``pivotrl.resolve.CUDA_CONTEXT_BYTES``: a device's trainer and each of its
@@ -76,8 +83,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sampling_baseline import processor_class as element_wise_processor
+
 from pivotrl.gpucheck.machine import cuda_context, resolved, unseen_gpus
 from pivotrl.gpucheck.models import engine_throughput, vllm_backend
+from pivotrl.gpucheck.sampling import processor_step, sampling_check
 from pivotrl.gpucheck.sections import cannot_run, headline, run_section
 from pivotrl.gpucheck.shapes import gb
 from pivotrl.gpucheck.train import fsdp_check, job, member_lost, vllm_job, zero_check
@@ -86,6 +96,11 @@ from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 BUDGET_S = 8 * 60
+
+
+def element_wise(batch: int, device: str) -> Callable[[Any], Any]:
+    """A step of the element-wise processor, the sampling section's baseline."""
+    return processor_step(element_wise_processor(), batch, device)
 
 
 def print_table(sections: dict[str, dict[str, Any]]) -> None:
@@ -111,14 +126,14 @@ def machine() -> dict[str, Any]:
 
 
 SECTIONS = (
-    "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "member_lost", "cuda_context", "vllm", "vllm_job",
-    "job",
+    "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "member_lost", "cuda_context", "vllm", "sampling",
+    "vllm_job", "job",
 )  # fmt: skip
 
 
 ESTIMATE_S = {
     "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
-    "member_lost": 30, "cuda_context": 20, "vllm_job": 180, "job": 120,
+    "member_lost": 30, "cuda_context": 20, "sampling": 30, "vllm_job": 180, "job": 120,
 }  # fmt: skip
 
 
@@ -156,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "member_lost": lambda: member_lost(device),
         "vllm": lambda: vllm_backend(device),
         "cuda_context": cuda_context,
+        "sampling": lambda: sampling_check(device, others={"element-wise processor": element_wise}),
     }
     sections: dict[str, dict[str, Any]] = {}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,17 @@ def engine(results: Path) -> str:
     return md(["model", "workload", "native tok/s", "vLLM tok/s", "transformers tok/s"], rows, left=2)
 
 
+def engine_sampling(results: Path) -> str:
+    r = load("engine_sampling", results)
+    rows = []
+    for batch, row in r["batches"].items():
+        ms = {name: row[name]["ms"] for name in ("processor", "element-wise processor", "vllm", "vllm seeded")}
+        rows.append([batch, f"{ms['processor']:.1f}", f"{ms['element-wise processor']:.1f}", f"{ms['vllm']:.1f}",
+                     f"{ms['vllm seeded']:.1f}", f"{row['processor_over_vllm']:.2f}x"])  # fmt: skip
+    head = ["batch", "processor", "element-wise processor", "vLLM sampler", "vLLM, seeded rows", "processor / vLLM"]
+    return md(head, rows)
+
+
 def gps(results: Path) -> str:
     r = load("gps", results)
     rows = []
@@ -306,6 +317,7 @@ def layouts(results: Path) -> str:
 
 TABLES: dict[str, Callable[[Path], str]] = {
     "engine": engine,
+    "engine_sampling": engine_sampling,
     "gps": gps,
     "train_memory": train_memory,
     "shift": shift,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pivotrl.engine.kv_budget import KVBudget, KVPlan
-from pivotrl.engine.sampling import sample
+from pivotrl.engine.sampling import Rows, draw
 from pivotrl.model.decoder import Decoder, KVCache
 
 if TYPE_CHECKING:
@@ -257,14 +257,16 @@ class Engine:
             self.stats.kv_read_tokens += sum(cached) + len(batch)  # the cache and the token fed
         slots = torch.tensor([self.slot_of[s.uid] for s in batch], device=dev)
         logits = self.model.forward_cached(ids, start, lengths, slots, self.cache)
-        tokens, logprobs = sample(
-            logits,
-            torch.tensor([s.seed for s in batch], device=dev),
-            torch.tensor([s.position for s in batch], device=dev),
-            torch.tensor([s.params.temperature for s in batch], device=dev),
-            torch.tensor([s.params.top_k for s in batch], device=dev),
-            torch.tensor([s.params.top_p for s in batch], device=dev),
+        params = [s.params for s in batch]
+        rows = Rows.build(
+            [s.seed for s in batch],
+            [s.position for s in batch],
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            dev,
         )
+        tokens, logprobs = draw(logits, rows)
         finished = []
         self.stats.generated_tokens += len(batch)
         for s, n, tok, lp in zip(batch, lengths.tolist(), tokens.tolist(), logprobs.tolist(), strict=True):

@@ -10,7 +10,7 @@ protocol as the native engine (:mod:`pivotrl.engine.protocol`):
   cache is reset with each version so no KV of an older policy is reused.
 * **Sampling is ours.** Every request runs greedy inside vLLM, and a logits
   processor draws the token with pivotrl's counter-based sampler
-  (:func:`pivotrl.engine.sampling.sample`: the draw depends only on the
+  (:func:`pivotrl.engine.sampling.draw`: the draw depends only on the
   sequence's seed and position), then masks every other token. So a sequence
   taken out of one engine and resumed on another - vLLM or native - draws
   from the same uniforms, and the log-prob recorded is the one the trainer
@@ -56,7 +56,7 @@ import torch
 from pivotrl.engine.engine import EngineStats, SamplingParams, SeqState
 from pivotrl.engine.kv_budget import auto_budget, bytes_per_token
 from pivotrl.engine.protocol import SliceReport
-from pivotrl.engine.sampling import sample
+from pivotrl.engine.vllm_sampling import CounterDraws, handed_back
 from pivotrl.gps import Snapshot
 from pivotrl.model import ModelConfig
 
@@ -86,11 +86,19 @@ class _Draw:
     top_p: float
 
 
-# channel -> (uid, position) -> log-prob of the token the processor chose there. Filled by the
-# processor inside ``LLMEngine.step``, read by the engine right after, in the same process.
+# channel -> (uid, position) -> log-prob of the token the processor chose there: the processor hands its draws back
+# (``vllm_sampling.handed_back``) during ``LLMEngine.step``, the engine reads them right after, in the same process.
 _LOGPROBS: dict[int, dict[tuple[int, int], float]] = {}
 _channels = itertools.count()
 _processor: type | None = None
+
+
+def _collect(channel: int) -> dict[tuple[int, int], float]:
+    """Engine ``channel``'s table of log-probs, with the draws the processor made since it was last read."""
+    table = _LOGPROBS[channel]
+    for drawn in handed_back(channel):
+        table.update(drawn.items())
+    return table
 
 
 def _processor_class() -> type:
@@ -100,55 +108,14 @@ def _processor_class() -> type:
         return _processor
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    class CounterSampling(LogitsProcessor):
-        """pivotrl's counter-based draw in place of vLLM's sampler (see the module docstring)."""
+    class CounterSampling(CounterDraws, LogitsProcessor):
+        """pivotrl's counter-based draw in place of vLLM's sampler (:mod:`pivotrl.engine.vllm_sampling`)."""
 
         def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-            self.rows: dict[int, tuple[_Draw, list[int]]] = {}  # batch row -> (draw, live output tokens)
+            CounterDraws.__init__(self, vllm_config.scheduler_config.max_num_seqs, device, is_pin_memory, _KEY)
 
         def is_argmax_invariant(self) -> bool:
             return False  # it changes the argmax: it must run for greedy requests too
-
-        def update_state(self, batch_update: Any) -> None:
-            if batch_update is None:
-                return
-            for row in batch_update.removed:
-                self.rows.pop(row, None)
-            for row, params, _prompt, output in batch_update.added:
-                draw = (params.extra_args or {}).get(_KEY)
-                if draw is None:
-                    self.rows.pop(row, None)
-                else:
-                    self.rows[row] = (draw, output)
-            for a, b, how in batch_update.moved:
-                ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-                if ra is not None:
-                    self.rows[b] = ra
-                if rb is not None and how.name == "SWAP":
-                    self.rows[a] = rb
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            rows = [r for r in sorted(self.rows) if r < logits.shape[0]]
-            if not rows:
-                return logits
-            draws = [self.rows[r][0] for r in rows]
-            positions = [d.offset + len(self.rows[r][1]) for r, d in zip(rows, draws, strict=True)]
-            dev = logits.device
-            index = torch.tensor(rows, device=dev)
-            tokens, logprobs = sample(
-                logits[index],
-                torch.tensor([d.seed for d in draws], device=dev),
-                torch.tensor(positions, device=dev),
-                torch.tensor([d.temperature for d in draws], device=dev),
-                torch.tensor([d.top_k for d in draws], device=dev),
-                torch.tensor([d.top_p for d in draws], device=dev),
-            )
-            for d, pos, lp in zip(draws, positions, logprobs.tolist(), strict=True):
-                _LOGPROBS.setdefault(d.channel, {})[(d.uid, pos)] = lp
-            forced = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=dev)
-            forced.scatter_(1, tokens[:, None], 0.0)
-            logits[index] = forced
-            return logits
 
     _processor = CounterSampling
     return _processor
@@ -454,7 +421,7 @@ class VllmEngine:
             raise KeyError(f"sequence {uid} is not in this engine")
         self.llm.abort_request([req.rid])
         del self.by_rid[req.rid]
-        table = _LOGPROBS[self.channel]
+        table = _collect(self.channel)
         for pos in range(len(req.state.output_ids), req.state.params.max_new_tokens + 1):
             table.pop((uid, pos), None)
         self.stats.aborted += 1
@@ -474,11 +441,12 @@ class VllmEngine:
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> tuple[list[SeqState], int]:
         """One vLLM step. Returns the sequences that finished and the tokens prefilled in it."""
-        table = _LOGPROBS[self.channel]
         finished: list[SeqState] = []
         prefilled = 0
         self.stats.steps += 1
-        for out in self.llm.step():
+        outputs = self.llm.step()
+        table = _collect(self.channel)
+        for out in outputs:
             uid = self.by_rid.get(out.request_id)
             if uid is None:
                 continue

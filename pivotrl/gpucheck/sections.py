@@ -80,6 +80,15 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"one more process's CUDA context {r['context_gb']} GB ({r['of_estimate']}x the plan's estimate of "
             f"{r['estimate_gb']} GB), started in {r['process_start_s']} s"
         )
+    if name == "sampling":
+        a = r["agreement"]
+        times = "; ".join(
+            f"batch {b}: " + ", ".join(f"{k} {v['ms']:.3g}" for k, v in row.items() if k != "processor_over_vllm")
+            for b, row in r["batches"].items()
+        )
+        return (f"ms a step at vocab {r['vocab']}: {times}; processor = native sampler on {a['rows']} rows: tokens "
+                f"{a['tokens_equal']:.2f}, log-probs max|d| {a['logprob_max_abs_diff']:.1e}; uniforms = CPU's "
+                f"{r['uniforms_match_cpu']}")  # fmt: skip
     if name == "job":
         where = "4 Ray devices" if r.get("ray", True) else "1 device in process (no Ray)"
         from pivotrl.gps_sizing import size
@@ -122,7 +131,7 @@ def cannot_run(name: str) -> str | None:
                 f'NCCL takes one rank per GPU (two ranks on one GPU fail when the communicator is made: "Duplicate '
                 f'GPU detected"), and this machine has {torch.cuda.device_count()}'
             )
-    if name in ("vllm", "vllm_job"):
+    if name in ("vllm", "sampling", "vllm_job"):
         try:
             from pivotrl.engine.vllm_engine import available as vllm_available
         except ImportError as e:  # (a package the backend's module needs)

@@ -29,7 +29,7 @@ def model() -> Decoder:
     return model
 
 
-def requests(n: int = 40, first_uid: int = 0, seed: int = 1, params: SamplingParams = PARAMS) -> list[SeqState]:
+def requests(n: int = 40, first_uid: int = 0, seed: int = 2, params: SamplingParams = PARAMS) -> list[SeqState]:
     rng = random.Random(seed)
     return [
         SeqState(

@@ -55,6 +55,43 @@ def test_asking_for_the_v2_runner_is_refused_with_what_to_do(monkeypatch):
         import_vllm()
 
 
+def test_the_processor_is_a_vllm_logits_processor_driven_by_vllms_own_batch_updates():
+    """vLLM's own BatchUpdateBuilder and SamplingParams feed the processor class vLLM builds (its abstract methods
+    all given): a swap moves each request's draw with it, and the drawn tokens are the native sampler's."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+    from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder
+
+    from pivotrl.engine.sampling import sample
+    from pivotrl.engine.vllm_engine import _KEY, _collect, _Draw, _processor_class
+
+    cls = _processor_class()
+    assert issubclass(cls, LogitsProcessor)
+    proc = cls(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4)), torch.device("cpu"), False)
+    assert not proc.is_argmax_invariant()
+    channel = 10_000  # (a channel no engine of this process uses)
+    vllm_engine._LOGPROBS[channel] = {}
+    draws = [_Draw(channel, 5, 123, 2, 1.0, 0, 1.0), _Draw(channel, 6, 456, 0, 0.8, 4, 1.0)]
+    outputs: list[list[int]] = [[], []]
+    builder = BatchUpdateBuilder()
+    for row, d in enumerate(draws):
+        builder.added.append((row, SamplingParams(temperature=0.0, extra_args={_KEY: d}), [1, 2], outputs[row]))
+    proc.update_state(builder.get_and_reset(2))
+    builder.moved.append((0, 1, MoveDirectionality.SWAP))
+    proc.update_state(builder.get_and_reset(2))
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(0))
+    got = proc.apply(x.clone()).argmax(-1).tolist()
+    d1, d0 = draws  # rows 0 and 1 now hold the second request and the first
+    want, lp = sample(x, torch.tensor([d0.seed, d1.seed]), torch.tensor([0, 2]), torch.tensor([0.8, 1.0]),
+                      torch.tensor([4, 0]), torch.ones(2))  # fmt: skip
+    assert got == want.tolist()
+    assert _collect(channel) == {(6, 0): float(lp[0]), (5, 2): float(lp[1])}
+    vllm_engine._LOGPROBS.pop(channel)
+
+
 GIB = 1 << 30
 
 

@@ -14,6 +14,7 @@ import torch
 
 from pivotrl.gpucheck.machine import cuda_context, resolved
 from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
+from pivotrl.gpucheck.sampling import sampling_check
 from pivotrl.gpucheck.sections import cannot_run
 from pivotrl.gpucheck.train import fsdp_check, job, vllm_job, zero_check
 from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
@@ -117,6 +118,16 @@ def test_a_job_with_both_models_on_vllm_shifts_between_them_on_one_gpu(tmp_path)
     needs("vllm_job")
     r = vllm_job(DEVICE, tmp_path)
     assert r["pass"], r
+
+
+def test_the_vllm_processor_draws_what_the_native_sampler_draws_without_waiting_on_the_gpu() -> None:
+    """On the same logits, every kind of row mixed: the same tokens and log-probs; the hash's uniforms are the
+    CPU's bit for bit; and the processor's step is timed beside vLLM's sampler (benchmarks/gpu_check.py)."""
+    needs("sampling")
+    r = sampling_check(DEVICE, batches=(64,), repeats=2)
+    assert r["agreement"]["tokens_equal"] == 1.0 and r["agreement"]["logprob_max_abs_diff"] == 0.0, r
+    assert r["uniforms_match_cpu"], r
+    assert r["pass"]
 
 
 def test_a_job_runs_every_step_with_its_devices_sharing_the_gpu(tmp_path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pivotrl.gpucheck.sections import NOT_RUN, cannot_run, run_section
 
-SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "job")
+SECTIONS = ("parity", "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "vllm", "sampling", "job")
 
 
 def test_a_failing_section_is_recorded_and_one_that_cannot_run_is_not_run() -> None:
@@ -43,4 +43,12 @@ def test_sections_whose_packages_are_missing_are_named_not_failed(monkeypatch) -
     assert cannot_run("job") == "matplotlib is not installed (make install adds it)"  # (the timeline)
     assert cannot_run("parity") == cannot_run("engine") == ("transformers is not installed (make install adds it)")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # every package there
-    assert all(cannot_run(n) is None for n in SECTIONS if n != "vllm")
+    assert all(cannot_run(n) is None for n in SECTIONS if n not in ("vllm", "sampling"))
+
+
+def test_the_sampling_section_needs_vllm_as_the_vllm_section_does(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert cannot_run("sampling") == cannot_run("vllm") == "vLLM is not installed (make install adds it)"

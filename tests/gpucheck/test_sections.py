@@ -93,3 +93,20 @@ def test_a_lost_rank_fails_the_others_collective_at_once_here_over_gloo() -> Non
     kept (on GPUs the same over NCCL, the group aborted)."""
     r = member_lost("cpu")
     assert r["pass"], r
+
+
+def test_sampling_section_on_cpu() -> None:
+    """The processor inside vLLM's sampler, vLLM's own sampler (with and without seeds) and a contender a caller
+    adds, at a small vocabulary; the processor's draws are the native sampler's, the uniforms the CPU's."""
+    from pivotrl.engine.vllm_engine import _processor_class
+    from pivotrl.gpucheck.sampling import processor_step, sampling_check
+
+    extra = {"again": lambda b, d: processor_step(_processor_class(), b, d)}
+    r = sampling_check("cpu", vocab=500, batches=(4, 6), repeats=1, others=extra)
+    assert r["pass"], r
+    assert set(r["batches"]) == {"4", "6"}
+    names = {"processor", "vllm", "vllm seeded", "again"}
+    assert all(set(row) == names | {"processor_over_vllm"} for row in r["batches"].values())
+    assert all(row[n]["ms"] > 0 and row["processor_over_vllm"] > 0 for row in r["batches"].values() for n in names)
+    assert r["agreement"]["rows"] == 12 and r["agreement"]["tokens_equal"] == 1.0
+    assert "processor = native sampler on 12 rows" in headline("sampling", {"result": r})
