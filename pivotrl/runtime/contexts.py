@@ -199,8 +199,7 @@ class GenerationContext:
 
             self.tokenizer = tokenizer_of(meta)
             if isinstance(kept, VllmEngine) and kept.dtype == dtype:
-                kept.wake()
-                kept.ensure_capacity(max_len)
+                kept.wake()  # (its length limit, fixed at the build, is what the first visit asked for)
                 kept.load_weights(snap)
                 self.engine: GenerationEngine = kept
             else:

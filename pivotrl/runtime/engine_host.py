@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from pivotrl.engine.engine import EngineStats, SeqState
 from pivotrl.engine.protocol import SliceReport
@@ -44,6 +44,7 @@ from pivotrl.gps import ParameterStore
 from pivotrl.runtime.contexts import ContextSpec, GenerationContext, Tokenizer, tokenizer_of
 
 OWN_PROCESS = ("vllm",)  # backends whose engine runs in a process of its own (see the module docstring)
+ENGINE_DIED = 70  # the exit status of a device's process whose engine's process died
 
 
 def needs_process(backend: str) -> bool:
@@ -112,10 +113,10 @@ class EngineHost:
         if self.ctx is not None:
             raise RuntimeError(f"{self.name} engine: opened while awake")
         first = self.kept is None
-        if first:
-            self.builds.append(self.name)
         self.ctx = GenerationContext(self.name, version, self.store, self.spec, self.kept)
         self.kept = None
+        if first:
+            self.builds.append(self.name)
         engine = self.ctx.engine
         meta = self.ctx.meta if first else None
         return Opened(self.ctx.nbytes, meta, engine.max_batch, engine.max_len, tuple(self.builds), os.getpid())
@@ -176,7 +177,7 @@ class EngineClient:
     def __init__(self, name: str, call: Call, send: Call) -> None:
         self.name, self._call, self._send = name, call, send
         self.uids: set[int] = set()
-        self.stats = EngineStats()
+        self.stats = EngineStats()  # the engine's, as its last run reported them
         self.max_batch = self.max_len = 0
         self.tokenizer: Tokenizer | None = None  # made from the first open's meta, kept
 
@@ -206,13 +207,11 @@ class EngineClient:
             raise KeyError(f"sequence {uid} is not in this engine")
         self.uids.discard(uid)
         (state,) = self._call("abort", [uid])
-        self.stats.aborted += 1
         return state
 
     def abort_all(self) -> list[SeqState]:
         states = self._call("abort_all")
         self.uids.clear()
-        self.stats.aborted += len(states)
         return states
 
     @property
@@ -286,6 +285,7 @@ def ray_client(actor: Any, name: str) -> EngineClient:
     """A client of a host that is a Ray actor. Its calls wait without a bound of their own: they run inside a
     call of the device's, which the driver bounds (``device_timeout``); a device lost kills its engines."""
     import ray
+    from ray.exceptions import RayActorError
 
     sent: list[Any] = []
 
@@ -300,7 +300,20 @@ def ray_client(actor: Any, name: str) -> EngineClient:
 
     def call(method: str, *args: Any) -> Any:
         ref = getattr(actor, method).remote(*args)
-        flush()  # (the sends ran before this call: their errors, first)
-        return ray.get(ref)
+        try:
+            flush()  # (the sends ran before this call: their errors, first)
+            return ray.get(ref)
+        except RayActorError as e:  # the engine's process died: the device is lost with it
+            engine_died(name, e)
 
     return EngineClient(name, call, send)
+
+
+def engine_died(name: str, error: BaseException) -> NoReturn:
+    """End the device's process: its engine's process died (a crash, the memory killer, a fatal CUDA error),
+    and the driver takes a device whose process is gone for lost, restarting it with new engines; an error
+    raised instead would reach the driver as the device's own failure and end the run."""
+    from pivotrl.log import logger
+
+    logger.error("the %s engine's process died (%s): this device's process ends with it", name, type(error).__name__)
+    os._exit(ENGINE_DIED)

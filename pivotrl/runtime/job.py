@@ -460,8 +460,10 @@ def _run_once(
     check_train_size(cfg, len(train_set))
     origin = time.time()
     if in_process is None:  # (an engine that needs a process of its own has one on Ray: engine_host)
-        own = engine_processes(cfg.rollout.backend, cfg.judge.backend, dev.resolve(cfg.device, dev.local_gpus())) > 1
-        in_process = cfg.devices == 1 and ray_address is None and not own
+        in_process = cfg.devices == 1 and ray_address is None
+        if in_process:
+            kind = dev.resolve(cfg.device, dev.local_gpus())
+            in_process = engine_processes(cfg.rollout.backend, cfg.judge.backend, kind) == 1
     if in_process and (cfg.fault.device >= 0 or cfg.fault.first):
         raise UserError("fault.device: faults are injected into Ray devices (devices > 1, or --ray-address)")
     if not in_process:

@@ -56,6 +56,10 @@ from pivotrl.telemetry import Slice
 from pivotrl.train.group import collective_timeout
 
 SLICE_SECONDS = 0.05
+# run() calls kept in flight per generating device: the next is queued behind the one running, so the device goes
+# on generating while the driver turns the last slice's events into commands (a command waits for at most the
+# slices queued before it)
+RUNS_AHEAD = 2
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
 PROBE = "probe"  # a device actor's concurrency group for questions answered while a call runs (its own thread)
 PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
@@ -430,7 +434,7 @@ class RayDriver:
             raise
         self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
         self.sent: dict[Any, float] = {}  # ObjectRef -> when it was sent (device_timeout counts from there)
-        self.running: set[int] = set()  # devices with a run() in flight
+        self.running: dict[int, int] = {}  # devices with run() calls in flight: how many
         self.dirty: set[int] = set()  # devices given work since their run() was sent
         self.lost: set[int] = set()  # devices lost and not back yet
         self.lost_events: list[Event] = []
@@ -546,10 +550,10 @@ class RayDriver:
         return self.actors[device].listen.remote(world_size)
 
     def _run(self, device: int) -> None:
-        if device not in self.running:
-            self.running.add(device)
-            self.dirty.discard(device)
+        while self.running.get(device, 0) < RUNS_AHEAD:
+            self.running[device] = self.running.get(device, 0) + 1
             self._send(self.actors[device].run.remote(SLICE_SECONDS), "run", device)
+            self.dirty.discard(device)  # (a run sent after the work came sees it; runs queued before may not)
 
     def next_events(self) -> list[Event]:
         import ray
@@ -618,7 +622,7 @@ class RayDriver:
                     out += self._step_done()
                 elif kind == "run":
                     events, has_work = result
-                    self.running.discard(device)
+                    self.running[device] -= 1
                     out += events
                     if has_work or device in self.dirty:
                         self._run(device)
@@ -674,7 +678,7 @@ class RayDriver:
             if d == device:
                 del self.pending[ref]
                 self.sent.pop(ref, None)
-        self.running.discard(device)
+        self.running.pop(device, None)
         self.dirty.discard(device)
         self.lost.add(device)
         if device in self.groups.devices:  # its group is broken: the next step meets anew (members leave theirs)

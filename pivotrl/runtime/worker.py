@@ -40,6 +40,7 @@ from pivotrl.control.messages import (
 )
 from pivotrl.engine import SamplingParams, SeqState
 from pivotrl.gps import ParameterStore, VersionError
+from pivotrl.gps_transfer import PUBLISH
 from pivotrl.log import logger
 from pivotrl.resolve import Plan
 from pivotrl.reward.genrm import judge_prompt
@@ -207,6 +208,7 @@ class Worker:
         else:
             self._save_state(self.ctx)  # sharded train state leaves the device through the GPS
             self.ctx.release()
+            PUBLISH.release()  # (the host buffer its publishes packed into: as large as a version, page-locked)
         self.ctx, self.role = None, None
         release_device_memory(self.spec.device)
 
@@ -537,6 +539,7 @@ class Worker:
                 time.sleep(3600)
         trainer.join(group, state_world)
         result = trainer.step(cmd.total_tokens)
+        group.check_intact()  # (an aborted collective may have returned part way: such an update is not published)
         trainer.publish(cmd.checkpoint)
         assert trainer.version == cmd.version + 1
         t1 = self.now()

@@ -40,9 +40,12 @@ _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 
 DEFAULT_TIMEOUT_S = 600.0  # how long a collective (or the rendezvous) waits for the slowest rank
 MIN_COLLECTIVE_S = 60.0  # the least a collective is given, however short the device timeout
-# what NCCL's watchdog does when a collective fails or times out: abort the communicator and raise in the rank's
-# own thread, the process kept (torch's default, 3, ends the process without cleaning up)
-NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+# NCCL's settings for a train group, where the user set none (read when the process group is made). Blocking
+# wait: a rank's wait on a collective returns when it completes, and raises in the rank's own thread when it times
+# out or its communicator is aborted (without it, torch's timeout is the watchdog's alone, and an aborted
+# collective's host sync returns with partial sums). Error handling 2: the watchdog aborts the communicator and
+# keeps the process (torch's default, 3, ends it without cleaning up).
+NCCL_SETTINGS = (("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"))
 CONNECT_TIMEOUT_S = 15.0  # how long joining may take to reach a rank 0 that already listens
 CONNECT_TRY_S = 2.0  # one try at it (a reset connection is looked at again, not retried blindly)
 ARRIVAL_POLL_S = 0.05  # how often a rank waiting for the others to arrive looks whether to give up
@@ -258,7 +261,8 @@ class TrainGroup:
             raise RuntimeError("this process is already in a train group (or another process group); leave() it first")
         kwargs: dict[str, Any] = {}
         if backend == "nccl":  # (read when the process group is made; a setting of the user's is kept)
-            os.environ.setdefault(*NCCL_ERROR_HANDLING)
+            for key, value in NCCL_SETTINGS:
+                os.environ.setdefault(key, value)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             if not staged:
@@ -304,6 +308,12 @@ class TrainGroup:
                 logger.warning("train group: rank %d left an aborted group (%s)", self.rank, e)
             self._joined = False
             logger.info("train group: rank %d/%d left %s", self.rank, self.world_size, self.address)
+
+    def check_intact(self) -> None:
+        """Raise if the group's communicator was aborted: a collective it ran may have stopped part way, so nothing
+        computed since may be published."""
+        if self.aborted:
+            raise RuntimeError(f"train group {self.address}: aborted (a member is lost); the step is void")
 
     def abort(self) -> None:
         """Abort the group's communicator from another thread, so that this rank's collective in progress fails now

@@ -10,6 +10,7 @@ import torch
 
 from pivotrl.engine import vllm_engine
 from pivotrl.engine.vllm_engine import BackendUnavailableError, VllmEngine, import_vllm
+from pivotrl.resolve import CUDA_CONTEXT_BYTES
 from tests.engine.test_protocol import vllm_shaped
 
 
@@ -93,6 +94,7 @@ def test_the_processor_is_a_vllm_logits_processor_driven_by_vllms_own_batch_upda
 
 
 GIB = 1 << 30
+CONTEXTS = 2 * CUDA_CONTEXT_BYTES  # the device's other two processes' CUDA contexts
 
 
 @pytest.mark.parametrize(
@@ -100,7 +102,7 @@ GIB = 1 << 30
     [
         ("explicit, whatever the device", 2 * GIB, True, 0.5, 2 * GIB),
         ("a whole GPU: vLLM profiles it", 0, True, 1.0, None),
-        ("a shared GPU: sized here, vLLM's profile skipped", 0, True, 0.5, int(0.85 * (40 - 2) * GIB)),
+        ("a shared GPU: sized here, vLLM's profile skipped", 0, True, 0.5, int(0.85 * (40 * GIB - 2 * GIB - CONTEXTS))),
         ("a CPU: every slot at full length, and some", 0, False, 1.0, int(1.25 * 8 * 512 * 1024) + (16 << 20)),
         ("never less than one sequence of the limit", 1024, True, 1.0, int(1.1 * 4096 * 1024)),
     ],

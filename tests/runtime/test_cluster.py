@@ -140,17 +140,20 @@ from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.ray_driver import RayDriver
 
 out = {}
-for devices, share in ((4, 1.0), (4, 0.5), (5, 1.0)):
+for devices, share, backend in ((4, 1.0, "native"), (4, 0.5, "native"), (5, 1.0, "native"), (2, 1.0, "vllm")):
     try:
         cfg, kinds = JobConfig(devices=devices, gpus_per_device=share), []
+        backends = dict(rollout=dataclasses.replace(cfg.rollout, backend=backend),
+                        judge=dataclasses.replace(cfg.judge, backend=backend))
+        cfg = dataclasses.replace(cfg, **backends)
         driver = RayDriver(cfg, lambda kind: kinds.append(kind) or ContextSpec(device=kind), 0.0, sys.argv[1])
     except UserError as e:
-        out[f"{devices}x{share}"] = str(e)
+        out[f"{devices}x{share}{backend}"] = str(e)
         continue
     pg = driver.bindings[0].placement_group
     total, free = ray.cluster_resources(), ray.available_resources()
     names = [f"GPU_group_{d}_{pg}" for d in range(devices)]  # how Ray names a bundle's GPU share
-    out[f"{devices}x{share}"] = {
+    out[f"{devices}x{share}{backend}"] = {
         "bindings": [dataclasses.asdict(b) for b in driver.bindings],
         "bundle_gpu": [[total.get(n), free.get(n, 0.0)] for n in names],
         "node_ips": [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]],
@@ -168,7 +171,7 @@ def test_device_actors_hold_their_own_bundle_and_gpu_share(cluster):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    whole, halves = out["4x1.0"], out["4x0.5"]
+    whole, halves = out["4x1.0native"], out["4x0.5native"]
     for case, share in ((whole, 1.0), (halves, 0.5)):
         b = case["bindings"]
         assert [x["device"] for x in b] == [x["bundle"] for x in b] == [0, 1, 2, 3]
@@ -181,7 +184,11 @@ def test_device_actors_hold_their_own_bundle_and_gpu_share(cluster):
         assert case["spec_for"] == ["cuda"]
     assert sorted(x["gpu_ids"][0] for x in whole["bindings"]) == ["0", "1", "2", "3"]  # one GPU each
     assert max(Counter(x["gpu_ids"][0] for x in halves["bindings"]).values()) <= 2  # at most two halves a GPU
-    assert out["5x1.0"] == (
+    # policy and judge on vLLM: each device's bundle holds its GPU share for three processes (its own and its two
+    # engines', started once the plan says so), the device's taking a third
+    engines = out["2x1.0vllm"]
+    assert engines["bundle_gpu"] == [[1.0, 0.6667]] * 2
+    assert out["5x1.0native"] == (
         f"devices=5, gpus_per_device=1: the Ray cluster at {cluster.address} has 4 CPU, 4 GPU, "
         "the devices need 5 CPU, 5 GPU; lower devices or gpus_per_device"
     )

@@ -39,6 +39,7 @@ from pivotrl.control.messages import (
     TrainShard,
 )
 from pivotrl.gps import LocalStore
+from pivotrl.resolve import Hardware, resolve
 from pivotrl.runtime.contexts import ContextSpec
 from pivotrl.runtime.job import publish_initial
 from pivotrl.runtime.local import LocalDriver
@@ -55,7 +56,8 @@ JUDGE = GenParams(max_new_tokens=8, temperature=0.0)
 def real_driver(ckpt: dict[str, Path]) -> LocalDriver:
     cfg = load_config(None, [f"policy.path={ckpt['policy']}", f"judge.path={ckpt['judge']}"])
     store = LocalStore()
-    publish_initial(store, cfg)
+    plan = resolve(cfg, Hardware("cpu"))
+    publish_initial(store, cfg, plan)
     spec = ContextSpec(max_len=160, judge_max_len=160, judge_template="{question}|{reference}|{response}|")
     worker = Worker(0, store, spec, TrainSpec(planned(), 1.0), origin=time.time())
     return LocalDriver([worker], slice_seconds=0.002)

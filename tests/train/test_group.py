@@ -11,7 +11,7 @@ import torch
 
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.train import group as group_module
-from pivotrl.train.group import MIN_COLLECTIVE_S, NCCL_ERROR_HANDLING, TrainGroup, collective_timeout
+from pivotrl.train.group import MIN_COLLECTIVE_S, NCCL_SETTINGS, TrainGroup, collective_timeout
 from tests.conftest import planned
 
 
@@ -81,17 +81,26 @@ def test_the_driver_abandoning_a_step_in_progress_aborts_its_group_and_no_other(
     assert w._abandoned == 5
 
 
-def test_nccl_keeps_the_process_and_raises_in_the_rank_when_a_collective_fails(monkeypatch):
-    """What the watchdog does on a failed or timed-out collective: abort and raise, the process kept (set for NCCL
-    groups where the user set nothing)."""
-    key, value = NCCL_ERROR_HANDLING
-    assert (key, value) == ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    monkeypatch.delenv(key, raising=False)
+def test_nccl_raises_in_the_rank_and_keeps_the_process_when_a_collective_fails(monkeypatch):
+    """A rank's wait on an NCCL collective raises in its own thread on a timeout or an abort (blocking wait), and
+    the watchdog keeps the process: set for NCCL groups where the user set nothing."""
+    assert dict(NCCL_SETTINGS) == {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    for key, _ in NCCL_SETTINGS:
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(group_module.dist, "init_process_group", lambda *a, **k: None)
     monkeypatch.setattr(group_module.torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(group_module, "indexed", lambda d: torch.device("cuda", 0))
     TrainGroup.join(0, 1, device="cuda", process_group=True)
-    assert os.environ[key] == value
-    monkeypatch.setenv(key, "1")
+    assert all(os.environ[key] == value for key, value in NCCL_SETTINGS)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     TrainGroup.join(0, 1, device="cuda", process_group=True)
-    assert os.environ[key] == "1"  # (the user's own setting)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # (the user's own setting)
+
+
+def test_nothing_computed_over_an_aborted_group_is_published(monkeypatch):
+    monkeypatch.setattr(group_module.dist.distributed_c10d, "_abort_process_group", lambda: None)
+    g = joined("nccl")
+    g.check_intact()
+    g.abort()
+    with pytest.raises(RuntimeError, match="the step is void"):
+        g.check_intact()
