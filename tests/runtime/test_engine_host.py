@@ -117,3 +117,36 @@ def test_an_engine_with_sleep_mode_is_alone_in_its_process(monkeypatch):
     with pytest.raises(RuntimeError, match="alone in its process"):
         vllm_engine._check_alone(True)
     vllm_engine._check_alone(False)  # two engines without sleep mode (a CPU) may share one
+
+
+def test_a_dead_engine_process_ends_its_devices_process(monkeypatch):
+    """The device's process exits (the driver takes the device for lost and starts it again, with new engines)
+    instead of raising an error the driver would take for the device's own, ending the run."""
+    import ray
+    from ray.exceptions import ActorDiedError
+
+    from pivotrl.runtime import engine_host
+
+    class _Method:
+        def remote(self, *args):
+            return "ref"
+
+    class _Actor:
+        def __getattr__(self, name):
+            return _Method()
+
+    def dead(refs, *a, **k):
+        raise ActorDiedError()
+
+    exits = []
+
+    def exit_(status: int) -> None:
+        exits.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(ray, "get", dead)
+    monkeypatch.setattr(engine_host.os, "_exit", exit_)
+    client = engine_host.ray_client(_Actor(), "judge")
+    with pytest.raises(SystemExit):
+        client.open(0)
+    assert exits == [engine_host.ENGINE_DIED]
