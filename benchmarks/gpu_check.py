@@ -86,7 +86,7 @@ from typing import Any
 from sampling_baseline import processor_class as element_wise_processor
 
 from pivotrl.gpucheck.machine import cuda_context, resolved, unseen_gpus
-from pivotrl.gpucheck.models import engine_throughput, vllm_backend
+from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
 from pivotrl.gpucheck.sampling import processor_step, sampling_check
 from pivotrl.gpucheck.sections import cannot_run, headline, run_section
 from pivotrl.gpucheck.shapes import gb
@@ -96,6 +96,7 @@ from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 BUDGET_S = 8 * 60
+NATIVE = ("rollout.backend=native", "judge.backend=native")  # the job section's backends (vllm_job runs vLLM's)
 
 
 def element_wise(batch: int, device: str) -> Callable[[Any], Any]:
@@ -125,14 +126,16 @@ def machine() -> dict[str, Any]:
     }
 
 
+# in the order they run: what a first GPU run most needs to see first (an 8-minute budget skips the last ones
+# when the machine is slow, saying so)
 SECTIONS = (
-    "gps_load", "gps_load_ray", "shifts", "engine", "fsdp", "zero", "member_lost", "cuda_context", "vllm", "sampling",
-    "vllm_job", "job",
+    "parity", "cuda_context", "vllm", "vllm_job", "sampling", "gps_load", "gps_load_ray", "shifts", "fsdp", "zero",
+    "engine", "member_lost", "job",
 )  # fmt: skip
 
 
 ESTIMATE_S = {
-    "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
+    "parity": 30, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
     "member_lost": 30, "cuda_context": 20, "sampling": 30, "vllm_job": 180, "job": 120,
 }  # fmt: skip
 
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 sections compare fp32 matmuls
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
+        "parity": lambda: parity(device),
         "gps_load": lambda: gps_load(device),
         "gps_load_ray": lambda: gps_load_ray(device),
         "shifts": lambda: shifts(device),
@@ -197,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in wanted:
             left = BUDGET_S - (time.perf_counter() - start)
             if name == "job":
-                fn: Callable[[], dict[str, Any]] = lambda left=left: job(device, Path(tmp), max(30.0, left - 20))
+                fn: Callable[[], dict[str, Any]] = lambda left=left: job(
+                    device, Path(tmp), max(30.0, left - 20), extra=NATIVE
+                )
             elif name == "vllm_job":  # (leaves the last job its time)
                 fn = lambda left=left: vllm_job(device, Path(tmp) / "vllm", max(30.0, min(240.0, left - 140)))
             else:
