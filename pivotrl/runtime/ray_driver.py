@@ -51,15 +51,13 @@ from pivotrl.runtime.blame import PROBE_S, blame, told
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec
 from pivotrl.runtime.engine_host import EngineClient, EngineHost, engine_processes, needs_process, ray_client
 from pivotrl.runtime.groups import TrainGroups
+from pivotrl.runtime.stream import Stream
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
 from pivotrl.train.group import collective_timeout
 
 SLICE_SECONDS = 0.05
-# run() calls kept in flight per generating device: the next is queued behind the one running, so the device goes
-# on generating while the driver turns the last slice's events into commands (a command waits for at most the
-# slices queued before it)
-RUNS_AHEAD = 2
+POLL_S = 1.0  # how long a look at a generating device waits for its next slice's events (it returns with them)
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
 PROBE = "probe"  # a device actor's concurrency group for questions answered while a call runs (its own thread)
 PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
@@ -108,6 +106,7 @@ class DeviceActor:
         spec = replace(spec, device=dev.bind(spec.device))  # see the devices module for a GPU torch cannot see
         self.bundle = bundle  # the placement-group bundle it was scheduled into (Ray does not tell an actor)
         self.worker = Worker(device, store, spec, train, origin, threads=threads, engines=self.clients.__getitem__)
+        self.stream = Stream(self.worker, SLICE_SECONDS)  # (it generates on its own while it holds sequences)
         # a device about to be declared lost for missing its deadline is first asked for its threads' stacks
         # (written to its log, which Ray forwards to the driver's): what it was stuck in
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -135,7 +134,8 @@ class DeviceActor:
         )
 
     def configure(self, plan: Any) -> None:
-        self.worker.configure(plan)
+        with self.stream.locked():
+            self.worker.configure(plan)
         self._start_engines(replace(self._engines[1], **plan.serving()))
 
     def _start_engines(self, spec: ContextSpec) -> None:
@@ -146,8 +146,10 @@ class DeviceActor:
             if needs_process(spec.backend(name)) and name not in self.clients:
                 self.clients[name] = _engine_process(name, store, spec, threads, bundle, share)
 
-    def shift(self, role: Any, version: int) -> Event:
-        return self.worker.shift(role, version)
+    # -- commands: each runs between two slices of generation and returns the events generated before it, then
+    # its own result (pivotrl.runtime.stream) --
+    def shift(self, role: Any, version: int) -> tuple[list[Event], Event]:
+        return self.stream.call(lambda: self.worker.shift(role, version))
 
     def hang(self) -> None:
         """Stop answering (fault injection, ``fault.kind=hang``): the calls queued behind this one wait."""
@@ -165,38 +167,43 @@ class DeviceActor:
     def abandon(self, attempt: int) -> None:
         self.worker.abandon(attempt)
 
-    def generate(self, cmd: Generate) -> None:
-        self.worker.generate(cmd)
+    def generate(self, cmd: Generate) -> tuple[list[Event], None]:
+        return self.stream.call(lambda: self.worker.generate(cmd))
 
-    def judge(self, cmd: Judge) -> None:
-        self.worker.judge(cmd)
+    def judge(self, cmd: Judge) -> tuple[list[Event], None]:
+        return self.stream.call(lambda: self.worker.judge(cmd))
 
     def run(self, seconds: float) -> tuple[list[Event], bool]:
-        events = self.worker.run(seconds)
-        return events, self.worker.has_work
+        """What the device generated since the last look (waiting up to ``seconds`` for the next slice's), and
+        whether it still holds sequences."""
+        return self.stream.poll(seconds)
 
-    def abort(self, uids: tuple[int, ...] = ()) -> Event:
-        return self.worker.abort(uids)
+    def abort(self, uids: tuple[int, ...] = ()) -> tuple[list[Event], Event]:
+        return self.stream.call(lambda: self.worker.abort(uids))
 
-    def accumulate(self, cmd: Accumulate) -> Event:
-        return self.worker.accumulate(cmd)
+    def accumulate(self, cmd: Accumulate) -> tuple[list[Event], Event]:
+        return self.stream.call(lambda: self.worker.accumulate(cmd))
 
     def listen(self, world_size: int) -> tuple[str, int]:
-        return self.worker.listen(world_size)
+        with self.stream.locked():
+            return self.worker.listen(world_size)
 
     def retire_group(self) -> None:
-        self.worker.retire_group()
+        with self.stream.locked():
+            self.worker.retire_group()
 
     def step(
         self, cmd: Step, rank: int, rendezvous: Any, state_world: int, attempt: int, *after: object
-    ) -> Event | None:
-        return self.worker.step(cmd, rank, rendezvous, state_world, attempt)
+    ) -> tuple[list[Event], Event | None]:
+        return self.stream.call(lambda: self.worker.step(cmd, rank, rendezvous, state_world, attempt))
 
     def close(self) -> None:
-        self.worker.close()
+        with self.stream.locked():
+            self.worker.close()
 
     def drain_slices(self) -> list[Slice]:
-        return self.worker.drain_slices()
+        with self.stream.locked():
+            return self.worker.drain_slices()
 
     def set_origin(self, origin: float) -> None:
         self.worker.origin = origin
@@ -550,10 +557,10 @@ class RayDriver:
         return self.actors[device].listen.remote(world_size)
 
     def _run(self, device: int) -> None:
-        while self.running.get(device, 0) < RUNS_AHEAD:
-            self.running[device] = self.running.get(device, 0) + 1
-            self._send(self.actors[device].run.remote(SLICE_SECONDS), "run", device)
-            self.dirty.discard(device)  # (a run sent after the work came sees it; runs queued before may not)
+        if not self.running.get(device, 0):  # (one look in flight: the device generates on its own meanwhile)
+            self.running[device] = 1
+            self._send(self.actors[device].run.remote(POLL_S), "run", device)
+            self.dirty.discard(device)
 
     def next_events(self) -> list[Event]:
         import ray
@@ -614,6 +621,9 @@ class RayDriver:
                     self.stepping.refs.pop(ref, None)
                     out += self._step_done()
                     continue
+                if kind in ("event", "ack", "step"):  # (a command: what the device generated before it, first)
+                    before, result = result
+                    out += before
                 if kind == "step":
                     assert self.stepping is not None
                     self.stepping.refs.pop(ref, None)

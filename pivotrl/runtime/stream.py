@@ -1,0 +1,101 @@
+"""A device generates on its own between commands and streams what finishes.
+
+A device actor's calls run one at a time, in the order they were sent. If
+generation ran only inside a call (a time slice the driver asks for), the
+device would wait for the driver between two slices: a round trip and the
+driver's turn over every other device's events. So a Ray device generates
+in a thread of its own, slice after slice, while it holds sequences; what
+each slice reports waits in an outbox, and the driver's ``poll`` takes it
+(waiting for the next slice's when the outbox is empty).
+
+Who waits for whom::
+
+    generation thread   slice, slice, ... (each under the lock; between two, a command waiting goes first)
+    command (a call)    takes the lock between slices; returns the outbox so far, then its own result
+    poll (a call)       waits, without the lock, for the outbox or for no work left; returns the outbox
+
+A command's result carries the events generated before it, ahead of its own
+(an abort's answer never overtakes the finished sequences that preceded it),
+and the calls of one device return in the order they were sent: the driver
+sees one device's events in the order they happened.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Generating(Protocol):
+    """What the stream needs of a device (``Worker``)."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def run(self, seconds: float) -> list[Any]: ...
+
+
+class Stream:
+    """Generation in its own thread for ``worker``, ``seconds`` a slice (see the module docstring)."""
+
+    def __init__(self, worker: Generating, seconds: float) -> None:
+        self.worker, self.seconds = worker, seconds
+        self._cv = threading.Condition()
+        self._asking = 0  # commands waiting for the lock: the generation thread lets them go first
+        self._count = threading.Lock()
+        self.outbox: list[Any] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._generate, name="generate", daemon=True)
+        self._thread.start()
+
+    def _generate(self) -> None:
+        with self._cv:
+            while True:
+                self._cv.wait_for(lambda: not self._asking and self.worker.has_work)
+                try:
+                    events = self.worker.run(self.seconds)
+                except BaseException as e:  # (told to the next poll: the device's call fails with it)
+                    self.error = e
+                    self._cv.notify_all()
+                    return
+                self.outbox += events
+                self._cv.notify_all()
+                if not events:  # (work the engine does not hold: nothing to run it for until a command comes)
+                    self._cv.wait(self.seconds)
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the device between two slices (the generation thread waits until the holder is done)."""
+        with self._count:
+            self._asking += 1
+        with self._cv:
+            with self._count:
+                self._asking -= 1
+            try:
+                yield
+            finally:
+                self._cv.notify_all()
+
+    def call(self, fn: Callable[[], T]) -> tuple[list[Any], T]:
+        """Run a command between two slices: the events generated before it, and its result."""
+        with self.locked():
+            self._raise()
+            before, self.outbox = self.outbox, []
+            return before, fn()
+
+    def poll(self, timeout: float) -> tuple[list[Any], bool]:
+        """What was generated since the last look, waiting up to ``timeout`` for some while the device holds
+        work; and whether it still does."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.outbox or self.error or not self.worker.has_work, timeout)
+            self._raise()
+            out, self.outbox = self.outbox, []
+            return out, self.worker.has_work
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
