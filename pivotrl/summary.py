@@ -85,8 +85,9 @@ GENERATING = ("rollout", "judge")  # the roles whose slices are generation (``Wo
 
 def driver_wait(slices: list[Slice]) -> dict[str, float]:
     """The share of a generating device's time spent waiting for the driver: the gaps between one generation
-    slice that left sequences in the engine and the next slice of the device, against those gaps plus the time
-    it generated. Mean and max over the devices that generated (0 where none did)."""
+    slice that left sequences in the engine and the next slice of the device, less what commands took in
+    between (``commands_s``: adding work is the device's own), against those gaps plus the time it generated.
+    Mean and max over the devices that generated (0 where none did)."""
     by_device: dict[int, list[Slice]] = {}
     for s in slices:
         by_device.setdefault(s.device, []).append(s)
@@ -99,8 +100,8 @@ def driver_wait(slices: list[Slice]) -> dict[str, float]:
                 continue
             generated += s.end - s.start
             left = s.args["running"] - s.args.get("finished", 0)
-            if nxt is not None and left > 0 and nxt.role == s.role:
-                waited += max(0.0, nxt.start - s.end)
+            if nxt is not None and left > 0 and nxt.role == s.role:  # (less what commands took in between)
+                waited += max(0.0, nxt.start - s.end - nxt.args.get("commands_s", 0.0))
         if generated:
             shares.append(waited / (waited + generated))
     return {"mean": sum(shares) / len(shares), "max": max(shares)} if shares else {"mean": 0.0, "max": 0.0}

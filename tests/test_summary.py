@@ -33,7 +33,9 @@ def test_the_share_of_generating_time_spent_waiting_for_the_driver():
         Slice(0, "shift", "rollout->judge", 6.2, 6.4),
         gen(1, 0.0, 2.0, 1, 0, "judge"),  # device 1: back to back
         gen(1, 2.0, 3.0, 1, 1, "judge"),
+        gen(2, 0.0, 1.0, 2, 0),  # device 2: a command took the gap, and a little more
+        Slice(2, "rollout", "x", 1.3, 2.0, {"running": 2, "finished": 2, "commands_s": 0.4}),
     ]
     got = driver_wait(slices)
-    assert got["max"] == pytest.approx(0.5 / 3.5) and got["mean"] == pytest.approx(0.5 / 3.5 / 2)
+    assert got["max"] == pytest.approx(0.5 / 3.5) and got["mean"] == pytest.approx(0.5 / 3.5 / 3)
     assert driver_wait([Slice(0, "train", "step", 0.0, 1.0)]) == {"mean": 0.0, "max": 0.0}

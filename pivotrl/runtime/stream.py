@@ -10,9 +10,9 @@ each slice reports waits in an outbox, and the driver's ``poll`` takes it
 
 Who waits for whom::
 
-    generation thread   slice, slice, ... (each under the lock; between two, a command waiting goes first)
-    command (a call)    takes the lock between slices; returns the outbox so far, then its own result
-    poll (a call)       waits, without the lock, for the outbox or for no work left; returns the outbox
+    generation thread   slice, slice, ... (each holding the device; between two, a command waiting goes first)
+    command (a call)    holds the device between two slices; returns the outbox so far, then its own result
+    poll (a call)       waits for the outbox or for no work left (never for a slice); returns the outbox
 
 A command's result carries the events generated before it, ahead of its own
 (an abort's answer never overtakes the finished sequences that preceded it),
@@ -40,61 +40,81 @@ class Generating(Protocol):
 
 
 class Stream:
-    """Generation in its own thread for ``worker``, ``seconds`` a slice (see the module docstring)."""
+    """Generation in its own thread for ``worker``, ``seconds`` a slice (see the module docstring).
+
+    Two locks: ``_device`` over the worker (a slice, or a command), and
+    ``_cv`` over the outbox and the counts (a look waits on it, never on a
+    slice). A slice's events join the outbox before the device is let go, so
+    a command never sees the device after a slice whose events it has not.
+    """
 
     def __init__(self, worker: Generating, seconds: float) -> None:
         self.worker, self.seconds = worker, seconds
+        self._device = threading.Lock()
         self._cv = threading.Condition()
-        self._asking = 0  # commands waiting for the lock: the generation thread lets them go first
-        self._count = threading.Lock()
+        self._asking = 0  # commands waiting for the device: the generation thread lets them go first
+        self._has_work = worker.has_work
         self.outbox: list[Any] = []
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._generate, name="generate", daemon=True)
         self._thread.start()
 
     def _generate(self) -> None:
-        with self._cv:
-            while True:
-                self._cv.wait_for(lambda: not self._asking and self.worker.has_work)
+        idle = False
+        while True:
+            with self._cv:
+                if idle:  # (work the engine did not run last time: look again after a slice, or when told)
+                    self._cv.wait(self.seconds)
+                self._cv.wait_for(lambda: not self._asking and self._has_work)
+            with self._device:
+                if self._asking:  # (a command came in between: it goes first)
+                    continue
                 try:
                     events = self.worker.run(self.seconds)
-                except BaseException as e:  # (told to the next poll: the device's call fails with it)
-                    self.error = e
-                    self._cv.notify_all()
+                except BaseException as e:  # (told to the next look or command: the device's call fails with it)
+                    with self._cv:
+                        self.error = e
+                        self._cv.notify_all()
                     return
-                self.outbox += events
-                self._cv.notify_all()
-                if not events:  # (work the engine does not hold: nothing to run it for until a command comes)
-                    self._cv.wait(self.seconds)
+                with self._cv:
+                    self.outbox += events
+                    self._has_work = self.worker.has_work
+                    self._cv.notify_all()
+            idle = not events
 
     @contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the device between two slices (the generation thread waits until the holder is done)."""
-        with self._count:
-            self._asking += 1
         with self._cv:
-            with self._count:
+            self._asking += 1
+        try:
+            with self._device:
+                try:
+                    yield
+                finally:
+                    with self._cv:
+                        self._has_work = self.worker.has_work
+        finally:
+            with self._cv:
                 self._asking -= 1
-            try:
-                yield
-            finally:
                 self._cv.notify_all()
 
     def call(self, fn: Callable[[], T]) -> tuple[list[Any], T]:
         """Run a command between two slices: the events generated before it, and its result."""
         with self.locked():
-            self._raise()
-            before, self.outbox = self.outbox, []
+            with self._cv:
+                self._raise()
+                before, self.outbox = self.outbox, []
             return before, fn()
 
     def poll(self, timeout: float) -> tuple[list[Any], bool]:
         """What was generated since the last look, waiting up to ``timeout`` for some while the device holds
         work; and whether it still does."""
         with self._cv:
-            self._cv.wait_for(lambda: self.outbox or self.error or not self.worker.has_work, timeout)
+            self._cv.wait_for(lambda: self.outbox or self.error or not self._has_work, timeout)
             self._raise()
             out, self.outbox = self.outbox, []
-            return out, self.worker.has_work
+            return out, self._has_work
 
     def _raise(self) -> None:
         if self.error is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
@@ -118,6 +118,7 @@ class Worker:
         self.audit_tokens: dict[int, list[int]] = {}
         self.slices: list[Slice] = []
         self.unheld: list[JudgeRequest] = []  # judgments longer than the judge engine holds, to report
+        self.commands_s = 0.0  # time commands that add work took since the last slice (``_command``)
         self._rendezvous: dist.TCPStore | None = None  # rank 0's end of the next step's train group (``listen``)
         # The train group persists across steps (and across shifts out of the train role) until the driver
         # forms another: making a process group costs a rendezvous, and an NCCL one much more.
@@ -214,6 +215,24 @@ class Worker:
 
     # -- generation -----------------------------------------------------------------
     def generate(self, cmd: Generate) -> None:
+        with self._command():
+            self._generate(cmd)
+
+    def judge(self, cmd: Judge) -> None:
+        with self._command():
+            self._judge(cmd)
+
+    @contextlib.contextmanager
+    def _command(self) -> Iterator[None]:
+        """Time a command that adds work between two slices of generation: the next slice reports it
+        (``commands_s``), so the gap before it is not taken for waiting."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.commands_s += time.perf_counter() - t0
+
+    def _generate(self, cmd: Generate) -> None:
         ctx = self._generation_ctx(Role.ROLLOUT)
         if ctx.version != cmd.version:
             raise WrongVersionError(f"device {self.device} holds policy v{ctx.version}, requests need v{cmd.version}")
@@ -229,7 +248,7 @@ class Worker:
                 ctx.engine.add(SeqState(shadow, prompt_ids, r.seed, state.params))
                 self.shadows[shadow] = r.uid
 
-    def judge(self, cmd: Judge) -> None:
+    def _judge(self, cmd: Judge) -> None:
         ctx = self._generation_ctx(Role.JUDGE)
         stop = tuple(ctx.tokenizer.eos_token_ids)
         spec = self.spec
@@ -256,6 +275,10 @@ class Worker:
     def abort(self, uids: tuple[int, ...] = ()) -> Aborted:
         """Stop the requests of ``uids`` still in flight (everything, when empty); they come back
         with their tokens so far."""
+        with self._command():
+            return self._abort(uids)
+
+    def _abort(self, uids: tuple[int, ...]) -> Aborted:
         t0 = self.now()
         gen: list[GenRequest] = []
         judge: list[JudgeRequest] = []
@@ -354,6 +377,9 @@ class Worker:
         }  # fmt: skip
         if report.prefill_tokens:
             measured |= {"prefill_tokens": report.prefill_tokens, "prefill_s": round(report.prefill_s, 6)}
+        if self.commands_s:  # (what commands took since the last slice: device time between the two, not waiting)
+            measured["commands_s"] = round(self.commands_s, 6)
+            self.commands_s = 0.0
         self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1, measured))
         progress = tuple(p for p in report.progress if p[0] not in self.shadows)  # (the audit's copies are ours)
         events: list[Event] = [
