@@ -5,10 +5,13 @@ token auth), whatever else runs on the machine; ``ray_address`` joins an
 existing cluster instead (``ray start --head`` then ``--ray-address auto``).
 Each device actor holds one bundle of a placement group packed per node (a
 GPU share when devices are cuda; see ``pivotrl.runtime.devices``). Weights
-travel through the GPS in Ray's object store. Generation is time-sliced: the
-driver keeps one ``run`` call in flight per busy device and turns what each
-returns into events, so rewards stream and shifts are picked up between
-slices.
+travel through the GPS in Ray's object store. A device generates in a thread
+of its own, slice after slice, while it holds sequences
+(``pivotrl.runtime.stream``): the driver keeps one look (``run``) in flight per
+generating device and turns what each returns into events, so rewards stream;
+commands (a shift, an abort, more work) run between two slices. Each vLLM
+engine runs in a process of its own beside its device
+(``pivotrl.runtime.engine_host``).
 """
 
 from __future__ import annotations
