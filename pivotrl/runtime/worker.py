@@ -380,7 +380,6 @@ class Worker:
         if self.commands_s:  # (what commands took since the last slice: device time between the two, not waiting)
             measured["commands_s"] = round(self.commands_s, 6)
             self.commands_s = 0.0
-        self.slices.append(Slice(self.device, role.value, f"{role.value} {len(finished)} done", t0, t1, measured))
         progress = tuple(p for p in report.progress if p[0] not in self.shadows)  # (the audit's copies are ours)
         events: list[Event] = [
             Progress(
@@ -412,6 +411,9 @@ class Worker:
                 text = ctx.tokenizer.decode(s.output_ids)
                 out.append(JudgeResult(s.uid, text, s.finish_reason == "length", len(s.output_ids)))
             events.append(Judged(self.device, tuple(out)))
+        # (the slice spans the results' decoding too: the device's time, not a gap; Progress times the engine)
+        name = f"{role.value} {len(finished)} done"
+        self.slices.append(Slice(self.device, role.value, name, t0, self.now(), measured))
         return events
 
     def _generation_ctx(self, role: Role) -> Generation:

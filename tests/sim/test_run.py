@@ -36,7 +36,7 @@ REAL_RUN_KEYS = {  # what run_job writes to summary.json
     "mode", "devices", "split", "steps", "samples", "samples_per_s", "steady_samples_per_s", "tokens_per_s",
     "accuracy_start", "accuracy_end", "accuracy_gain", "judge_agreement", "judge_parse_failures",
     "role_busy_fraction", "device_idle_fraction", "shifts", "migrations", "devices_lost", "migration_audit",
-    "shift_seconds",
+    "driver_wait_share", "shift_seconds",
     "wall_seconds",
     "policy_checkpoint", "gps_bytes", "train_backend", "train_min_devices",
 }  # fmt: skip
