@@ -54,6 +54,7 @@ class Stream:
         self._cv = threading.Condition()
         self._asking = 0  # commands waiting for the device: the generation thread lets them go first
         self._has_work = worker.has_work
+        self._slicing = False  # a slice runs: a look waits for its end (a slice that hangs is the look's to time out)
         self.outbox: list[Any] = []
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._generate, name="generate", daemon=True)
@@ -68,17 +69,20 @@ class Stream:
                 self._cv.wait_for(lambda: not self._asking and self._has_work)
             with self._device:
                 if self._asking:  # (a command came in between: it goes first)
+                    idle = False
                     continue
+                with self._cv:
+                    self._slicing = True
                 try:
                     events = self.worker.run(self.seconds)
                 except BaseException as e:  # (told to the next look or command: the device's call fails with it)
                     with self._cv:
-                        self.error = e
+                        self.error, self._slicing = e, False
                         self._cv.notify_all()
                     return
                 with self._cv:
                     self.outbox += events
-                    self._has_work = self.worker.has_work
+                    self._has_work, self._slicing = self.worker.has_work, False
                     self._cv.notify_all()
             idle = not events
 
@@ -105,13 +109,21 @@ class Stream:
             with self._cv:
                 self._raise()
                 before, self.outbox = self.outbox, []
-            return before, fn()
+            try:
+                return before, fn()
+            except BaseException:
+                with self._cv:  # (the events before it are not lost with the command: the next look takes them)
+                    self.outbox[:0] = before
+                raise
 
     def poll(self, timeout: float) -> tuple[list[Any], bool]:
         """What was generated since the last look, waiting up to ``timeout`` for some while the device holds
         work; and whether it still does."""
         with self._cv:
             self._cv.wait_for(lambda: self.outbox or self.error or not self._has_work, timeout)
+            # a slice still running is waited for, however long: the driver's bound on this call (device_timeout)
+            # is what finds a slice that hangs (an engine stuck in a kernel, an engine process that never answers)
+            self._cv.wait_for(lambda: self.outbox or self.error or not self._slicing)
             self._raise()
             out, self.outbox = self.outbox, []
             return out, self._has_work

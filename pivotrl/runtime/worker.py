@@ -147,7 +147,7 @@ class Worker:
 
     def shift(self, role: Role, version: int) -> ShiftDone:
         """Release the current context, load ``role`` at ``version`` from the GPS."""
-        if self.pending:
+        if self.pending or self.unheld:
             raise RuntimeError(f"device {self.device}: shift to {role.value} with sequences in flight")
         self._drop_shadows()
         name, want = (JUDGE, 0) if role is Role.JUDGE else (POLICY, version)

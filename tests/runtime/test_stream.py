@@ -86,3 +86,37 @@ def test_a_failed_slice_fails_the_next_look_and_the_next_command():
         looks(stream, 5)
     with pytest.raises(RuntimeError, match="the engine failed"):
         stream.call(lambda: device.command("abort"))
+
+
+def test_a_look_waits_for_a_slice_that_hangs_so_the_drivers_bound_finds_it():
+    """A slice stuck in the engine: a look does not come back empty (each new look would get a new deadline and
+    the device would never be taken for lost); it waits for the slice, and the driver's bound ends the wait."""
+    release = threading.Event()
+
+    class Stuck(FakeDevice):
+        def run(self, seconds: float) -> list[str]:
+            release.wait()
+            return super().run(seconds)
+
+    stream = Stream(Stuck(left=1), 0.001)
+    answered: list[object] = []
+    look = threading.Thread(target=lambda: answered.append(stream.poll(0.01)), daemon=True)
+    look.start()
+    look.join(0.3)
+    assert look.is_alive() and not answered  # (past its own timeout: the slice still runs)
+    release.set()
+    look.join(5.0)
+    assert answered == [(["finished 1"], False)]
+
+
+def test_a_command_that_fails_leaves_the_events_before_it_to_the_next_look():
+    device = FakeDevice(left=2)
+    stream = Stream(device, 0.001)
+    time.sleep(0.05)
+
+    def fail() -> None:
+        raise ValueError("a member is lost")
+
+    with pytest.raises(ValueError):
+        stream.call(fail)
+    assert looks(stream, 2) == ["finished 1", "finished 2"]
