@@ -3,7 +3,8 @@
 The same class runs in-process (local driver) and inside a Ray actor (Ray
 driver). Generation is time-sliced: ``run(seconds)`` advances the engine for
 about that long and returns what finished, so rewards stream to the judge as
-soon as responses end and a shift command never waits long.
+soon as responses end and a shift command never waits long. On Ray a thread
+of the device's own calls it slice after slice (``pivotrl.runtime.stream``).
 """
 
 from __future__ import annotations
