@@ -444,7 +444,7 @@ class RayDriver:
             raise
         self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
         self.sent: dict[Any, float] = {}  # ObjectRef -> when it was sent (device_timeout counts from there)
-        self.running: dict[int, int] = {}  # devices with run() calls in flight: how many
+        self.running: set[int] = set()  # devices with a look (run()) in flight
         self.dirty: set[int] = set()  # devices given work since their run() was sent
         self.lost: set[int] = set()  # devices lost and not back yet
         self.lost_events: list[Event] = []
@@ -560,8 +560,8 @@ class RayDriver:
         return self.actors[device].listen.remote(world_size)
 
     def _run(self, device: int) -> None:
-        if not self.running.get(device, 0):  # (one look in flight: the device generates on its own meanwhile)
-            self.running[device] = 1
+        if device not in self.running:  # (one look in flight: the device generates on its own meanwhile)
+            self.running.add(device)
             self._send(self.actors[device].run.remote(POLL_S), "run", device)
             self.dirty.discard(device)
 
@@ -635,7 +635,7 @@ class RayDriver:
                     out += self._step_done()
                 elif kind == "run":
                     events, has_work = result
-                    self.running[device] -= 1
+                    self.running.discard(device)
                     out += events
                     if has_work or device in self.dirty:
                         self._run(device)
@@ -691,7 +691,7 @@ class RayDriver:
             if d == device:
                 del self.pending[ref]
                 self.sent.pop(ref, None)
-        self.running.pop(device, None)
+        self.running.discard(device)
         self.dirty.discard(device)
         self.lost.add(device)
         if device in self.groups.devices:  # its group is broken: the next step meets anew (members leave theirs)
