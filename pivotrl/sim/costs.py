@@ -128,7 +128,8 @@ def kv_tokens(model: ModelSpec, tp: int, gpu: GPU, mem_fraction: float = 0.9) ->
 
     The engine claims ``mem_fraction`` of HBM (vLLM's ``gpu_memory_utilization``; the rest is the
     activations, CUDA graphs, allocator slack, and the CUDA contexts of the GPU's other processes: each
-    device runs its trainer and each vLLM engine in a process of its own, about half a GB each);
+    device runs its trainer and each vLLM engine in a process of its own: an estimated half a GB each,
+    ``pivotrl.resolve.CUDA_CONTEXT_BYTES``, which ``make gpu-check`` measures);
     weights take theirs, the KV cache the rest. KV
     heads split over the GPUs, but never finer than one head: with ``tp > kv_heads`` each head is
     replicated on ``tp / kv_heads`` GPUs.
