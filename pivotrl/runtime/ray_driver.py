@@ -137,8 +137,7 @@ class DeviceActor:
         )
 
     def configure(self, plan: Any) -> None:
-        with self.stream.locked():
-            self.worker.configure(plan)
+        self.stream.hold(lambda: self.worker.configure(plan))
         self._start_engines(replace(self._engines[1], **plan.serving()))
 
     def _start_engines(self, spec: ContextSpec) -> None:
@@ -188,12 +187,10 @@ class DeviceActor:
         return self.stream.call(lambda: self.worker.accumulate(cmd))
 
     def listen(self, world_size: int) -> tuple[str, int]:
-        with self.stream.locked():
-            return self.worker.listen(world_size)
+        return self.stream.hold(lambda: self.worker.listen(world_size))
 
     def retire_group(self) -> None:
-        with self.stream.locked():
-            self.worker.retire_group()
+        self.stream.hold(self.worker.retire_group)
 
     def step(
         self, cmd: Step, rank: int, rendezvous: Any, state_world: int, attempt: int, *after: object
@@ -201,12 +198,10 @@ class DeviceActor:
         return self.stream.call(lambda: self.worker.step(cmd, rank, rendezvous, state_world, attempt))
 
     def close(self) -> None:
-        with self.stream.locked():
-            self.worker.close()
+        self.stream.hold(self.worker.close)
 
     def drain_slices(self) -> list[Slice]:
-        with self.stream.locked():
-            return self.worker.drain_slices()
+        return self.stream.hold(self.worker.drain_slices)
 
     def set_origin(self, origin: float) -> None:
         self.worker.origin = origin
@@ -755,8 +750,11 @@ class RayDriver:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        # a device with a command in flight (a step waiting for a lost member, a call the run ended in) would
+        # answer a close only after it: it is killed without one (a look in flight comes back within POLL_S)
+        busy = {d for kind, d in self.pending.values() if kind != "run"}
         try:
-            ray.get([a.close.remote() for a in self.actors], timeout=30)
+            ray.get([a.close.remote() for d, a in enumerate(self.actors) if d not in busy | self.lost], timeout=30)
         except Exception as e:  # a device that cannot leave its group cleanly is killed below anyway
             logger.warning("ray driver: closing the device actors: %s", e)
         for a in self.actors:

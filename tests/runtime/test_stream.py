@@ -128,3 +128,22 @@ def test_a_command_that_fails_leaves_the_events_before_it_to_the_next_look():
     with pytest.raises(ValueError):
         stream.call(fail)
     assert looks(stream, 2) == ["finished 1", "finished 2"]
+
+
+def test_commands_run_in_the_thread_that_generates_and_a_hold_leaves_the_events_to_the_look():
+    """One thread for slices and commands: the device never waits for a call's thread to be handed the device
+    (and a GPU's per-thread state is the same for both)."""
+    threads: set[str] = set()
+
+    class Watched(FakeDevice):
+        def run(self, seconds: float) -> list[str]:
+            threads.add(threading.current_thread().name)
+            return super().run(seconds)
+
+    device = Watched(left=3)
+    stream = Stream(device, 0.001)
+    wait_for_events(stream)
+    assert stream.hold(lambda: threading.current_thread().name) in threads
+    before, name = stream.call(lambda: threading.current_thread().name)
+    assert name in threads and len(threads) == 1 and name != threading.current_thread().name
+    assert before  # (the events the hold left)
