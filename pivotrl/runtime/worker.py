@@ -548,9 +548,12 @@ class Worker:
         self._step_group, self._in_step, self._attempt = None, True, attempt
         try:
             return self._step(ctx, cmd, rank, rendezvous, state_world, attempt)
-        except BaseException:
-            # a member that fails out of a collective (a member lost) leaves the group at once: the others
-            # that wait for it in the same collective fail too, instead of until the driver kills them
+        except BaseException as e:
+            # a member that fails out of a collective (a member lost) leaves the group at once, its connections
+            # closed: the others that wait for it fail too, instead of at their timeout or when the driver kills
+            # them (TrainGroup.leave_after)
+            if self.group is not None:
+                self.group.leave_after(e)
             self.close()
             raise
         finally:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -309,6 +310,15 @@ class TrainGroup:
             self._joined = False
             logger.info("train group: rank %d/%d left %s", self.rank, self.world_size, self.address)
 
+    def leave_after(self, error: BaseException) -> None:
+        """Leave at once after ``error`` (a collective failed: a member is lost), so that this rank's connections
+        close and the members still waiting on it fail too. gloo's ring collectives wait on a rank's neighbours
+        only: a member two away from the lost one waits for neighbours that gave up, until its timeout, unless
+        they close their ends. The frames of the error's traceback hold the process group and its pending work,
+        which would keep the connections open after the group is destroyed: they are cleared first."""
+        traceback.clear_frames(error.__traceback__)
+        self.leave()
+
     def check_intact(self) -> None:
         """Raise if the group's communicator was aborted: a collective it ran may have stopped part way, so nothing
         computed since may be published."""
@@ -318,7 +328,8 @@ class TrainGroup:
     def abort(self) -> None:
         """Abort the group's communicator from another thread, so that this rank's collective in progress fails now
         instead of at its timeout: a member is lost. NCCL only: a dead peer gives its survivors no error there,
-        while gloo's fail as the peer's connections close (a peer hung, not dead, is met by the timeout)."""
+        while gloo's fail as the peer's connections close, or as its neighbours' do (:meth:`leave_after`; a peer
+        hung, not dead, is met by the timeout). gloo's own abort does not stop a collective in progress."""
         if self._joined and self.backend == "nccl" and not self.aborted:
             self.aborted = True
             logger.warning("train group: rank %d aborts %s (a member is lost)", self.rank, self.address)

@@ -104,3 +104,33 @@ def test_nothing_computed_over_an_aborted_group_is_published(monkeypatch):
     g.abort()
     with pytest.raises(RuntimeError, match="the step is void"):
         g.check_intact()
+
+
+def test_a_rank_that_fails_out_of_a_collective_lets_go_of_its_process_group_as_it_leaves(monkeypatch):
+    """What a failed collective's traceback holds (the process group, its pending work) is let go before the
+    group is destroyed, or the connections would stay open and a member waiting on this rank (gloo's ring: two
+    away from a lost one) would wait for its timeout."""
+    import weakref
+
+    class ProcessGroup:  # (stands for what torch's frames hold)
+        pass
+
+    def collective(pg: ProcessGroup) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    def run() -> RuntimeError:
+        pg = ProcessGroup()
+        held.append(weakref.ref(pg))
+        try:
+            collective(pg)
+        except RuntimeError as e:
+            return e
+        raise AssertionError("no error")
+
+    held: list[weakref.ref] = []
+    error = run()
+    assert held[0]() is not None  # (the traceback's frames hold it)
+    destroyed: list[bool] = []
+    monkeypatch.setattr(group_module.dist, "destroy_process_group", lambda: destroyed.append(held[0]() is None))
+    joined("gloo").leave_after(error)
+    assert destroyed == [True] and "Connection closed" in str(error)
