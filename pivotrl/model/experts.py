@@ -186,9 +186,7 @@ def _from_checkpoint_names(module: Experts, state: dict[str, Any], prefix: str, 
     for leaf in (GATE_UP, DOWN):
         param = getattr(module, leaf)
         parts = checkpoint_parts(prefix + leaf, param.shape)
-        if prefix + leaf in state or not all(
-            p.name in state and tuple(state[p.name].shape) == p.shape for p in parts
-        ):
+        if prefix + leaf in state or not all(p.name in state and tuple(state[p.name].shape) == p.shape for p in parts):
             continue
         flat = torch.empty(param.numel(), dtype=state[parts[0].name].dtype, device=state[parts[0].name].device)
         for p in parts:

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError, cast
 from pivotrl.log import logger
+from pivotrl.model.experts import checkpoint_parts, copy_span, part_view
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.group import TrainGroup, gather_step_stats
@@ -197,16 +198,14 @@ class ZeroTrainer:
         for name, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True):
             if hi <= a or lo >= b:
                 continue
-            if snap is None:
-                flat = p.detach().reshape(-1)
-            elif name not in snap.tensors:
-                raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {name!r}")
-            else:
-                flat = snap.tensors[name].reshape(-1)
-            if flat.numel() != hi - lo:
-                raise ValueError(f"{name}: stored {flat.numel()} values, the model holds {hi - lo}")
             x, y = max(lo, a), min(hi, b)
-            values[x - a : y - a].copy_(flat[x - lo : y - lo])
+            if snap is None:
+                values[x - a : y - a].copy_(p.detach().reshape(-1)[x - lo : y - lo])
+                continue
+            try:  # (the version names checkpoint tensors: a stacked expert parameter is several)
+                copy_span(values[x - a : y - a], snap.tensors, name, p.shape, x - lo)
+            except KeyError as e:
+                raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {e.args[0]!r}") from None
         self._new_master(values, None, None)
         if snap is not None:
             self.version = snap.version
@@ -359,8 +358,12 @@ class ZeroTrainer:
         start = time.perf_counter()
         # the compute weights were cast from these master weights at the step: where they have the dtype to
         # publish, they are the very bytes; either way each tensor is copied once, into the GPS's buffer
-        tensors = {n: p.detach() if p.dtype == dtype else cast(src[lo:hi].view_as(p), dtype)
-                   for n, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True)}  # fmt: skip
+        tensors = {}
+        for name, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True):
+            flat = p.detach().view(-1) if p.dtype == dtype else src[lo:hi]
+            for part in checkpoint_parts(name, p.shape):  # (the checkpoints' names: stacked experts are several)
+                view = part_view(flat, part)
+                tensors[part.name] = view if p.dtype == dtype else cast(view, dtype)
         nbytes = store.publish(model_name, self.version, tensors, Kind.WEIGHTS, meta).nbytes
         logger.debug("zero: published %s v%d (%d bytes) in %.3f s", model_name, self.version, nbytes,
                      time.perf_counter() - start)  # fmt: skip
