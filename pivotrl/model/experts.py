@@ -120,8 +120,8 @@ class Experts(nn.Module):
     ``forward(x, chosen, weights)``: token n's output is the sum over its k slots of ``weights[n, j]`` times
     expert ``chosen[n, j]`` applied to ``x[n]``. The (token, expert) pairs are sorted by expert; where
     :func:`grouped_kernel` holds, two grouped matmuls run every expert on its rows (offsets computed on the
-    device); elsewhere a loop runs only the experts chosen (their counts read on the host). Either way the
-    stacked parameters' gradients are whole, zero for an expert no token chose.
+    device); elsewhere a loop runs only the experts chosen (their counts read on the host: :class:`LoopedMM`).
+    Either way the stacked parameters' gradients are whole, zero for an expert no token chose.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
@@ -159,15 +159,51 @@ class Experts(nn.Module):
 
     def _looped(self, rows: Tensor, experts: Tensor) -> Tensor:
         counts = torch.bincount(experts, minlength=self.num_experts).tolist()
-        # unbind: one view per expert and one backward that stacks their gradients, zeros where unused
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        outputs, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                gate, up = F.linear(rows[start : start + count], gate_up[e]).chunk(2, dim=-1)
-                outputs.append(F.linear(F.silu(gate) * up, down[e]))
-            start += count
-        return torch.cat(outputs) if outputs else rows.new_zeros(0, self.down_proj.shape[1])
+        gate, up = LoopedMM.apply(rows, self.gate_up_proj, counts).chunk(2, dim=-1)
+        return LoopedMM.apply(F.silu(gate) * up, self.down_proj, counts)
+
+
+class LoopedMM(torch.autograd.Function):
+    """``grouped_mm`` where torch has no kernel: rows ``a`` [S, K] sorted by group, group e's ``counts[e]`` rows
+    times ``weight[e]``.T ([E, N, K]), one matmul per group that has rows, each written into one output. Its
+    backward writes each group's weight gradient into one ``[E, N, K]`` tensor (zeros for a group without rows),
+    so no per-expert gradient is made and then stacked."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+        ctx.save_for_backward(a, weight)
+        ctx.counts = counts
+        out = a.new_empty(a.shape[0], weight.shape[1])
+        for e, (lo, hi) in _spans(counts):
+            torch.mm(a[lo:hi], weight[e].t(), out=out[lo:hi])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        a, weight = ctx.saved_tensors
+        grad_a = a.new_empty(a.shape) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = weight.new_empty(weight.shape)
+            for e, count in enumerate(ctx.counts):
+                if not count:
+                    grad_w[e].zero_()
+        for e, (lo, hi) in _spans(ctx.counts):
+            if grad_a is not None:
+                torch.mm(grad[lo:hi], weight[e], out=grad_a[lo:hi])
+            if grad_w is not None:
+                torch.mm(grad[lo:hi].t(), a[lo:hi], out=grad_w[e])
+        return grad_a, grad_w, None
+
+
+def _spans(counts: list[int]) -> list[tuple[int, tuple[int, int]]]:
+    """(group, its rows) for each group with rows."""
+    out, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            out.append((e, (start, start + count)))
+        start += count
+    return out
 
 
 def _to_checkpoint_names(module: Experts, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
