@@ -84,6 +84,29 @@ def copy_span(dst: Tensor, tensors: Mapping[str, Tensor], name: str, shape: Sequ
         dst[lo - start : hi - start].copy_(src.reshape(-1)[lo - part.offset : hi - part.offset])
 
 
+def per_expert_order(params: Sequence[tuple[str, Sequence[int]]]) -> list[Part]:
+    """The checkpoint tensors of ``params`` (names and shapes, in the module's order) in the order of a decoder
+    that holds one parameter per expert and projection, each expert's gate, up and down in turn where the stacked
+    layer has ``gate_up_proj`` then ``down_proj``: the order train state written by such a decoder follows
+    (offsets: into that order's flat concatenation)."""
+    out: list[Part] = []
+    offset, i = 0, 0
+    while i < len(params):
+        name, shape = params[i]
+        pair = name.endswith(f".experts.{GATE_UP}") and i + 1 < len(params)
+        pair = pair and params[i + 1][0] == name.removesuffix(GATE_UP) + DOWN
+        if pair:
+            gate_up, down = checkpoint_parts(name, shape), checkpoint_parts(*params[i + 1])
+            parts = [p for e, d in enumerate(down) for p in (gate_up[2 * e], gate_up[2 * e + 1], d)]
+            i += 2
+        else:
+            parts, i = list(checkpoint_parts(name, shape)), i + 1
+        for p in parts:
+            out.append(Part(p.name, offset, p.shape))
+            offset += p.numel
+    return out
+
+
 def grouped_kernel(x: Tensor, *weights: Tensor) -> bool:
     """Whether ``grouped_mm`` has a kernel for tokens ``x`` [S, K] against stacked ``weights`` [E, N, K]
     (transposed) here, so that the experts run in one call without a host sync.

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,6 +142,26 @@ def load_rows(model: Decoder, snap: Snapshot, rank: int, world_size: int) -> Non
                 copy_span(local.view(-1), snap.tensors, name, p.shape, start * (p.numel() // p.shape[0]))
             except KeyError as e:
                 raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {e.args[0]!r}") from None
+
+
+class _Joined(Mapping[str, Tensor]):
+    """Whole tensors under ``key`` (``param``, a moment, ``grad``) from shards that each hold rows of them, joined
+    as they are read: the per-expert tensors of train state written with one parameter per expert."""
+
+    def __init__(self, snaps: Sequence[Snapshot], key: str) -> None:
+        self.snaps, self.prefix = snaps, f"{key}."
+
+    def __getitem__(self, name: str) -> Tensor:
+        return torch.cat([s.tensors[self.prefix + name] for s in self.snaps])
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.prefix + name in self.snaps[0].tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return (n.removeprefix(self.prefix) for n in self.snaps[0].tensors if n.startswith(self.prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class ShardedTrainer:
@@ -256,13 +276,22 @@ class ShardedTrainer:
             for name, p in self.model.named_parameters():
                 a, b = row_range(p.shape[0], self.rank, self.group.world_size)
                 targets = {"param": _local(p)}
-                step = snaps[0].manifest.meta["step"].get(name)
+                # (stacked experts written by a decoder with one parameter per expert: under those names)
+                stored = name if name in spans[0][1] else checkpoint_parts(name, p.shape)[0].name
+                step = snaps[0].manifest.meta["step"].get(stored)
                 if step is not None:
                     moments = {key: torch.zeros_like(p) for key in _STATE_KEYS}
                     targets |= {key: _local(t) for key, t in moments.items()}
-                if f"grad.{name}" in snaps[0].tensors:  # (every old rank holds every gradient, zero or not)
+                if f"grad.{stored}" in snaps[0].tensors:  # (every old rank holds every gradient, zero or not)
                     p.grad = torch.zeros_like(p)
                     targets["grad"] = _local(p.grad)
+                if stored != name:
+                    for key, target in targets.items():
+                        copy_span(target.view(-1), _Joined(snaps, key), name, p.shape, a * (p.numel() // p.shape[0]))
+                        nbytes += target.numel() * target.element_size()
+                    if step is not None:
+                        state[p] = {"step": torch.tensor(step, dtype=torch.float32), **moments}
+                    continue
                 for snap, ranges in spans:
                     lo, hi = ranges[name]
                     lo, hi = max(lo, a), min(hi, b)
