@@ -271,13 +271,14 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(device: str, tokens: int, reps: int, shape: Shape = Shape()) -> dict[str, Any]:
-    """The report: the measurement with the machine, the dtype and why."""
+def run(device: str, tokens: int, reps: int, shape: Shape | None = None) -> dict[str, Any]:
+    """The report: the measurement with the machine, the dtype and why (default shape: Qwen3-30B-A3B's)."""
+    shape = shape or Shape()
     load = list(os.getloadavg())
     dtype, why = pick_dtype(device)
     result = measure(shape, tokens, reps, device, dtype)
     threads = torch.get_num_threads()
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu ({threads} threads)"
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu, {threads} thread(s)"
     return {
         "device": device,
         "device_name": name,
