@@ -174,7 +174,7 @@ class Experts(nn.Module):
         else:
             y = self._looped(rows, experts)
         pairs = y.new_empty(y.shape).index_copy(0, order, y)  # back in (token, slot) order
-        return torch.bmm(weights.unsqueeze(1), pairs.view(n, k, -1)).squeeze(1)
+        return torch.bmm(weights.unsqueeze(1), pairs.view(n, k, x.shape[1])).squeeze(1)
 
     def _grouped(self, rows: Tensor, offsets: Tensor) -> Tensor:
         gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)

@@ -129,3 +129,13 @@ def test_state_dict_speaks_per_expert_names_and_round_trips():
     missing = {k: v for k, v in model.state_dict().items() if k != f"{prefix}.9.gate_proj.weight"}
     with pytest.raises(RuntimeError, match="experts.gate_up_proj"):
         Decoder(tiny_moe_config()).load_state_dict(missing)
+
+
+@pytest.mark.parametrize(("hidden", "width"), [(16, 8), (18, 6)], ids=["grouped", "looped"])
+def test_no_tokens_still_give_every_expert_a_gradient(hidden, width):
+    """A pass over no tokens (a rank with nothing left in lockstep) leaves the same parameters with gradients."""
+    layer = sparse_layer(hidden, width)
+    x = torch.zeros(0, hidden, requires_grad=True)
+    layer(x).sum().backward()
+    for p in (layer.experts.gate_up_proj, layer.experts.down_proj):
+        assert p.grad is not None and not p.grad.any()
