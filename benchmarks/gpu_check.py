@@ -58,6 +58,11 @@ j. ``cuda_context``: the device memory one more process takes for its CUDA
    (``pivotrl.resolve.CUDA_CONTEXT_BYTES``: a device's trainer and each of its
    vLLM engines), and the child's start time.
 
+k. ``moe``: ``benchmarks/moe.py`` on the GPU in bf16: forward + backward of a
+   Qwen3-30B-A3B-shaped sparse layer at 4,096 tokens, the grouped layer
+   against the loop it replaced, side by side (seconds, ``speedup``, whether
+   the grouped kernel ran, the two implementations' largest differences).
+
 Before the sections it prints, and the report keeps (``resolved``), what the
 default job resolves to on this GPU: the judge's and the rollout's dtypes,
 the backends, the migration audit.
@@ -83,6 +88,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moe import run as moe_layer
 from sampling_baseline import processor_class as element_wise_processor
 
 from pivotrl.gpucheck.machine import cuda_context, resolved, unseen_gpus
@@ -130,13 +136,13 @@ def machine() -> dict[str, Any]:
 # when the machine is slow, saying so)
 SECTIONS = (
     "parity", "cuda_context", "vllm", "vllm_job", "sampling", "gps_load", "gps_load_ray", "shifts", "fsdp", "zero",
-    "engine", "member_lost", "job",
+    "moe", "engine", "member_lost", "job",
 )  # fmt: skip
 
 
 ESTIMATE_S = {
     "parity": 30, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
-    "member_lost": 30, "cuda_context": 20, "sampling": 30, "vllm_job": 180, "job": 120,
+    "member_lost": 30, "cuda_context": 20, "sampling": 30, "vllm_job": 180, "job": 120, "moe": 30,
 }  # fmt: skip
 
 
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": lambda: engine_throughput(device),
         "fsdp": lambda: fsdp_check(device),
         "zero": lambda: zero_check(device),
+        "moe": lambda: moe_layer(device, tokens=4096, reps=3),
         "member_lost": lambda: member_lost(device),
         "vllm": lambda: vllm_backend(device),
         "cuda_context": cuda_context,

@@ -122,6 +122,15 @@ def train_memory(results: Path) -> str:
     return out + "\n\n" + md(head, arith)
 
 
+def moe(results: Path) -> str:
+    r = load("moe", results)
+    loop = r["variants"]["loop"]["median_s"]
+    rows = [[name, f"{v['median_s']:.2f}", f"{v['gflops_per_s']:.0f}", _x(loop / v["median_s"])]
+            for name, v in r["variants"].items()]  # fmt: skip
+    head = f"{r['device_name']}, {r['dtype']}, {r['tokens']} tokens:\n\n"
+    return head + md(["variant", "seconds", "GFLOP/s", "vs loop"], rows)
+
+
 def shift(results: Path) -> str:
     r = load("shift", results)
     pairs = ["none->rollout", "rollout->judge", "judge->train", "train->rollout"]
@@ -320,6 +329,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "engine_sampling": engine_sampling,
     "gps": gps,
     "train_memory": train_memory,
+    "moe": moe,
     "shift": shift,
     "processes": processes,
     "soak": soak,

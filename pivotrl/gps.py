@@ -77,6 +77,7 @@ import torch
 from torch import Tensor, nn
 
 from pivotrl.log import logger
+from pivotrl.model.experts import checkpoint_parts, copy_span
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -428,24 +429,36 @@ def load_optimizer_state(snapshot: Snapshot, optimizer: torch.optim.Optimizer, m
     if len(saved_groups) != len(live_groups):
         raise LoadError(f"stored state has {len(saved_groups)} param groups, optimizer has {len(live_groups)}")
     groups, index = [], {}
+    stored: dict[str, list[str]] = {}  # a parameter's names in the stored state: its own, or its experts' tensors
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups, strict=True)):
         live_names = [names.get(id(p), "<not in module>") for p in live["params"]]
-        if live_names != saved["params"]:
-            raise LoadError(f"param group {g}: stored parameters {saved['params']} vs optimizer's {live_names}")
+        if live_names != saved["params"]:  # state written with one parameter per expert: the tensors' names
+            parts = {n: [p.name for p in checkpoint_parts(n, params[n].shape)] for n in live_names if n in params}
+            if len(parts) < len(live_names) or sorted(saved["params"]) != sorted(x for v in parts.values() for x in v):
+                raise LoadError(f"param group {g}: stored parameters {saved['params']} vs optimizer's {live_names}")
+            stored |= parts
         for name in live_names:
             index[name] = len(index)
         groups.append({**saved, "params": [index[n] for n in live_names]})
     state: dict[int, dict[str, Any]] = {}
-    for name, values in meta["state"].items():
+    for name in index:
+        sources = stored.get(name, [name])
+        if sources[0] not in meta["state"]:
+            continue
         param = params[name]
         entry: dict[str, Any] = {}
-        for key, value in values.items():
-            if value is None:
-                view = snapshot.tensors[f"state.{name}.{key}"]
-                device = param.device if view.shape == param.shape else view.device  # scalars such as step stay put
-                entry[key] = torch.empty(view.shape, dtype=view.dtype, device=device).copy_(view)
-            else:
+        for key, value in meta["state"][sources[0]].items():
+            if value is not None:
                 entry[key] = value
+                continue
+            view = snapshot.tensors[f"state.{sources[0]}.{key}"]
+            if len(sources) > 1 and view.dim() > 0:  # the experts' tensors, stacked as the parameter is
+                entry[key] = torch.empty(param.shape, dtype=view.dtype, device=param.device)
+                tensors = {n: snapshot.tensors[f"state.{n}.{key}"] for n in sources}
+                copy_span(entry[key].view(-1), tensors, name, param.shape, 0)
+                continue
+            device = param.device if view.shape == param.shape else view.device  # scalars such as step stay put
+            entry[key] = torch.empty(view.shape, dtype=view.dtype, device=device).copy_(view)
         state[index[name]] = entry
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

@@ -68,6 +68,13 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"sleep {r['sleep_seconds']} s freed {r['freed_gb']} GB, wake+load {r['wake_seconds']} s; a second engine "
             f"in its process refused: {r['second_engine_refused']}"
         )
+    if name == "moe":
+        v, d = r["variants"], r["max_abs_diff_loop_vs_grouped"]
+        return (
+            f"{r['tokens']} tokens fwd+bwd in {r['dtype']}: grouped {v['grouped']['median_s']:.4f} s vs loop "
+            f"{v['loop']['median_s']:.4f} s ({r['speedup']:.2f}x; grouped kernel {r['grouped_kernel']}), dense floor "
+            f"{v['dense floor']['median_s']:.4f} s; loop vs grouped max|d| output {d['output']:.1e}"
+        )
     if name == "member_lost":
         return f"rank 0's collective failed {r.get('after_loss_s')} s after rank 1 died, its process kept: {r['pass']}"
     if name == "vllm_job":

@@ -8,7 +8,9 @@ training log-probs come from one implementation. Two entry points:
 * ``model.forward_cached(...)`` - a chunk of new tokens per row appended to a
   slotted KV cache (prefill and decode of the generation engine).
 
-Parameter names match Hugging Face checkpoints one to one, so a safetensors
+Parameter names match Hugging Face checkpoints one to one, except the experts
+of a sparse layer, which are stacked; their ``state_dict`` speaks the
+checkpoints' per-expert names (:mod:`pivotrl.model.experts`), so a safetensors
 state dict loads without renaming.
 """
 
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pivotrl.model.config import ModelConfig
+from pivotrl.model.experts import Experts
 
 LOGIT_CHUNK_TOKENS = 1024  # positions whose logits exist at once when scoring tokens (x vocab x 4 bytes)
 
@@ -190,19 +193,14 @@ class SparseMoE(nn.Module):
     """Qwen3-MoE's sparse block: the router (``gate``) scores every expert, each token goes through its
     ``top_k`` best, and their outputs add up weighted by the router's softmax probabilities (float32; over
     all experts, then renormalised over the chosen k when ``norm_topk_prob``), as transformers computes them.
-
-    One sort groups the tokens by expert; each expert runs once on its own tokens (``index_select``) and
-    adds its weighted output back (``index_add_``). Under autograd every expert runs, an unchosen one on
-    no tokens, so that each has a gradient (zero when unused): FSDP2 reduce-scatters only the parameters
-    with gradients, so every rank must have the same ones, and the update then does not depend on how the
-    batch was split over devices.
+    The experts run grouped (:class:`pivotrl.model.experts.Experts`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -211,20 +209,7 @@ class SparseMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights, chosen = weights.to(x.dtype).flatten(), chosen.flatten()
-        order = chosen.argsort(stable=True)  # the N * k (token, expert) pairs, grouped by expert
-        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
-        tokens = order // self.top_k
-        all_experts = torch.is_grad_enabled()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, n in zip(self.experts, counts, strict=True):
-            if n or all_experts:
-                pairs = order[start : start + n]
-                rows = tokens[start : start + n]
-                out.index_add_(0, rows, (expert(x.index_select(0, rows)) * weights[pairs, None]).to(out.dtype))
-            start += n
-        return out.view(shape)
+        return self.experts(x, chosen, weights.to(x.dtype)).view(shape)
 
 
 class Layer(nn.Module):

@@ -50,15 +50,16 @@ whole batch either way. (The worker runs it only inside :meth:`step` so far:
 no command asks a train group for a backward ahead of its step yet.)
 
 Publishing for generation: each parameter is gathered in the rollout dtype,
-one at a time, and rank 0 writes it into the GPS version; no full fp32 copy
-is ever gathered on one rank.
+one at a time, and rank 0 writes it into the GPS version under the
+checkpoints' names (a stacked expert parameter as its per-expert tensors); no
+full fp32 copy is ever gathered on one rank.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ from torch import Tensor, nn
 from pivotrl.gps import Deferred, Kind, ParameterStore, Snapshot, VersionError
 from pivotrl.log import logger
 from pivotrl.model import Decoder, ModelConfig
+from pivotrl.model.experts import Part, checkpoint_parts, copy_span, part_view
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.group import TrainGroup
@@ -129,18 +131,37 @@ def _local(t: Tensor) -> Tensor:
 
 
 def load_rows(model: Decoder, snap: Snapshot, rank: int, world_size: int) -> None:
-    """Copy this rank's rows of every parameter from a full (unsharded) GPS version."""
+    """Copy this rank's rows of every parameter from a full (unsharded) GPS version, whose tensors carry the
+    checkpoints' names (a stacked expert parameter's rows are whole experts: ``checkpoint_parts``)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name not in snap.tensors:
-                raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {name!r}")
-            full = snap.tensors[name]
-            if tuple(full.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: stored shape {tuple(full.shape)} vs model {tuple(p.shape)}")
-            start, stop = row_range(full.shape[0], rank, world_size)
+            start, stop = row_range(p.shape[0], rank, world_size)
             local = _local(p)
             assert local.shape[0] == stop - start, f"{name}: FSDP holds {local.shape[0]} rows, expected {stop - start}"
-            local.copy_(full[start:stop])
+            try:
+                copy_span(local.view(-1), snap.tensors, name, p.shape, start * (p.numel() // p.shape[0]))
+            except KeyError as e:
+                raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {e.args[0]!r}") from None
+
+
+class _Joined(Mapping[str, Tensor]):
+    """Whole tensors under ``key`` (``param``, a moment, ``grad``) from shards that each hold rows of them, joined
+    as they are read: the per-expert tensors of train state written with one parameter per expert."""
+
+    def __init__(self, snaps: Sequence[Snapshot], key: str) -> None:
+        self.snaps, self.prefix = snaps, f"{key}."
+
+    def __getitem__(self, name: str) -> Tensor:
+        return torch.cat([s.tensors[self.prefix + name] for s in self.snaps])
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.prefix + name in self.snaps[0].tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return (n.removeprefix(self.prefix) for n in self.snaps[0].tensors if n.startswith(self.prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class ShardedTrainer:
@@ -255,13 +276,22 @@ class ShardedTrainer:
             for name, p in self.model.named_parameters():
                 a, b = row_range(p.shape[0], self.rank, self.group.world_size)
                 targets = {"param": _local(p)}
-                step = snaps[0].manifest.meta["step"].get(name)
+                # (stacked experts written by a decoder with one parameter per expert: under those names)
+                stored = name if name in spans[0][1] else checkpoint_parts(name, p.shape)[0].name
+                step = snaps[0].manifest.meta["step"].get(stored)
                 if step is not None:
                     moments = {key: torch.zeros_like(p) for key in _STATE_KEYS}
                     targets |= {key: _local(t) for key, t in moments.items()}
-                if f"grad.{name}" in snaps[0].tensors:  # (every old rank holds every gradient, zero or not)
+                if f"grad.{stored}" in snaps[0].tensors:  # (every old rank holds every gradient, zero or not)
                     p.grad = torch.zeros_like(p)
                     targets["grad"] = _local(p.grad)
+                if stored != name:
+                    for key, target in targets.items():
+                        copy_span(target.view(-1), _Joined(snaps, key), name, p.shape, a * (p.numel() // p.shape[0]))
+                        nbytes += target.numel() * target.element_size()
+                    if step is not None:
+                        state[p] = {"step": torch.tensor(step, dtype=torch.float32), **moments}
+                    continue
                 for snap, ranges in spans:
                     lo, hi = ranges[name]
                     lo, hi = max(lo, a), min(hi, b)
@@ -294,6 +324,7 @@ class ShardedTrainer:
         buffer. Returns the bytes published (0 on the other ranks)."""
         params = list(self.model.named_parameters())
         done, broken = 0, False
+        gathered: list[Tensor] = []  # the parameter whose checkpoint tensors are being copied, flat
 
         def gather(p: nn.Parameter) -> Tensor:
             nonlocal done, broken
@@ -312,7 +343,21 @@ class ShardedTrainer:
                 for _, p in params:
                     gather(p)
                 return 0
-            tensors = {name: Deferred(dtype, tuple(p.shape), functools.partial(gather, p)) for name, p in params}
+
+            def part(p: nn.Parameter, piece: Part, first: bool, last: bool) -> Tensor:
+                if first:
+                    gathered[:] = [gather(p).reshape(-1)]
+                view = part_view(gathered[0], piece)
+                if last:
+                    gathered.clear()
+                return view
+
+            tensors = {
+                piece.name: Deferred(dtype, piece.shape, functools.partial(part, p, piece, i == 0, i == len(parts) - 1))
+                for name, p in params
+                for parts in [checkpoint_parts(name, p.shape)]
+                for i, piece in enumerate(parts)
+            }
             try:
                 return store.publish(model_name, self.version, tensors, Kind.WEIGHTS, meta).nbytes
             finally:  # the store gave up before the last gather (a version already there): the others still wait

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from pivotrl.gps import Kind, ParameterStore, Snapshot, VersionError, cast
 from pivotrl.log import logger
+from pivotrl.model.experts import checkpoint_parts, copy_span, part_view, per_expert_order
 from pivotrl.sample import Sample
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.group import TrainGroup, gather_step_stats
@@ -67,6 +68,7 @@ from pivotrl.train.shards import ShardedTrain, free_shards, row_range, shard_nam
 from pivotrl.train.traits import TRAITS, TrainerKind
 
 LAYOUT = "flat"  # the meta mark of this trainer's shards (FSDP2's are cut per parameter, by rows)
+STACKED = "stacked"  # the meta mark of a flat vector whose experts are stacked parameters (``_segments``)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 24  # elements AdamW updates at once: its temporaries stay ~128 MB, not two copies of the range
 SLACK = 4096  # spare elements after the gradient sum: the padding of a reduce-scatter over up to this many ranks
@@ -197,16 +199,14 @@ class ZeroTrainer:
         for name, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True):
             if hi <= a or lo >= b:
                 continue
-            if snap is None:
-                flat = p.detach().reshape(-1)
-            elif name not in snap.tensors:
-                raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {name!r}")
-            else:
-                flat = snap.tensors[name].reshape(-1)
-            if flat.numel() != hi - lo:
-                raise ValueError(f"{name}: stored {flat.numel()} values, the model holds {hi - lo}")
             x, y = max(lo, a), min(hi, b)
-            values[x - a : y - a].copy_(flat[x - lo : y - lo])
+            if snap is None:
+                values[x - a : y - a].copy_(p.detach().reshape(-1)[x - lo : y - lo])
+                continue
+            try:  # (the version names checkpoint tensors: a stacked expert parameter is several)
+                copy_span(values[x - a : y - a], snap.tensors, name, p.shape, x - lo)
+            except KeyError as e:
+                raise VersionError(f"{snap.manifest.model_name} v{snap.version} has no tensor {e.args[0]!r}") from None
         self._new_master(values, None, None)
         if snap is not None:
             self.version = snap.version
@@ -222,7 +222,8 @@ class ZeroTrainer:
         if self.moments is not None:
             step = self.adam_steps
             tensors |= self.moments
-        meta = {"layout": LAYOUT, "rank": self.rank, "world_size": self.world_size, "numel": self.numel, "step": step}
+        meta = {"layout": LAYOUT, "rank": self.rank, "world_size": self.world_size, "numel": self.numel, "step": step,
+                "experts": STACKED}  # fmt: skip
         try:
             info = store.publish(shard_name(model_name, self.rank, self.world_size), self.version, tensors,
                                  Kind.OPTIMIZER, meta)  # fmt: skip
@@ -249,19 +250,37 @@ class ZeroTrainer:
         if step is not None:
             targets |= {key: torch.zeros(b - a, dtype=torch.float32, device=device) for key in _MOMENTS}
         nbytes = 0
-        for r, snap in enumerate(snaps):
-            lo, hi = row_range(self.numel, r, world_size)
-            x, y = max(lo, a), min(hi, b)
+        for start, old, count in self._segments(meta.get("experts") == STACKED):
+            x, y = max(start, a), min(start + count, b)  # this rank's part of the segment, in this layout
             if x >= y:
                 continue
-            for key, target in targets.items():
-                src = snap.tensors[key][x - lo : y - lo]
-                target[x - a : y - a].copy_(src)
-                nbytes += src.numel() * src.element_size()
+            x_old, y_old = old + x - start, old + y - start
+            for r, snap in enumerate(snaps):
+                lo, hi = row_range(self.numel, r, world_size)
+                u, v = max(lo, x_old), min(hi, y_old)
+                if u >= v:
+                    continue
+                for key, target in targets.items():
+                    src = snap.tensors[key][u - lo : v - lo]
+                    target[u - x_old + x - a : v - x_old + x - a].copy_(src)
+                    nbytes += src.numel() * src.element_size()
         param = targets.pop("param")
         self._new_master(param, step, targets if step is not None else None)
         self.version, self.imported, self.exported = version, (version, world_size), False
         return nbytes
+
+    def _segments(self, stacked: bool) -> list[tuple[int, int, int]]:
+        """(start here, start in the stored vector, length): the runs of values that keep their order between the
+        stored flat vector and this one. One run, unless the vector was written by a decoder with one parameter
+        per expert (``experts`` not ``stacked`` in its meta) and this model stacks them: then one per expert
+        tensor, which that vector holds in another order (``per_expert_order``)."""
+        params = [(n, p.shape) for n, p in zip(self.names, self.params, strict=True)]
+        if stacked or all(len(checkpoint_parts(n, shape)) == 1 for n, shape in params):
+            return [(0, 0, self.numel)]
+        stored = {p.name: p.offset for p in per_expert_order(params)}
+        return [(lo + part.offset, stored[part.name], part.numel)
+                for (name, shape), (lo, _) in zip(params, self.spans, strict=True)
+                for part in checkpoint_parts(name, shape)]  # fmt: skip
 
     def free_imported(self, store: ParameterStore, model_name: str) -> None:
         """Drop the GPS shards this state was read from (rank 0, once the group has stepped past them)."""
@@ -359,8 +378,12 @@ class ZeroTrainer:
         start = time.perf_counter()
         # the compute weights were cast from these master weights at the step: where they have the dtype to
         # publish, they are the very bytes; either way each tensor is copied once, into the GPS's buffer
-        tensors = {n: p.detach() if p.dtype == dtype else cast(src[lo:hi].view_as(p), dtype)
-                   for n, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True)}  # fmt: skip
+        tensors = {}
+        for name, p, (lo, hi) in zip(self.names, self.params, self.spans, strict=True):
+            flat = p.detach().view(-1) if p.dtype == dtype else src[lo:hi]
+            for part in checkpoint_parts(name, p.shape):  # (the checkpoints' names: stacked experts are several)
+                view = part_view(flat, part)
+                tensors[part.name] = view if p.dtype == dtype else cast(view, dtype)
         nbytes = store.publish(model_name, self.version, tensors, Kind.WEIGHTS, meta).nbytes
         logger.debug("zero: published %s v%d (%d bytes) in %.3f s", model_name, self.version, nbytes,
                      time.perf_counter() - start)  # fmt: skip

@@ -284,3 +284,30 @@ def test_weights_are_published_from_the_step_they_come_from(batches):
     trainer.accumulate(*batches[0])
     with pytest.raises(RuntimeError, match="right after step"):
         trainer.publish_weights(LocalStore(), MODEL, torch.float32, {})
+
+
+def test_experts_load_and_publish_under_checkpoint_names(batches):
+    """A mixture-of-experts model's stacked experts take their master range from the per-expert tensors of a
+    published version and publish them back under those names: one rank's step is the plain trainer's."""
+    from pivotrl.train.group import TrainGroup
+
+    start = weights(initial(moe=True))
+    assert "model.layers.0.mlp.experts.15.up_proj.weight" in start.tensors
+    model = Decoder.empty(config(moe=True), "cpu", torch.float32)
+    start.load_into(model)
+    trainer = ZeroTrainer(model, CFG, 1.0, 0)
+    group = TrainGroup.join(0, 1, device="cpu", process_group=True)
+    try:
+        trainer.bind(group)
+        trainer.load_weights(start)
+        trainer.accumulate(*batches[0])
+        trainer.step(batch_tokens(batches[0]))
+        store = LocalStore()
+        trainer.publish_weights(store, MODEL, torch.float32, {})
+        got = store.fetch(MODEL, 1).state_dict(copy=True)
+    finally:
+        group.leave()
+    want, _ = one_device(batches[:1], moe=True)
+    assert got.keys() == want.keys()
+    assert max_diff(got, want) < 1e-5
+    assert max_diff(want, module_tensors(initial(moe=True))) > 3e-4
