@@ -379,6 +379,9 @@ class RayDriver:
         self.object_store: gps_sizing.ObjectStore | None = None
         self.actors: list[Any] = []
         self.pg: Any = None
+        self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
+        self.sent: dict[Any, float] = {}  # ObjectRef -> when it was sent (device_timeout counts from there)
+        self.lost: set[int] = set()  # devices lost and not back yet
         if self.started_ray:
             kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False, "log_to_driver": True}
             if address is None:  # our own instance, never one that runs beside us. (Ray 2.60 turns the loopback
@@ -437,11 +440,8 @@ class RayDriver:
         except BaseException:
             self.close()
             raise
-        self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
-        self.sent: dict[Any, float] = {}  # ObjectRef -> when it was sent (device_timeout counts from there)
         self.running: set[int] = set()  # devices with a look (run()) in flight
         self.dirty: set[int] = set()  # devices given work since their run() was sent
-        self.lost: set[int] = set()  # devices lost and not back yet
         self.lost_events: list[Event] = []
         self.timeout, self.restart = cfg.device_timeout, cfg.restart_lost
         self.fault = cfg.fault if cfg.fault.device >= 0 or cfg.fault.first else None

@@ -33,7 +33,7 @@ def undisturbed(tiny_checkpoints, tmp_path_factory) -> Path:
 
 # a hung device is lost after device_timeout; a healthy one's call on a machine busy with other work can take
 # several seconds, so the timeout that tells them apart leaves it room
-HANG_S = 30
+HANG_S = 20
 
 
 def assert_same_run(a: Path, b: Path) -> None:

@@ -59,6 +59,7 @@ def test_a_driver_that_shut_its_ray_down_leaves_nothing_to_clean(tmp_path, monke
     (session / MARKER).write_text(str(exited.pid))  # as the next start finds it: the driver has exited since
     driver = object.__new__(RayDriver)  # as it stands once its devices are gone: only its own Ray is left
     driver.actors, driver.store, driver.pg, driver.started_ray, driver.session_dir = [], None, None, True, str(session)
+    driver.pending, driver.lost = {}, set()
     shut = []
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [])
     monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))

@@ -84,17 +84,17 @@ def test_a_split_the_job_names_fails_at_other_sizes_alone_and_a_mode_that_never_
 
 
 def test_more_seeds_average_each_mode_at_its_size_and_split(tmp_path):
-    r = versus(EXAMPLE, JOB, tmp_path / "run", ["disaggregated", "shiftable"], search_budget=2, seeds=3,
+    r = versus(EXAMPLE, JOB, tmp_path / "run", ["disaggregated", "shiftable"], search_budget=2, seeds=2,
                say=lambda _: None)  # fmt: skip
     for mode, row in r["modes"].items():
-        assert [s["seed"] for s in row["seeds"]] == [0, 1, 2]
+        assert [s["seed"] for s in row["seeds"]] == [0, 1]
         rates = [s["samples_per_s"] for s in row["seeds"]]
-        assert row["samples_per_s"] == pytest.approx(sum(rates) / 3) and row["samples_per_s_range"] == [
+        assert row["samples_per_s"] == pytest.approx(sum(rates) / 2) and row["samples_per_s_range"] == [
             min(rates),
             max(rates),
         ]
         assert rates[0] == json.loads((tmp_path / "run" / mode / "summary.json").read_text())["steady_samples_per_s"]
-        for seed, rate in ((1, rates[1]), (2, rates[2])):
+        for seed, rate in ((1, rates[1]),):
             run = tmp_path / "run" / f"{mode}-seed{seed}"
             assert json.loads((run / "config.json").read_text())["seed"] == seed
             assert json.loads((run / "summary.json").read_text())["steady_samples_per_s"] == rate
