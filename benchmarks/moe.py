@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, write_report  # noqa: E402
 from pivotrl.model import ModelConfig  # noqa: E402
-from pivotrl.model.decoder import MLP, SparseMoE  # noqa: E402
+from pivotrl.model.decoder import MLP, SparseMoE, route  # noqa: E402
 from pivotrl.model.experts import grouped_kernel  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "moe.json"
@@ -88,11 +88,8 @@ class LoopMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights, chosen = weights.to(x.dtype).flatten(), chosen.flatten()
+        weights, chosen = route(self.gate, x, self.top_k, self.norm_topk_prob)
+        weights, chosen = weights.flatten(), chosen.flatten()
         order = chosen.argsort(stable=True)  # the N * k (token, expert) pairs, grouped by expert
         counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
         tokens = order // self.top_k

@@ -205,11 +205,18 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, chosen, weights.to(x.dtype)).view(shape)
+        weights, chosen = route(self.gate, x, self.top_k, self.norm_topk_prob)
+        return self.experts(x, chosen, weights).view(shape)
+
+
+def route(gate: nn.Linear, x: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    """The router of tokens ``x`` [N, H]: each token's ``top_k`` experts [N, k] and their weights (the softmax
+    probabilities in float32, renormalised over the chosen k when ``norm_topk_prob``), in ``x``'s dtype."""
+    probs = F.softmax(gate(x), dim=-1, dtype=torch.float32)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), chosen
 
 
 class Layer(nn.Module):
