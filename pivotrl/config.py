@@ -76,6 +76,11 @@ def _check_template(name: str, template: str, allowed: Sequence[str], required: 
         raise ValueError(f"{name}: must contain {{{required}}}, got {template!r}")
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def parse_split(spec: str) -> dict[str, int]:
     """Devices per role for disaggregated mode, from ``"rollout:2,judge:1,train:1"``; ``""`` gives ``{}``."""
     out: dict[str, int] = {}
@@ -277,6 +282,10 @@ class JobConfig:
     # cluster declares GPUs; under auto one whose torch sees no CUDA computes on the CPU, under cuda it is an error
     gpus_per_device: float = 1.0  # share of one GPU each cuda device holds, in (0, 1]; 0.25 puts 4 devices on a GPU
     threads_per_device: int = 0  # torch threads per device; 0 = the node's cores shared among its devices (>= 1)
+    # devices of one instance, on one node: the unit the roles shift in, one engine over all of its devices (vLLM
+    # tensor parallel) and a trainer rank on each; devices must be a multiple of it. auto: the fewest that hold
+    # every role (1 where the devices' memory is not known: CPUs); `pivotrl plan --device-memory-gb` shows the sums
+    tensor_parallel: int | Literal["auto"] = 1
     split: str = ""  # disaggregated role layout, e.g. "rollout:2,judge:1,train:1"; "" = automatic
     steps: int = 60  # training steps
     task: TaskConfig = field(default_factory=TaskConfig)  # data and prompt format
@@ -305,7 +314,25 @@ class JobConfig:
             )
         if self.fault.step > self.steps:
             raise ValueError(f"fault.step: {self.fault.step} is after the last step ({self.steps})")
-        parse_split(self.split)
+        split = parse_split(self.split)
+        tp = self.tensor_parallel
+        if tp != "auto":
+            _at_least(self, 1, "tensor_parallel")
+            if self.devices % tp:
+                raise ValueError(
+                    f"tensor_parallel: {tp} does not divide devices ({self.devices}): an instance is tensor_parallel "
+                    f"devices; allowed: one of {', '.join(map(str, divisors(self.devices)))}, or auto"
+                )
+            for role, count in split.items():
+                if count % tp:
+                    raise ValueError(
+                        f"split: {role}:{count} is not a whole number of instances of tensor_parallel={tp} devices "
+                        f"(a role holds whole instances): use a multiple of {tp}"
+                    )
+
+    def instances(self, tensor_parallel: int) -> int:
+        """The job's instances of ``tensor_parallel`` devices each: the control plane's devices."""
+        return self.devices // tensor_parallel
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; dumped as YAML it loads back to an equal config."""
@@ -446,6 +473,8 @@ def _parse_value(tp: Any, text: str, item: str) -> Any:
             loaded = None
         if isinstance(loaded, bool):
             return loaded
+    if int in leaves and str in leaves and text.strip().lstrip("+-").isdigit():  # (an integer or words, auto)
+        return int(text)
     if (str in leaves or None in leaves) and text.strip()[:1] not in ("'", '"'):
         if not (type(None) in leaves and text.strip() in ("null", "~")):
             return text
@@ -536,7 +565,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(a, value, path)
             except ConfigError:
                 continue
-        words = [w for a in args for w in (("true", "false") if a is bool else map(str, get_args(a)))]
+        words = [w for a in args for w in _words(a)]
         raise ConfigError(f"{path}: must be {', '.join(words[:-1])} or {words[-1]}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
@@ -575,6 +604,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)
     raise TypeError(f"config field {path} has unsupported type {tp!r}")
+
+
+def _words(tp: Any) -> list[str]:
+    """How an error names what a field of type ``tp`` takes."""
+    if tp is bool:
+        return ["true", "false"]
+    return [*map(str, get_args(tp))] or [_EXPECTED[tp]]
 
 
 def _resolve_paths(obj: Any) -> None:

@@ -139,6 +139,7 @@ class Plan:
     judge_dtype: str = "float32"  # the judge's dtype in the GPS and on its devices
     rollout_backend: str = NATIVE  # generation backend of the policy
     judge_backend: str = NATIVE  # generation backend of the judge
+    tensor_parallel: int = 1  # devices of an instance (one engine over them, a trainer rank on each)
     audit_migrations: bool = False  # each migrated sequence regenerated unmigrated beside it and compared
     share: Share | None = None  # what a device's share of a GPU must hold (None: its memory is not known)
     # a device's share cannot hold it: why, naming gpus_per_device (a run stops on it)
@@ -189,6 +190,7 @@ class Plan:
             "rollout_backend": self.rollout_backend,
             "judge_backend": self.judge_backend,
             "audit_migrations": self.audit_migrations,
+            "tensor_parallel": self.tensor_parallel,
             "share_gb": None if self.share is None else self.share.to_dict(),
         }
 
@@ -219,6 +221,11 @@ def describe(d: dict[str, Any]) -> list[str]:
         lines.append(
             f"  judge in {d['judge_dtype']}; backends: rollout {d['rollout_backend']}, judge {d['judge_backend']}; "
             f"migration audit {'on' if d['audit_migrations'] else 'off'}"
+        )
+    if d.get("tensor_parallel", 1) > 1:
+        lines.append(
+            f"  instances of {d['tensor_parallel']} devices: one engine over each instance's devices "
+            "(tensor parallel), a trainer rank on each; the roles shift whole instances"
         )
     if d.get("share_gb"):
         s, has = d["share_gb"], d["device_gb"]
@@ -254,7 +261,9 @@ def resolve(
     """``cfg`` made concrete for ``hw``.
 
     ``policy``: the policy's architecture, which the memory rules need where ``hw`` knows its memory (None: those
-    rules take their CPU answers). ``judge`` and ``judge_max_len`` (its longest sequence), ``rollout_max_len``:
+    rules take their CPU answers). ``cfg.tensor_parallel`` makes a control-plane device an instance of that many
+    devices (``min_train_devices`` counts instances then).
+    ``judge`` and ``judge_max_len`` (its longest sequence), ``rollout_max_len``:
     for the engines' limits. ``trainer``: the trainer a resumed run keeps (the one that wrote its state),
     instead of ``auto``'s choice. ``ranks_per_device``: GPUs a device spans where the memory rules count GPUs
     (the simulator's instances): the step's fewest devices are its fewest GPUs over this.
@@ -264,6 +273,9 @@ def resolve(
     rollout_dtype = rollout_dtype_for(cfg, hw.kind, hw.bf16)
     judge_dtype = judge_dtype_for(cfg, hw.kind, hw.bf16)
     rollout_backend, judge_backend = backend_for(cfg.rollout.backend, hw), backend_for(cfg.judge.backend, hw)
+    tp = tensor_parallel_for(cfg, hw, policy, judge, (rollout_dtype, judge_dtype), (rollout_max_len, judge_max_len))
+    check_tensor_parallel(tp, {"policy": policy, "judge": judge}, {"rollout": rollout_backend, "judge": judge_backend})
+    ranks_per_device = max(ranks_per_device, tp)
     memory_known = hw.device_bytes is not None and policy is not None
     kind = TrainerKind(trainer) if trainer else _trainer(cfg, hw, policy, precision, rollout_dtype)
     compute = 2 if precision == "bf16" else 4
@@ -276,7 +288,7 @@ def resolve(
         if found is None:
             too_big = _too_big(t, policy, kind, cfg.devices, hw.device_bytes, compute, checkpointed)
         fewest = found or 1
-    min_devices = t.min_devices or -(-fewest // ranks_per_device)
+    min_devices = -(-(t.min_devices or fewest) // ranks_per_device)
     train = dataclasses.replace(
         t, backend=kind.value, precision=precision, activation_checkpointing=checkpointed, min_devices=min_devices
     )
@@ -298,10 +310,69 @@ def resolve(
         judge_dtype=judge_dtype,
         rollout_backend=rollout_backend,
         judge_backend=judge_backend,
+        tensor_parallel=tp,
         audit_migrations=audit_for(cfg, rollout_backend, hw.kind),
         share=share,
         too_small=too_small,
     )  # fmt: skip
+
+
+def tensor_parallel_for(cfg: JobConfig, hw: Hardware, policy: ModelConfig | None, judge: ModelConfig | None,
+                       dtypes: tuple[str, str], max_lens: tuple[int, int]) -> int:  # fmt: skip
+    """Devices of an instance: ``tensor_parallel`` as given; ``auto`` is the fewest devices (a divisor of the
+    job's) whose memory holds each generating model's weights and one sequence's KV cache, cut in that many
+    parts, beside a CUDA context per process; 1 where the devices' memory is not known (CPUs)."""
+    if cfg.tensor_parallel != "auto":
+        return cfg.tensor_parallel
+    if hw.device_bytes is None:
+        return 1
+    need = max(
+        _engine_bytes(model, dtype, max_len)
+        for model, dtype, max_len in ((policy, dtypes[0], max_lens[0]), (judge, dtypes[1], max_lens[1]))
+        if model is not None
+    ) if policy is not None or judge is not None else 0.0  # fmt: skip
+    for tp in (d for d in range(1, cfg.devices + 1) if cfg.devices % d == 0):
+        if need / tp + 3 * CUDA_CONTEXT_BYTES <= hw.device_bytes:
+            return tp
+    return cfg.devices
+
+
+def check_tensor_parallel(tp: int, models: dict[str, ModelConfig | None], backends: dict[str, str]) -> None:
+    """Refuse, in one line, an instance size the engines cannot be cut in: vLLM's rules (``ModelConfig.
+    verify_with_parallel_config`` and ``QKVParallelLinear`` in vLLM 0.32): the attention heads divide by it, the
+    KV heads divide by it or it by them (vLLM then holds each KV head on several devices), and the MLP's width
+    (an expert's, for MoE) divides by it; the native engine serves one device."""
+    if tp == 1:
+        return
+    for role, backend in backends.items():
+        if backend != VLLM:
+            key = "rollout.backend" if role == "rollout" else "judge.backend"
+            raise UserError(
+                f"tensor_parallel={tp}: {key}={backend} serves one device (the native engine is the CPU's "
+                f"reference); an instance of several devices needs {key}=vllm, or use tensor_parallel=1"
+            )
+    for name, m in models.items():
+        bad = [] if m is None else uncut(m, tp)
+        if bad:
+            assert m is not None
+            fits = [d for d in range(1, tp) if not uncut(m, d)]
+            raise UserError(
+                f"tensor_parallel={tp}: the {name}'s {' and '.join(bad)} cannot be cut in {tp} parts (tensor "
+                f"parallel splits heads, KV heads and the MLP's width evenly); allowed for it: "
+                f"{', '.join(map(str, fits))}"
+            )
+
+
+def uncut(m: ModelConfig, tp: int) -> list[str]:
+    """The dimensions of ``m`` that ``tp`` devices cannot share evenly (``name=value`` each; [] where it cuts)."""
+    kv = m.num_key_value_heads
+    bad = [f"num_attention_heads={m.num_attention_heads}"] if m.num_attention_heads % tp else []
+    if (tp % kv) if tp >= kv else (kv % tp):
+        bad.append(f"num_key_value_heads={kv}")
+    widths = {"intermediate_size": m.intermediate_size}
+    if m.num_experts:
+        widths["moe_intermediate_size"] = m.moe_intermediate_size
+    return bad + [f"{k}={v}" for k, v in widths.items() if v % tp]
 
 
 PROMPT_BOUND = 256  # a prompt's token bound where the job's prompts are not measured

@@ -400,3 +400,26 @@ def test_a_config_a_run_wrote_with_the_judges_old_name_reads_in_todays(tmp_path)
     assert (again.split, again.sim) == (cfg.split, cfg.sim)
     with pytest.raises(ConfigError, match="judge_model"):
         load_config(written)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["devices=4", "tensor_parallel=3"], "tensor_parallel: 3 does not divide devices (4): an instance is "
+         "tensor_parallel devices; allowed: one of 1, 2, 4, or auto"),
+        (["tensor_parallel=0"], "tensor_parallel: expected an integer >= 1, got 0"),
+        (["tensor_parallel=two"], "tensor_parallel: must be an integer or auto, got 'two'"),
+        (["devices=4", "tensor_parallel=2", "mode=disaggregated", "split=rollout:2,judge:1,train:1"],
+         "split: judge:1 is not a whole number of instances of tensor_parallel=2 devices"),
+    ],
+)  # fmt: skip
+def test_an_instance_size_that_does_not_divide_the_job_is_one_line(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert words in str(e.value)
+
+
+def test_tensor_parallel_takes_an_integer_or_auto():
+    assert load_config(None, ["devices=4", "tensor_parallel=2"]).tensor_parallel == 2
+    assert load_config(None, ["tensor_parallel=auto"]).tensor_parallel == "auto"
+    assert load_config(None, ["devices=4", "tensor_parallel=2"]).instances(2) == 2

@@ -302,3 +302,51 @@ def test_a_devices_share_of_a_gpu_must_hold_its_largest_role_and_a_cuda_context_
     assert "use gpus_per_device=0.2 or more" in eighth.too_small
     assert plan(*job, memory_gb=None).share is None and plan(*job, policy=None).share is None  # (not known)
     assert plan(kind="cpu", memory_gb=None).share is None
+
+
+QWEN2_5_32B = ModelConfig.from_hf(
+    {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 152064,
+        "hidden_size": 5120,
+        "intermediate_size": 27648,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    }
+)  # fmt: skip
+
+
+def test_an_instance_of_several_devices_counts_train_devices_in_instances():
+    one = plan("devices=8", "rollout.backend=vllm", "judge.backend=vllm", "train.min_devices=4")
+    two = plan("devices=8", "tensor_parallel=2", "rollout.backend=vllm", "judge.backend=vllm", "train.min_devices=4")
+    assert (one.tensor_parallel, one.min_train_devices) == (1, 4)
+    assert (two.tensor_parallel, two.min_train_devices) == (2, 2)  # (4 devices: 2 instances of 2)
+    assert two.to_dict()["tensor_parallel"] == 2
+    assert any("instances of 2 devices" in line for line in two.lines())
+
+
+def test_auto_tensor_parallel_is_the_fewest_devices_that_hold_each_model():
+    vllm = ("devices=8", "rollout.backend=vllm", "judge.backend=vllm", "tensor_parallel=auto")
+    assert plan(*vllm, judge=SMALL).tensor_parallel == 1  # a 7B policy and a small judge fit one 80 GB GPU
+    assert plan(*vllm, judge=QWEN2_5_32B, judge_max_len=4096, memory_gb=40).tensor_parallel == 2  # 65 GB in bf16
+    assert plan(*vllm, kind="cpu", memory_gb=None, judge=QWEN2_5_32B).tensor_parallel == 1  # memory not known
+
+
+@pytest.mark.parametrize(
+    ("overrides", "model", "words"),
+    [
+        (("tensor_parallel=2",), SMALL, "rollout.backend=native serves one device"),
+        (("tensor_parallel=2", "rollout.backend=vllm"), SMALL, "judge.backend=native serves one device"),
+        (("tensor_parallel=4", "rollout.backend=vllm", "judge.backend=vllm"), SMALL,
+         "policy's num_key_value_heads=2 cannot be cut in 4 parts"),  # (14 heads: not by 4 either)
+        (("tensor_parallel=8", "rollout.backend=vllm", "judge.backend=vllm"), QWEN2_5_7B,
+         "policy's num_attention_heads=28 cannot be cut in 8 parts (tensor parallel splits heads, KV heads and the "
+         "MLP's width evenly); allowed for it: 1, 2, 4"),
+    ],
+)  # fmt: skip
+def test_an_instance_size_the_engines_cannot_cut_is_one_line(overrides, model, words):
+    with pytest.raises(UserError, match="tensor_parallel=") as e:
+        plan("devices=8", *overrides, policy=model)
+    assert words in str(e.value) and "\n" not in str(e.value)
