@@ -1,5 +1,6 @@
 """The job resolved against the hardware once (pivotrl.resolve): each ``auto`` rule, case by case."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -340,7 +341,10 @@ def test_auto_tensor_parallel_is_the_fewest_devices_that_hold_each_model():
         (("tensor_parallel=2",), SMALL, "rollout.backend=native serves one device"),
         (("tensor_parallel=2", "rollout.backend=vllm"), SMALL, "judge.backend=native serves one device"),
         (("tensor_parallel=4", "rollout.backend=vllm", "judge.backend=vllm"), SMALL,
-         "policy's num_key_value_heads=2 cannot be cut in 4 parts"),  # (14 heads: not by 4 either)
+         "policy's num_attention_heads=14 cannot be cut in 4 parts"),  # (2 KV heads: each on 2 devices, allowed)
+        (("tensor_parallel=2", "rollout.backend=vllm", "judge.backend=vllm"),
+         dataclasses.replace(SMALL, num_attention_heads=12, num_key_value_heads=3),
+         "policy's num_key_value_heads=3 cannot be cut in 2 parts"),
         (("tensor_parallel=8", "rollout.backend=vllm", "judge.backend=vllm"), QWEN2_5_7B,
          "policy's num_attention_heads=28 cannot be cut in 8 parts (tensor parallel splits heads, KV heads and the "
          "MLP's width evenly); allowed for it: 1, 2, 4"),
