@@ -52,6 +52,12 @@ i. ``job``: ``pivotrl train examples/default.yaml steps=10 devices=4
    Where Ray is not installed, one device in the training process instead
    (``devices=1 mode=colocated``).
 
+k. ``tensor_parallel``: instances of two GPUs (two instances on a machine of four
+   GPUs or more, else one), whole GPUs per device, the policy and the judge on
+   vLLM with tensor parallel over each instance's GPUs, shiftable: every step
+   done and every engine rank a process of its own serving one model. Skipped,
+   saying so, where the machine has one GPU.
+
 j. ``cuda_context``: the device memory one more process takes for its CUDA
    context (a child process holding torch, a tensor and a matmul on the GPU),
    against the estimate the job's plan counts per process on a GPU
@@ -96,7 +102,7 @@ from pivotrl.gpucheck.models import engine_throughput, parity, vllm_backend
 from pivotrl.gpucheck.sampling import processor_step, sampling_check
 from pivotrl.gpucheck.sections import cannot_run, headline, run_section
 from pivotrl.gpucheck.shapes import gb
-from pivotrl.gpucheck.train import fsdp_check, job, member_lost, vllm_job, zero_check
+from pivotrl.gpucheck.train import fsdp_check, job, member_lost, tensor_parallel_job, vllm_job, zero_check
 from pivotrl.gpucheck.transfer import gps_load, gps_load_ray, shifts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,13 +142,14 @@ def machine() -> dict[str, Any]:
 # when the machine is slow, saying so)
 SECTIONS = (
     "parity", "cuda_context", "vllm", "vllm_job", "sampling", "gps_load", "gps_load_ray", "shifts", "fsdp", "zero",
-    "moe", "engine", "member_lost", "job",
+    "moe", "engine", "member_lost", "tensor_parallel", "job",
 )  # fmt: skip
 
 
 ESTIMATE_S = {
     "parity": 30, "gps_load": 40, "gps_load_ray": 60, "shifts": 60, "engine": 90, "fsdp": 60, "zero": 40, "vllm": 120,
     "member_lost": 30, "cuda_context": 20, "sampling": 30, "vllm_job": 180, "job": 120, "moe": 30,
+    "tensor_parallel": 150,
 }  # fmt: skip
 
 
@@ -213,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
             elif name == "vllm_job":  # (leaves the last job its time)
                 fn = lambda left=left: vllm_job(device, Path(tmp) / "vllm", max(30.0, min(240.0, left - 140)))
+            elif name == "tensor_parallel":
+                if torch.cuda.device_count() < 2:
+                    why = f"{torch.cuda.device_count()} GPU here: instances of several GPUs need 2 or more"
+                    sections[name] = {"status": "skipped", "reason": why}
+                    continue
+                fn = lambda left=left: tensor_parallel_job(
+                    device, Path(tmp) / "tp", torch.cuda.device_count(), max(30.0, min(240.0, left - 120))
+                )
             else:
                 fn = jobs[name]
             if left < ESTIMATE_S[name] / 2:

@@ -154,6 +154,7 @@ class Plan:
             "rollout_backend": self.rollout_backend,
             "judge_backend": self.judge_backend,
             "audit_migrations": self.audit_migrations,
+            "tensor_parallel": self.tensor_parallel,
         }
 
     @property

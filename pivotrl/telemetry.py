@@ -177,12 +177,14 @@ class RunWriter:
         path.write_bytes(orjson.dumps(data, default=_plain, option=_OPTIONS | orjson.OPT_INDENT_2) + b"\n")
         return path
 
-    def write_events(self, slices: list[Slice], title: str = "") -> None:
+    def write_events(self, slices: list[Slice], title: str = "", instances: dict[int, int] | None = None) -> None:
+        """The run's slices as events, a trace and a timeline; ``instances``: each device's instance, where
+        instances are of several devices (the trace and the timeline name them)."""
         # asdict's fields without its deep copy: a simulated run has 10^5 slices
         rows = [dict(device=s.device, role=s.role, name=s.name, start=s.start, end=s.end, args=s.args) for s in slices]
         self.write_jsonl("events.jsonl", rows)
-        write_trace(slices, self.dir / "trace.json")
-        draw_timeline(slices, self.dir / "timeline.png", title)
+        write_trace(slices, self.dir / "trace.json", instances)
+        draw_timeline(slices, self.dir / "timeline.png", title, instances)
 
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
@@ -218,17 +220,22 @@ def read_events(run_dir: str | Path) -> list[Slice]:
     return slices
 
 
-def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
-    """Chrome trace-event JSON: a complete event ("X") per slice, a thread per device."""
+def write_trace(slices: Iterable[Slice], path: str | Path, instances: dict[int, int] | None = None) -> None:
+    """Chrome trace-event JSON: a complete event ("X") per slice, a thread per device; with instances of several
+    devices (``instances``: each device's), a process per instance holding its devices' threads."""
     slices = list(slices)
-    events: list[dict[str, Any]] = [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "pivotrl"}}]
+    pid = (lambda d: instances.get(d, -1)) if instances else (lambda d: 0)
+    events: list[dict[str, Any]] = []
+    for p in sorted({pid(s.device) for s in slices}) or [0]:
+        name = f"instance {p}" if instances else "pivotrl"
+        events.append({"ph": "M", "pid": p, "name": "process_name", "args": {"name": name}})
     for d in sorted({s.device for s in slices}):
-        events.append({"ph": "M", "pid": 0, "tid": d, "name": "thread_name", "args": {"name": f"device {d}"}})
+        events.append({"ph": "M", "pid": pid(d), "tid": d, "name": "thread_name", "args": {"name": f"device {d}"}})
     for s in slices:
         events.append(
             {
                 "ph": "X",
-                "pid": 0,
+                "pid": pid(s.device),
                 "tid": s.device,
                 "name": s.name,
                 "cat": s.role,
@@ -242,7 +249,9 @@ def write_trace(slices: Iterable[Slice], path: str | Path) -> None:
     Path(path).write_bytes(orjson.dumps(trace, default=_plain, option=_OPTIONS))
 
 
-def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") -> None:
+def draw_timeline(
+    slices: Iterable[Slice], path: str | Path, title: str = "", instances: dict[int, int] | None = None
+) -> None:
     """Devices x time, coloured by role, in the format ``path``'s suffix names (:data:`PICTURE_FORMATS`). Up to
     ``BAR_ROWS`` devices, one bar per slice (one collection of bars per role); past that, a row of pixels per
     device, painted slice by slice (shifts and migrations last, so that they show), which a thousand devices and
@@ -264,7 +273,8 @@ def draw_timeline(slices: Iterable[Slice], path: str | Path, title: str = "") ->
     else:
         roles = _raster(ax, slices, devices, begin, end)
     every = max(1, math.ceil(len(devices) / 32))  # label at most ~32 rows
-    ax.set_yticks(devices[::every], [f"device {d}" for d in devices[::every]])
+    label = (lambda d: f"instance {instances.get(d)} device {d}") if instances else (lambda d: f"device {d}")
+    ax.set_yticks(devices[::every], [label(d) for d in devices[::every]])
     ax.set_ylim(min(devices) - 0.6, max(devices) + 0.6)
     ax.invert_yaxis()
     ax.set_xlim(begin, end)

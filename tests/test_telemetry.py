@@ -183,3 +183,13 @@ def test_a_run_files_rows_come_with_their_lines_and_a_damaged_line_is_named(tmp_
     path.write_text("[1, 2]\n")
     with pytest.raises(UserError, match=rf"^{path} line 1: expected a JSON object, got list$"):
         read_jsonl(path)
+
+
+def test_the_trace_holds_a_process_per_instance_with_its_devices_threads(tmp_path):
+    slices = [Slice(d, "rollout", "r", 0.0, 1.0) for d in range(4)]
+    write_trace(slices, tmp_path / "trace.json", {0: 0, 2: 0, 1: 1, 3: 1})  # (instances of two, as placed)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    threads = {e["tid"]: e["pid"] for e in events if e["name"] == "thread_name"}
+    assert processes == {0: "instance 0", 1: "instance 1"} and threads == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert all(e["pid"] == threads[e["tid"]] for e in events if e["ph"] == "X")

@@ -169,6 +169,11 @@ def _tie_embeddings(worker: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def _param_bytes(worker: Any) -> int:
+    """Bytes of the weights the worker's model holds (a tensor-parallel rank: its shard, the vocabulary padded)."""
+    return sum(p.numel() * p.element_size() for p in worker.model_runner.get_model().parameters())
+
+
 # vLLM's sleep mode allocates an engine's weights and KV cache through one allocator per process
 # (``CuMemAllocator``, vllm/device_allocator/cumem.py): its GPU worker refuses to load a second engine's weights
 # while the allocator holds anything (vllm/v1/worker/gpu_worker.py, ``_maybe_get_memory_pool_context``), and its
@@ -286,6 +291,27 @@ def sleep_beside_others(llm: Any) -> None:
         llm.engine_core.engine_core.model_executor.sleeping_tags |= SLEEP_TAGS
 
 
+def _parallel_args(tp: int) -> dict[str, Any]:
+    """The engine's arguments for ``tp`` ranks: each rank is a process of its own that builds the engine and
+    runs every call itself (vLLM's ``external_launcher`` executor, ``v1/executor/uniproc_executor.py``), the
+    ranks meeting through the environment the caller set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``: :func:`rank_environment`). Every rank runs its own scheduler, so every
+    rank must get the same calls in the same order (an add on one rank alone is a collective mismatch); the
+    logits processor runs on every rank over the gathered logits, so the counter-based draws agree."""
+    if tp == 1:
+        return {}
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "external_launcher"}
+
+
+def rank_environment(rank: int, world: int, address: str, port: int, cuda: bool) -> dict[str, str]:
+    """The environment of rank ``rank`` of a tensor-parallel engine of ``world`` ranks meeting at
+    ``address:port``. ``LOCAL_RANK`` names the GPU in the process's view: on Ray each rank sees its own GPU
+    only (0), and vLLM's worker asserts ``local_rank < device_count``; on a CPU it is the rank."""
+    local = 0 if cuda else rank
+    return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "MASTER_ADDR": address,
+            "MASTER_PORT": str(port), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+
+
 @dataclass(slots=True)
 class _Request:
     state: SeqState
@@ -307,8 +333,10 @@ class VllmEngine:
         kv_cache_bytes: int = 0,
         memory_share: float = 1.0,
         weights: Snapshot | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         self.config, self.dtype, self.device = config, dtype, device
+        self.tensor_parallel = tensor_parallel  # this process is one rank of so many (see ``_parallel_args``)
         self.requested_batch, self.kv_cache_bytes, self.memory_share = max_batch, kv_cache_bytes, memory_share
         self.channel = next(_channels)
         _LOGPROBS[self.channel] = {}
@@ -332,9 +360,11 @@ class VllmEngine:
         # model's: vLLM refuses to start unless one sequence of the limit fits its KV pool, which a 128k-context
         # model's own limit would not on a shared GPU; the pool is what ``kv_cache_bytes`` sizes
         limit = min(max_len, self.config.max_position_embeddings)
-        per_token = bytes_per_token(self.config, self.dtype)
+        tp = self.tensor_parallel  # (a rank holds its share of the KV heads, at least one, and of the weights)
+        per_token = bytes_per_token(self.config, self.dtype) * max(1, self.config.num_key_value_heads // tp)
+        per_token //= self.config.num_key_value_heads
         free, total = torch.cuda.mem_get_info(self.device) if cuda else (0, 0)
-        weight_bytes = self.config.num_parameters() * torch.empty((), dtype=self.dtype).element_size()
+        weight_bytes = self.config.num_parameters() * torch.empty((), dtype=self.dtype).element_size() // tp
         kv = kv_pool_bytes(
             self.kv_cache_bytes, cuda, self.memory_share, free, total, weight_bytes, per_token, limit,
             self.requested_batch, max_len,
@@ -359,6 +389,7 @@ class VllmEngine:
             async_scheduling=False,
             disable_log_stats=True,  # pivotrl reports what the engine did (progress events, the trace)
             seed=0,
+            **_parallel_args(tp),
         )
         _check_alone(cuda)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
@@ -469,9 +500,12 @@ class VllmEngine:
         self.stats.prefill_tokens += prefilled
         return finished, prefilled
 
-    def run(self, seconds: float, clock: Callable[[], float]) -> SliceReport:
+    def run(self, seconds: float, clock: Callable[[], float], steps: int = 0) -> SliceReport:
+        """Steps until ``seconds`` of ``clock`` have passed; ``steps`` > 0: exactly that many steps (fewer where
+        the work ends first), the clock not read for it: every rank of a tensor-parallel engine runs the steps
+        its instance's first device decided, as each step is a collective of all ranks."""
         report = SliceReport(running=self.load)
-        before, t0 = self.stats.generated_tokens, clock()
+        before, t0, ran = self.stats.generated_tokens, clock(), 0
         while self.requests and self.llm.has_unfinished_requests():
             context = sum(len(r.state.prompt_ids) + len(r.state.output_ids) for r in self.requests.values())
             s0 = clock()
@@ -484,7 +518,8 @@ class VllmEngine:
                 report.steps += 1
                 report.kv += context
                 self.stats.decode_tokens += len(self.requests) + len(finished)
-            if clock() - t0 >= seconds:
+            ran += 1
+            if (ran >= steps) if steps else (clock() - t0 >= seconds):
                 break
         self.stats.kv_read_tokens += report.kv
         report.tokens = self.stats.generated_tokens - before
@@ -509,6 +544,11 @@ class VllmEngine:
         if self.config.tie_word_embeddings:
             self.llm.collective_rpc(_tie_embeddings)
         self.llm.reset_prefix_cache()
+
+    def held_bytes(self) -> int:
+        """Bytes of weights this process's engine holds: what a version's load copies into it (a rank of a
+        tensor-parallel engine: its shard of the whole, which vLLM's loaders cut from the GPS's views)."""
+        return int(self.llm.collective_rpc(_param_bytes)[0])
 
     def sleep(self) -> None:
         """On a GPU free the weights and the KV cache (the engine stays); on a CPU nothing to free."""

@@ -82,6 +82,12 @@ def headline(name: str, section: dict[str, Any]) -> str:
             f"{r.get('steps')} steps in {r['seconds']} s; shifts {r.get('shifts_by_pair')}; "
             f"{r.get('engine_processes')} engine processes, each one model's: {r.get('engines_alone')}"
         )
+    if name == "tensor_parallel":
+        return (
+            f"{r.get('instances')} instance(s) of 2 GPUs, {r.get('steps')} steps in {r['seconds']} s; shifts "
+            f"{r.get('shifts_by_pair')}; {r.get('engine_processes')} engine processes, each one model's: "
+            f"{r.get('engines_alone')}"
+        )
     if name == "cuda_context":
         return (
             f"one more process's CUDA context {r['context_gb']} GB ({r['of_estimate']}x the plan's estimate of "
@@ -119,6 +125,7 @@ NEEDS = {
     "shifts": ("orjson",),
     "job": ("orjson", "yaml", "jinja2", "tqdm", "matplotlib"),  # (the run's config, chat template, bar, timeline)
     "vllm_job": ("ray", "orjson", "yaml", "jinja2", "tqdm", "matplotlib"),
+    "tensor_parallel": ("ray", "orjson", "yaml", "jinja2", "tqdm", "matplotlib"),
 }
 PACKAGES = {"ray": "Ray", "orjson": "orjson", "transformers": "transformers", "yaml": "PyYAML", "jinja2": "Jinja2",
             "tqdm": "tqdm", "matplotlib": "matplotlib"}  # fmt: skip
@@ -138,7 +145,7 @@ def cannot_run(name: str) -> str | None:
                 f'NCCL takes one rank per GPU (two ranks on one GPU fail when the communicator is made: "Duplicate '
                 f'GPU detected"), and this machine has {torch.cuda.device_count()}'
             )
-    if name in ("vllm", "sampling", "vllm_job"):
+    if name in ("vllm", "sampling", "vllm_job", "tensor_parallel"):
         try:
             from pivotrl.engine.vllm_engine import available as vllm_available
         except ImportError as e:  # (a package the backend's module needs)

@@ -268,6 +268,19 @@ def vllm_job(device: str, out: Path, timeout_s: float = 300.0, steps: int = 6) -
     return result
 
 
+def tensor_parallel_job(device: str, out: Path, gpus: int, timeout_s: float = 300.0, steps: int = 4
+                        ) -> dict[str, Any]:  # fmt: skip
+    """Instances of two GPUs (two instances where the machine has four GPUs, else one), whole GPUs per device,
+    the policy and the judge on vLLM with tensor parallel over each instance's GPUs (NCCL), shiftable: every
+    step done, every engine rank in a process of its own serving one model."""
+    devices = 4 if gpus >= 4 else 2
+    extra = ("rollout.backend=vllm", "judge.backend=vllm", "rollout.temperature=1.0", "tensor_parallel=2",
+             "gpus_per_device=1")  # fmt: skip
+    result = job(device, out, timeout_s, steps=steps, devices=devices, extra=extra)
+    result["instances"] = devices // 2
+    return result
+
+
 def _lose_a_rank(rank: int, port: int, device: str, lost: Any, out: Any) -> None:
     """One rank of ``member_lost``: rank 1 dies after the first collective; rank 0 goes on reducing until its
     collective fails, a thread of its own aborting the group once the parent says rank 1 is gone (as the driver's

@@ -101,6 +101,7 @@ class ContextSpec:
     judge_backend: str = "native"  # generation backend of the judge (judge.backend)
     audit_migrations: bool = False  # generate each resumed sequence unmigrated beside it and compare (rollout.*)
     devices: int = 1  # the job's devices: the most an optimizer step can run on
+    tensor_parallel: int = 1  # devices of an instance: ranks of each vLLM engine (Plan.tensor_parallel)
 
     def backend(self, name: str) -> str:
         return self.rollout_backend if name == POLICY else self.judge_backend
@@ -205,8 +206,11 @@ class GenerationContext:
             else:
                 config = ModelConfig.from_hf(meta["config"])
                 self.engine = VllmEngine(
-                    config, dtype, device, spec.max_batch, max_len, spec.kv_cache_bytes, spec.memory_share, snap
-                )
+                    config, dtype, device, spec.max_batch, max_len, spec.kv_cache_bytes, spec.memory_share, snap,
+                    spec.tensor_parallel,
+                )  # fmt: skip
+            if spec.tensor_parallel > 1:  # (a rank copies its shard of the version: what it reports loading)
+                self.nbytes = self.engine.held_bytes()
             return
         if isinstance(kept, Skeleton) and kept.name == name and next(kept.model.parameters()).dtype == dtype:
             self.model, self.tokenizer = _materialize(kept.model, device), kept.tokenizer
@@ -231,7 +235,8 @@ class GenerationContext:
         snap = store.fetch(self.name, version)
         self.engine.load_weights(snap)
         self.version = version
-        return snap.nbytes
+        held = getattr(self.engine, "tensor_parallel", 1) > 1
+        return self.engine.held_bytes() if held else snap.nbytes
 
     def release(self) -> Skeleton | Any:
         """Free what the context holds on the device; returns what is left to come back with.

@@ -43,7 +43,9 @@ from pivotrl.engine.protocol import SliceReport
 from pivotrl.gps import ParameterStore
 from pivotrl.runtime.contexts import ContextSpec, GenerationContext, Tokenizer, tokenizer_of
 
+MAX_SLICE_STEPS = 256  # engine steps a slice of a tensor-parallel engine may run (its estimate of a step's time off)
 OWN_PROCESS = ("vllm",)  # backends whose engine runs in a process of its own (see the module docstring)
+EVERY_RANK = ("open", "refresh")  # calls whose answers a tensor-parallel engine's client takes from every rank
 ENGINE_DIED = 70  # the exit status of a device's process whose engine's process died
 
 
@@ -84,11 +86,20 @@ class EngineHost:
     process ever holds engines of two models reads it from the run's events.
     """
 
-    def __init__(self, name: str, store: ParameterStore, spec: ContextSpec, threads: int = 1) -> None:
+    def __init__(
+        self, name: str, store: ParameterStore, spec: ContextSpec, threads: int = 1, rank: int = 0,
+        meet: tuple[str, int] = ("", 0),
+    ) -> None:  # fmt: skip
+        """``rank`` of the instance's ``spec.tensor_parallel`` ranks, meeting the others at ``meet`` (address,
+        port): set in the environment before vLLM reads it (a world of one needs none)."""
         import torch
 
         from pivotrl.runtime import devices as dev
 
+        if spec.tensor_parallel > 1 and spec.backend(name) == "vllm":
+            from pivotrl.engine.vllm_engine import rank_environment
+
+            os.environ.update(rank_environment(rank, spec.tensor_parallel, *meet, cuda=spec.device == "cuda"))
         torch.set_num_threads(threads)
         if spec.backend(name) == "vllm":  # its imports at the start, beside the other processes, not at a shift
             from pivotrl.engine.vllm_engine import import_vllm
@@ -142,9 +153,10 @@ class EngineHost:
     def abort_all(self) -> list[SeqState]:
         return self._ctx().engine.abort_all()
 
-    def run(self, seconds: float) -> tuple[SliceReport, EngineStats]:
+    def run(self, seconds: float, steps: int = 0) -> tuple[SliceReport, EngineStats]:
         engine = self._ctx().engine
-        return engine.run(seconds, self.now), engine.stats
+        report = engine.run(seconds, self.now, steps) if steps else engine.run(seconds, self.now)
+        return report, engine.stats
 
     def ensure_capacity(self, max_len: int) -> None:
         self._ctx().engine.ensure_capacity(max_len)
@@ -174,8 +186,13 @@ class EngineClient:
     ``load`` need no call.
     """
 
-    def __init__(self, name: str, call: Call, send: Call) -> None:
+    def __init__(self, name: str, call: Call, send: Call, ranks: int = 1) -> None:
         self.name, self._call, self._send = name, call, send
+        # ranks of the engine (tensor parallel), every one given each call: a slice is a count of steps this side
+        # decides (``run``), never each rank's own clock
+        self.ranks = ranks
+        self.step_s = 0.0  # seconds an engine step took, as the last slices measured it (ranks > 1)
+        self.rank_bytes: tuple[int, ...] = ()  # bytes each rank copied at the last load (ranks > 1)
         self.uids: set[int] = set()
         self.stats = EngineStats()  # the engine's, as its last run reported them
         self.max_batch = self.max_len = 0
@@ -184,13 +201,21 @@ class EngineClient:
     def open(self, version: int) -> Opened:
         """Wake the engine with ``version`` (built there on the first open)."""
         opened: Opened = self._call("open", version)
+        if self.ranks > 1:  # (every rank's answer: each loaded its shard)
+            self.rank_bytes = tuple(o.nbytes for o in opened)  # type: ignore[attr-defined]
+            opened = opened[0]  # type: ignore[index]
         self.max_batch, self.max_len = opened.max_batch, opened.max_len
         if opened.meta is not None:
             self.tokenizer = tokenizer_of(opened.meta)
         return opened
 
     def refresh(self, version: int) -> int:
-        return self._call("refresh", version)
+        """Load ``version`` in place; the bytes rank 0 copied (every rank's: ``rank_bytes``)."""
+        nbytes = self._call("refresh", version)
+        if self.ranks > 1:
+            self.rank_bytes = tuple(nbytes)
+            nbytes = nbytes[0]
+        return nbytes
 
     def release(self) -> None:
         self._call("release")
@@ -223,7 +248,16 @@ class EngineClient:
         return len(self.uids)
 
     def run(self, seconds: float, clock: Callable[[], float]) -> SliceReport:
-        report, self.stats = self._call("run", seconds)
+        if self.ranks == 1:
+            report, self.stats = self._call("run", seconds)
+        else:
+            steps = max(1, min(MAX_SLICE_STEPS, round(seconds / self.step_s))) if self.step_s else 1
+            t0, before = clock(), self.stats.steps
+            report, self.stats = self._call("run", seconds, steps)
+            ran = self.stats.steps - before
+            if ran:
+                took = (clock() - t0) / ran
+                self.step_s = took if not self.step_s else 0.5 * (self.step_s + took)
         for s in report.finished:
             self.uids.discard(s.uid)
         return report
@@ -255,7 +289,8 @@ class RemoteGeneration:
     def __init__(self, name: str, version: int, client: EngineClient) -> None:
         opened = client.open(version)
         assert client.tokenizer is not None, "the first open brings the tokenizer"
-        self.name, self.version, self.nbytes = name, version, opened.nbytes
+        # (the bytes loaded on every rank of a tensor-parallel engine, each its shard: ``client.rank_bytes``)
+        self.name, self.version, self.nbytes = name, version, sum(client.rank_bytes) or opened.nbytes
         self.engine, self.tokenizer = client, client.tokenizer
         self.builds, self.pid = opened.builds, opened.pid
 
@@ -264,7 +299,7 @@ class RemoteGeneration:
         GPS itself."""
         nbytes = self.engine.refresh(version)
         self.version = version
-        return nbytes
+        return sum(self.engine.rank_bytes) or nbytes
 
     def release(self) -> EngineClient:
         """Put the engine to sleep; the client is what comes back to it."""
@@ -307,6 +342,34 @@ def ray_client(actor: Any, name: str) -> EngineClient:
             engine_died(name, e)
 
     return EngineClient(name, call, send)
+
+
+def ray_instance_client(actors: list[Any], name: str) -> EngineClient:
+    """A client of a tensor-parallel engine whose ranks are the host actors ``actors`` (rank 0 first): every
+    call goes to every rank, in the same order (each rank runs its own scheduler, so they agree only on the same
+    calls), and rank 0's answer is the engine's (every rank's, for the loads: ``EVERY_RANK``). A rank's error is
+    the engine's; a rank's process that died ends the device's, as for one rank."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    sent: list[Any] = []
+
+    def send(method: str, *args: Any) -> None:
+        sent.extend(getattr(a, method).remote(*args) for a in actors)
+
+    def call(method: str, *args: Any) -> Any:
+        refs = [getattr(a, method).remote(*args) for a in actors]
+        try:
+            if sent:
+                earlier = list(sent)
+                sent.clear()
+                ray.get(earlier)
+            answers = ray.get(refs)
+            return answers if method in EVERY_RANK else answers[0]
+        except RayActorError as e:
+            engine_died(name, e)
+
+    return EngineClient(name, call, send, ranks=len(actors))
 
 
 def engine_died(name: str, error: BaseException) -> NoReturn:

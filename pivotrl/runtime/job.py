@@ -493,12 +493,18 @@ def _run_once(
         devices = None if in_process else driver
         plan = resolve_run(cfg, kind, _device_memory(cfg, kind, devices), cspec, start, bf16=_bf16(kind, devices),
                            vllm=vllm_available() and _on_cuda(kind, devices))  # fmt: skip
+        if in_process and plan.tensor_parallel > 1:
+            raise UserError(
+                f"tensor_parallel={plan.tensor_parallel}: instances of several devices run on Ray (devices > 1, or "
+                "--ray-address), each device a process of its own"
+            )
         driver.configure(plan)  # (every device takes the plan's train config, dtypes and backends)
         try:
+            tp = plan.tensor_parallel  # (the control plane's devices are instances of tp devices)
             policy = policy or make_policy(
                 cfg.mode,
-                cfg.devices,
-                parse_split(cfg.split),
+                cfg.instances(tp),
+                {role: count // tp for role, count in parse_split(cfg.split).items()},
                 cfg.rollout.max_batch,
                 cfg.rollout.max_new_tokens,
                 cfg.judge.max_new_tokens,
@@ -563,7 +569,11 @@ def _run_once(
     summary["train_min_devices"] = plan.min_train_devices
     summary["plan"] = plan.to_dict()
     writer.write_json("summary.json", summary)
-    writer.write_events(slices, title=f"{cfg.mode}, {cfg.devices} device(s), {cfg.steps} steps")
+    tp = plan.tensor_parallel
+    shape = f"{cfg.devices} device(s)" + (f" in {cfg.instances(tp)} instances" if tp > 1 else "")
+    inst = getattr(driver, "inst", None)  # (the Ray driver's: where instances are of several devices)
+    instances = {d: inst.of(d) for d in range(cfg.devices)} if inst is not None and tp > 1 else None
+    writer.write_events(slices, title=f"{cfg.mode}, {shape}, {cfg.steps} steps", instances=instances)
     planner = getattr(policy, "planner", None)
     if planner is not None:  # every decision that moved a device, with the estimate that justified it
         writer.write_jsonl("decisions.jsonl", [d.row() for d in planner.log])

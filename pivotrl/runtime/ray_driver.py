@@ -52,8 +52,16 @@ from pivotrl.resolve import Plan
 from pivotrl.runtime import devices as dev
 from pivotrl.runtime.blame import PROBE_S, blame, told
 from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec
-from pivotrl.runtime.engine_host import EngineClient, EngineHost, engine_processes, needs_process, ray_client
+from pivotrl.runtime.engine_host import (
+    EngineClient,
+    EngineHost,
+    engine_processes,
+    needs_process,
+    ray_client,
+    ray_instance_client,
+)
 from pivotrl.runtime.groups import TrainGroups
+from pivotrl.runtime.instances import Instances, Member, combine_accumulated, combine_shifts, split_shard
 from pivotrl.runtime.stream import Stream
 from pivotrl.runtime.worker import TrainSpec, Worker
 from pivotrl.telemetry import Slice
@@ -73,12 +81,22 @@ def start_timeout(device_timeout: float) -> float:
 
 
 @dataclass(slots=True)
+class _Gather:
+    """The calls of one command sent to every device of an instance, until every one has returned: one event."""
+
+    instance: int
+    combine: Callable[[list[Any]], Event]
+    refs: dict[Any, int]  # ObjectRef -> rank in the instance, still out
+    results: list[tuple[int, Any]] = field(default_factory=list)  # (rank in the instance, its event)
+
+
+@dataclass(slots=True)
 class _StepCalls:
     """The calls of one optimizer step, until every one has returned."""
 
-    devices: tuple[int, ...]
+    devices: tuple[int, ...]  # the step's instances (the control plane's devices)
     version: int
-    refs: dict[Any, int] = field(default_factory=dict)  # ObjectRef -> device, still out
+    refs: dict[Any, int] = field(default_factory=dict)  # ObjectRef -> device (of the job's), still out
     trained: Any = None  # rank 0's Trained, once returned
     lost: list[DeviceLost] = field(default_factory=list)
     lost_at: float = 0.0  # when the first member was lost (monotonic)
@@ -100,7 +118,11 @@ class DeviceActor:
         threads: int,
         bundle: int | None = None,
         gpu_share: float = 0.0,
+        member: Member | None = None,
     ) -> None:
+        """``device``: its index among the job's devices (and its placement-group bundle's); ``member``: its place
+        in its instance (None: an instance of its own), given again by ``configure`` once the plan is known."""
+        self.member = member or Member(device, 0, (device,))
         # its models' engines that run in processes of their own (engine_host), once their backends are known: now
         # for a device restarted with the run's plan, else when the plan comes (configure)
         self.clients: dict[str, EngineClient] = {}
@@ -108,7 +130,10 @@ class DeviceActor:
         self._start_engines(spec)
         spec = replace(spec, device=dev.bind(spec.device))  # see the devices module for a GPU torch cannot see
         self.bundle = bundle  # the placement-group bundle it was scheduled into (Ray does not tell an actor)
-        self.worker = Worker(device, store, spec, train, origin, threads=threads, engines=self.clients.__getitem__)
+        self.worker = Worker(
+            self.member.instance, store, spec, train, origin, threads=threads, engines=self.clients.__getitem__,
+            gpu=device, serves=self.member.rank == 0,
+        )  # fmt: skip
         self.stream = Stream(self.worker, SLICE_SECONDS)  # (it generates on its own while it holds sequences)
         # a device about to be declared lost for missing its deadline is first asked for its threads' stacks
         # (written to its log, which Ray forwards to the driver's): what it was stuck in
@@ -136,17 +161,31 @@ class DeviceActor:
             bf16=dev.bf16_supported() if self.worker.spec.device == dev.CUDA else True,
         )
 
-    def configure(self, plan: Any) -> None:
-        self.stream.hold(lambda: self.worker.configure(plan))
+    def configure(self, plan: Any, member: Member | None = None) -> None:
+        """The run's plan, and this device's place in its instance (None: an instance of its own)."""
+        self.member = member or self.member
+
+        def take() -> None:
+            self.worker.configure(plan)
+            self.worker.device, self.worker.serves = self.member.instance, self.member.rank == 0
+
+        self.stream.hold(take)
         self._start_engines(replace(self._engines[1], **plan.serving()))
 
     def _start_engines(self, spec: ContextSpec) -> None:
         """Start the engine process of each model whose backend needs one (in the background: the start of a
-        process and its imports is paid beside the rest, not at the first shift)."""
+        process and its imports is paid beside the rest, not at the first shift). The first device of an
+        instance of several starts an engine process in each of its instance's bundles, the ranks of one
+        tensor-parallel engine, and drives them all; the others serve no engine."""
         store, _, threads, bundle, share = self._engines
+        if self.member.rank:
+            return
         for name in (POLICY, JUDGE):
             if needs_process(spec.backend(name)) and name not in self.clients:
-                self.clients[name] = _engine_process(name, store, spec, threads, bundle, share)
+                if len(self.member.bundles) == 1:
+                    self.clients[name] = _engine_process(name, store, spec, threads, bundle, share)
+                else:
+                    self.clients[name] = _engine_ranks(name, store, spec, threads, self.member.bundles, share)
 
     # -- commands: each runs between two slices of generation and returns the events generated before it, then
     # its own result (pivotrl.runtime.stream) --
@@ -219,6 +258,28 @@ def _engine_process(
     where = PlacementGroupSchedulingStrategy(pg, bundle) if pg is not None and bundle is not None else None
     remote = ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpu_share, scheduling_strategy=where)
     return ray_client(remote.remote(name, store, spec, threads), name)
+
+
+def _engine_ranks(
+    name: str, store: RayStore, spec: ContextSpec, threads: int, bundles: tuple[int, ...], gpu_share: float
+) -> EngineClient:
+    """Model ``name``'s tensor-parallel engine over an instance: one process per bundle of ``bundles`` (rank r
+    in the r-th, the caller's first), meeting at a port of the caller's node (an instance is on one node);
+    owned by the caller, they die with it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.get_current_placement_group()
+    with socket.socket() as s:  # (a port free now, taken by rank 0's store when the engine builds)
+        s.bind((dev.node_address(), 0))
+        port = s.getsockname()[1]
+    meet = (dev.node_address(), port)
+    hosts = []
+    for rank, b in enumerate(bundles):
+        where = PlacementGroupSchedulingStrategy(pg, b) if pg is not None else None
+        remote = ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpu_share, scheduling_strategy=where)
+        hosts.append(remote.remote(name, store, spec, threads, rank, meet))
+    return ray_instance_client(hosts, name)
 
 
 MARKER = "pivotrl-driver"  # in the session directory of a Ray instance a pivotrl driver started: its pid
@@ -356,6 +417,23 @@ def _threads(pg: Any, cfg: JobConfig, local: bool) -> list[int]:
     return dev.thread_shares(nodes, cores, cfg.threads_per_device)
 
 
+def _instances(size: int, pg: Any, devices: int) -> Instances:
+    """The job's devices in instances of ``size``, each on one node (an engine's ranks meet there, and a node's
+    GPUs are linked), as the placement group put them; one line naming ``tensor_parallel`` where a node's devices
+    are not a whole number of instances."""
+    if size == 1:
+        return Instances.uniform(1, devices)
+    import ray
+
+    table = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    try:
+        return Instances.on_nodes(size, [table[d] for d in range(devices)])
+    except ValueError as e:
+        raise UserError(
+            f"tensor_parallel={size}: {e}; use a tensor_parallel that divides every node's devices"
+        ) from None
+
+
 def _keep_versions(cfg: JobConfig) -> int:
     """The policy versions the GPS keeps, as the devices' train spec says."""
     return TrainSpec(cfg.train, cfg.rollout.temperature).keep_versions
@@ -379,9 +457,13 @@ class RayDriver:
         self.object_store: gps_sizing.ObjectStore | None = None
         self.actors: list[Any] = []
         self.pg: Any = None
-        self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, device)
+        # the driver's books are in instances (the control plane's devices; the job's devices where
+        # tensor_parallel is 1); a call names its device where it went to one of an instance's several
+        self.pending: dict[Any, tuple[str, int]] = {}  # ObjectRef -> (kind, instance)
         self.sent: dict[Any, float] = {}  # ObjectRef -> when it was sent (device_timeout counts from there)
-        self.lost: set[int] = set()  # devices lost and not back yet
+        self.lost: set[int] = set()  # instances lost and not back yet
+        self.gathers: dict[Any, _Gather] = {}  # ObjectRef -> the instance-wide command it is part of
+        self.joining: dict[Any, int] = {}  # ObjectRef of a restarted device's first answer -> the device
         if self.started_ray:
             kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False, "log_to_driver": True}
             if address is None:  # our own instance, never one that runs beside us. (Ray 2.60 turns the loopback
@@ -419,9 +501,12 @@ class RayDriver:
                 where_d = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=d)
                 remote = ray.remote(concurrency_groups={PROBE: 1})(DeviceActor)
                 actor = remote.options(num_cpus=1, num_gpus=share, scheduling_strategy=where_d)
-                return actor.remote(d, self.store, self.spec, self.train, self.origin, threads[d], d, share)
+                return actor.remote(
+                    d, self.store, self.spec, self.train, self.origin, threads[d], d, share, self.inst.member(d)
+                )
 
             self.origin, self._start = origin, start
+            self.inst = Instances.uniform(1, cfg.devices)  # (configure makes them the plan's)
             self.actors = [start(d) for d in range(cfg.devices)]
             # every wait on a device is bounded: an actor that cannot start (no resources, a broken node) is an
             # error, not a hang. A start (a process, its imports) is not a call: on a loaded machine it takes far
@@ -467,7 +552,9 @@ class RayDriver:
         self.sharded = plan.traits.unique_state
         self.train = replace(self.train, cfg=plan.train)
         self.spec = replace(self.spec, **plan.serving())
-        ray.get([a.configure.remote(plan) for a in self.actors], timeout=self.timeout)
+        self.inst = _instances(plan.tensor_parallel, self.pg, len(self.actors))
+        refs = [a.configure.remote(plan, self.inst.member(d)) for d, a in enumerate(self.actors)]
+        ray.get(refs, timeout=self.timeout)
 
     def start_clock(self, origin: float) -> None:
         """Wait until every device actor is up, then share the run clock's origin."""
@@ -484,35 +571,51 @@ class RayDriver:
         if hasattr(cmd, "version"):
             self.version = max(self.version, cmd.version)
         self._inject(cmd, devices, before=True)
+        first = self.actors[self.inst.first(devices[0])]
         if isinstance(cmd, Shift):
-            self._send(self.actors[cmd.device].shift.remote(cmd.role, cmd.version), "event", cmd.device)
+            members = self.inst.members(cmd.device)
+            self._gather([self.actors[d].shift.remote(cmd.role, cmd.version) for d in members], cmd.device,
+                         combine_shifts)  # fmt: skip
         elif isinstance(cmd, Generate | Judge):
-            actor = self.actors[cmd.device]
+            actor = first
             call = actor.generate if isinstance(cmd, Generate) else actor.judge
             self._send(call.remote(cmd), "ack", cmd.device)
             self.dirty.add(cmd.device)
             self._run(cmd.device)
-        elif isinstance(cmd, Accumulate):
-            self._send(self.actors[cmd.device].accumulate.remote(cmd), "event", cmd.device)
-        elif isinstance(cmd, Step):
-            rendezvous, after = self.groups.plan(cmd.devices, self._retire, self._listen)
+        elif isinstance(cmd, Accumulate):  # (each device of the instance backpropagates its part of the groups)
+            parts = split_shard(cmd.shard, self.inst.size)
+            members = zip(self.inst.members(cmd.device), parts, strict=True)
+            given = [(d, p) for k, (d, p) in enumerate(members) if k == 0 or p.advantages]
+            refs = [self.actors[d].accumulate.remote(replace(cmd, shard=p)) for d, p in given]
+            self._gather(refs, cmd.device, combine_accumulated)
+        elif isinstance(cmd, Step):  # every device of the step's instances is a rank
+            ranks = self.inst.ranks(cmd.devices)
+            rendezvous, after = self.groups.plan(ranks, self._retire, self._listen)
             after = [a for a in after if a is not None]
             self.attempts += 1
             self.stepping = _StepCalls(cmd.devices, cmd.version, rendezvous=rendezvous, attempt=self.attempts)
-            for rank, d in enumerate(cmd.devices):
-                ref = self.actors[d].step.remote(cmd, rank, rendezvous, self.groups.state_world, self.attempts, *after)
-                self._send(ref, "step", d)
+            sent = replace(cmd, devices=ranks)
+            for rank, d in enumerate(ranks):
+                ref = self.actors[d].step.remote(sent, rank, rendezvous, self.groups.state_world, self.attempts, *after)
+                self._send(ref, "step", self.inst.of(d))
                 self.stepping.refs[ref] = d
-            self.groups.stepped(cmd.devices)
+            self.groups.stepped(ranks)
         elif isinstance(cmd, Abort):
-            self._send(self.actors[cmd.device].abort.remote(cmd.uids), "event", cmd.device)
+            self._send(first.abort.remote(cmd.uids), "event", cmd.device)
         else:
             raise TypeError(f"unknown command {cmd!r}")
         self._inject(cmd, devices, before=False)
 
-    def _send(self, ref: Any, kind: str, device: int) -> None:
-        self.pending[ref] = (kind, device)
+    def _send(self, ref: Any, kind: str, instance: int) -> None:
+        self.pending[ref] = (kind, instance)
         self.sent[ref] = time.monotonic()
+
+    def _gather(self, refs: list[Any], instance: int, combine: Callable[[list[Any]], Event]) -> None:
+        """Calls of one command to the devices of ``instance`` (the first's first), answered as one event."""
+        gather = _Gather(instance, combine, {ref: rank for rank, ref in enumerate(refs)})
+        for ref in refs:
+            self._send(ref, "gather", instance)
+            self.gathers[ref] = gather
 
     def _inject(self, cmd: Command, devices: tuple[int, ...], before: bool) -> None:
         """``fault``: fail its device at the first command of its phase in its step (a hang is queued before
@@ -520,9 +623,10 @@ class RayDriver:
         except for a member of an optimizer step other than rank 0: killed before, it never meets the others,
         who wait for it at the rendezvous)."""
         f = self.fault
-        if f is None or (not f.first and f.device not in devices):
+        if f is None or (not f.first and self.inst.of(f.device) not in devices):
             return
-        early = f.kind == "hang" or (isinstance(cmd, Step) and not f.first and devices.index(f.device) > 0)
+        ranks = self.inst.ranks(devices) if isinstance(cmd, Step) else ()
+        early = f.kind == "hang" or (isinstance(cmd, Step) and not f.first and ranks.index(f.device) > 0)
         if early != before:
             return
         phase = {Generate: "rollout", Judge: "judge", Accumulate: "backward", Step: "optimizer", Shift: "shift"}
@@ -530,14 +634,14 @@ class RayDriver:
             return
         import ray
 
-        device = devices[0] if f.first else f.device
+        device = self.inst.first(devices[0]) if f.first else f.device
         self.fault = None
         logger.warning("fault injected: device %d %s at the %s of step %d", device, f.kind, f.phase, f.step)
         if f.kind == "hang" and isinstance(cmd, Step):  # inside the step, among the others, as a hung kernel
             ray.get(self.actors[device].hang_in_next_step.remote(), timeout=self.timeout)
             return
         if f.kind == "hang":
-            self._send(self.actors[device].hang.remote(), "hang", device)
+            self._send(self.actors[device].hang.remote(), "hang", self.inst.of(device))
             return
         if isinstance(cmd, Step) and self.stepping and isinstance(self.stepping.rendezvous, ray.ObjectRef):
             # the harder case: rank 0 has told its port, so the others find a closed end, not a failed argument
@@ -545,7 +649,7 @@ class RayDriver:
         ray.kill(self.actors[device], no_restart=True)
 
     def _retire(self, device: int) -> Any:
-        if device in self.lost:
+        if self.inst.of(device) in self.lost:
             return None
         return self.actors[device].retire_group.remote()
 
@@ -554,11 +658,11 @@ class RayDriver:
         # between); the others' step calls get it as an argument, Ray resolving it before they run
         return self.actors[device].listen.remote(world_size)
 
-    def _run(self, device: int) -> None:
-        if device not in self.running:  # (one look in flight: the device generates on its own meanwhile)
-            self.running.add(device)
-            self._send(self.actors[device].run.remote(POLL_S), "run", device)
-            self.dirty.discard(device)
+    def _run(self, instance: int) -> None:
+        if instance not in self.running:  # (one look in flight: the instance generates on its own meanwhile)
+            self.running.add(instance)
+            self._send(self.actors[self.inst.first(instance)].run.remote(POLL_S), "run", instance)
+            self.dirty.discard(instance)
 
     def next_events(self) -> list[Event]:
         import ray
@@ -580,8 +684,9 @@ class RayDriver:
             ready, _ = ray.wait(refs, num_returns=1, timeout=wait)
             if not ready:  # the call with the earliest deadline is past it: its device is lost
                 late = min(deadlines, key=deadlines.__getitem__)
-                device = self.pending[late][1]
+                instance = self.pending[late][1]
                 if step is not None and late in step.refs:
+                    device = step.refs[late]
                     if step.lost:
                         why = f"its part of the optimizer step was not done {STEP_GRACE_S:g} s after a member was lost"
                         stuck = [(device, why)]
@@ -591,19 +696,21 @@ class RayDriver:
                     blamed = [d for d, _ in stuck]
                     self._dump_stacks(blamed + [d for d in step.refs.values() if d not in blamed])
                 else:
-                    stuck = [(device, f"no answer within device_timeout={self.timeout:g} s")]
-                    self._dump_stacks([device])
-                for d, _ in stuck:
-                    ray.kill(self.actors[d], no_restart=True)
-                self.lost.update(d for d, _ in stuck)  # (none of them is told to abandon the step)
-                for d, why in stuck:
-                    out += self._lose(d, why)
+                    stuck = [(d, f"no answer within device_timeout={self.timeout:g} s")
+                             for d in self.inst.members(instance)]  # fmt: skip
+                    self._dump_stacks([d for d, _ in stuck])
+                whys = {self.inst.of(d): why for d, why in reversed(stuck)}  # (an instance's, its first device's)
+                for i in whys:
+                    self._kill(i)
+                self.lost.update(whys)  # (none of them is told to abandon the step)
+                for i, why in whys.items():
+                    out += self._lose(i, why)
                 continue
             more, _ = ray.wait([r for r in refs if r not in ready], num_returns=len(refs) - 1, timeout=0)
             for ref in [*ready, *more]:
                 if ref not in self.pending:  # dropped: its device was lost in this same batch
                     continue
-                kind, device = self.pending.pop(ref)
+                kind, device = self.pending.pop(ref)  # (the instance)
                 self.sent.pop(ref, None)
                 try:
                     result = ray.get(ref)  # re-raises a device's error here, with its traceback
@@ -619,14 +726,19 @@ class RayDriver:
                     self.stepping.refs.pop(ref, None)
                     out += self._step_done()
                     continue
-                if kind in ("event", "ack", "step"):  # (a command: what the device generated before it, first)
+                if kind in ("event", "ack", "step", "gather"):  # (a command: what the device generated before it)
                     before, result = result
                     out += before
-                if kind == "step":
+                if kind == "gather":
+                    gather = self.gathers.pop(ref)
+                    gather.results.append((gather.refs.pop(ref), result))
+                    if not gather.refs:
+                        out.append(gather.combine([e for _, e in sorted(gather.results, key=lambda r: r[0])]))
+                elif kind == "step":
                     assert self.stepping is not None
                     self.stepping.refs.pop(ref, None)
-                    if result is not None:
-                        self.stepping.trained = result
+                    if result is not None:  # (rank 0's, named by the step's instances)
+                        self.stepping.trained = replace(result, devices=self.stepping.devices)
                     out += self._step_done()
                 elif kind == "run":
                     events, has_work = result
@@ -635,11 +747,13 @@ class RayDriver:
                     if has_work or device in self.dirty:
                         self._run(device)
                 elif kind == "join":
-                    ray.get(self.actors[device].set_origin.remote(self.origin))
-                    self.pids[device] = ray.get(self.actors[device].pid.remote())
-                    self.lost.discard(device)
-                    logger.warning("device %d is back", device)
-                    out.append(DeviceJoined(device))
+                    d = self.joining.pop(ref)
+                    ray.get(self.actors[d].set_origin.remote(self.origin))
+                    self.pids[d] = ray.get(self.actors[d].pid.remote())
+                    if not any(i == device for k, i in self.pending.values() if k == "join"):  # its last device
+                        self.lost.discard(device)
+                        logger.warning("device %d is back", device)
+                        out.append(DeviceJoined(device))
                 elif kind == "event" and result is not None:
                     out.append(result)
         return out
@@ -679,35 +793,50 @@ class RayDriver:
             logger.warning("device(s) %s: their threads' stacks are in their logs above", ", ".join(map(str, dumped)))
 
     def _lose(self, device: int, reason: str) -> list[Event]:
-        """Forget everything sent to ``device``; start it again (``restart_lost``); the events for the controller
-        (held back while an optimizer step it was part of is still to resolve: see ``_step_done``)."""
+        """Forget everything sent to instance ``device``; start it again (``restart_lost``); the events for the
+        controller (held back while an optimizer step it was part of is still to resolve: see ``_step_done``).
+        An instance is lost whole: its other devices are killed with it."""
         logger.warning("device %d lost: %s", device, reason)
+        members = self.inst.members(device)
+        if len(members) > 1:
+            self._kill(device)
         for ref, (_, d) in list(self.pending.items()):
             if d == device:
                 del self.pending[ref]
                 self.sent.pop(ref, None)
+                self.gathers.pop(ref, None)
+                self.joining.pop(ref, None)
         self.running.discard(device)
         self.dirty.discard(device)
         self.lost.add(device)
-        if device in self.groups.devices:  # its group is broken: the next step meets anew (members leave theirs)
+        if set(members) & set(self.groups.devices):  # its group is broken: the next step meets anew
             self.groups.devices = ()
         step = self.stepping
-        if step is not None and device in step.refs.values():
+        if step is not None and set(members) & set(step.refs.values()):
             # the others stop waiting for it to arrive (a member already in a collective with it fails there)
-            for d in {d for d in step.refs.values() if d != device and d not in self.lost}:
+            for d in {d for d in step.refs.values() if self.inst.of(d) not in self.lost}:
                 self.actors[d].abandon.options(concurrency_group=PROBE).remote(step.attempt)
-        if step is not None and device in step.refs.values() and not self.sharded:
-            step.refs = {r: d for r, d in step.refs.items() if d != device}
-            step.lost.append(DeviceLost(device, reason))
-            step.lost_at = step.lost_at or time.monotonic()
-            return self._step_done()  # (it starts again once the step is resolved)
+            if not self.sharded:
+                step.refs = {r: d for r, d in step.refs.items() if d not in members}
+                step.lost.append(DeviceLost(device, reason))
+                step.lost_at = step.lost_at or time.monotonic()
+                return self._step_done()  # (it starts again once the step is resolved)
         self._restart(device)
         return [DeviceLost(device, reason)]
 
-    def _restart(self, device: int) -> None:
+    def _kill(self, instance: int) -> None:
+        import ray
+
+        for d in self.inst.members(instance):
+            ray.kill(self.actors[d], no_restart=True)
+
+    def _restart(self, instance: int) -> None:
         if self.restart:
-            self.actors[device] = self._start(device)
-            self._send(self.actors[device].binding.remote(), "join", device)
+            for d in self.inst.members(instance):
+                self.actors[d] = self._start(d)
+                ref = self.actors[d].binding.remote()
+                self._send(ref, "join", instance)
+                self.joining[ref] = d
 
     def _step_done(self) -> list[Event]:
         """Once every call of the optimizer step in flight has returned: its outcome. Done (rank 0 reported
@@ -752,9 +881,11 @@ class RayDriver:
 
         # a device with a command in flight (a step waiting for a lost member, a call the run ended in) would
         # answer a close only after it: it is killed without one (a look in flight comes back within POLL_S)
-        busy = {d for kind, d in self.pending.values() if kind != "run"}
+        busy = {i for kind, i in self.pending.values() if kind != "run"}
+        inst = getattr(self, "inst", Instances.uniform(1, max(1, len(self.actors))))
         try:
-            ray.get([a.close.remote() for d, a in enumerate(self.actors) if d not in busy | self.lost], timeout=30)
+            ray.get([a.close.remote() for d, a in enumerate(self.actors) if inst.of(d) not in busy | self.lost],
+                    timeout=30)  # fmt: skip
         except Exception as e:  # a device that cannot leave its group cleanly is killed below anyway
             logger.warning("ray driver: closing the device actors: %s", e)
         for a in self.actors:

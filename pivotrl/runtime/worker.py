@@ -103,9 +103,16 @@ class Worker:
         origin: float,
         threads: int = 1,
         engines: EngineProcesses | None = None,
+        gpu: int | None = None,
+        serves: bool = True,
     ) -> None:
         torch.set_num_threads(threads)
         self.device, self.store, self.spec, self.train_spec, self.origin = device, store, spec, train, origin
+        # ``device`` is the control plane's (the instance's) and names the events; ``gpu`` is this device among
+        # the job's and names its slices. Of an instance's devices only the first (``serves``) drives the
+        # instance's engines; the others follow its roles with no generation context (a rank of the trainer)
+        self.gpu = device if gpu is None else gpu
+        self.serves = serves
         self.engines = engines or self._in_process
         self.role: Role | None = None
         self.ctx: Generation | TrainContext | None = None
@@ -164,7 +171,9 @@ class Worker:
             nbytes = 0
         else:
             self._release()
-            if role in (Role.ROLLOUT, Role.JUDGE):
+            if role in (Role.ROLLOUT, Role.JUDGE) and not self.serves:
+                self.ctx = None  # (the instance's first device serves it, on this device's GPU too)
+            elif role in (Role.ROLLOUT, Role.JUDGE):
                 self.ctx = self._generation(name, want)
                 if isinstance(self.ctx, RemoteGeneration):  # which process serves it, and what it built
                     builds = ",".join(self.ctx.builds)
@@ -174,12 +183,14 @@ class Worker:
                 self.ctx = TrainContext(
                     version, self.store, self.spec, train.cfg, train.temperature, train.keep_versions
                 )
-            nbytes = self.ctx.nbytes
+            nbytes = 0 if self.ctx is None else self.ctx.nbytes
+        if isinstance(self.ctx, RemoteGeneration) and self.ctx.engine.rank_bytes:  # (tensor parallel: each rank's)
+            engine["rank_bytes"] = list(self.ctx.engine.rank_bytes)
         self.role = role
         t1 = self.now()
         name = f"{before.value if before else 'none'}->{role.value}"
         measured = {"bytes": nbytes, "version": version, **engine}
-        self.slices.append(Slice(self.device, "shift", name, t0, t1, measured))
+        self.slices.append(Slice(self.gpu, "shift", name, t0, t1, measured))
         logger.debug("device %d: shift %s v%d, %d bytes in %.3f s", self.device, name, version, nbytes, t1 - t0)
         return ShiftDone(self.device, role, version, t1 - t0, nbytes)
 
@@ -303,7 +314,7 @@ class Worker:
         t1 = self.now()
         if gen or judge:
             role = self.role.value if self.role else "idle"
-            self.slices.append(Slice(self.device, "migrate", f"abort {len(gen) + len(judge)} {role}", t0, t1))
+            self.slices.append(Slice(self.gpu, "migrate", f"abort {len(gen) + len(judge)} {role}", t0, t1))
         return Aborted(self.device, tuple(gen), tuple(judge), t1 - t0)
 
     @property
@@ -351,7 +362,7 @@ class Worker:
     def _audit_slice(self, checked: int, identical: int, dropped: int) -> None:
         t = self.now()
         measured = {"checked": checked, "identical": identical, "dropped": dropped}
-        self.slices.append(Slice(self.device, "audit", f"audit {identical}/{checked}", t, t, measured))
+        self.slices.append(Slice(self.gpu, "audit", f"audit {identical}/{checked}", t, t, measured))
 
     def run(self, seconds: float) -> list[Event]:
         """Advance the engine by at least one step and for about ``seconds``: a
@@ -414,7 +425,7 @@ class Worker:
             events.append(Judged(self.device, tuple(out)))
         # (the slice spans the results' decoding too: the device's time, not a gap; Progress times the engine)
         name = f"{role.value} {len(finished)} done"
-        self.slices.append(Slice(self.device, role.value, name, t0, self.now(), measured))
+        self.slices.append(Slice(self.gpu, role.value, name, t0, self.now(), measured))
         return events
 
     def _generation_ctx(self, role: Role) -> Generation:
@@ -476,7 +487,7 @@ class Worker:
         t0 = self.now()
         nbytes = ctx.trainer.save_state()
         if nbytes is not None:
-            self.slices.append(Slice(self.device, "shift", "train state -> GPS", t0, self.now(), {"bytes": nbytes}))
+            self.slices.append(Slice(self.gpu, "shift", "train state -> GPS", t0, self.now(), {"bytes": nbytes}))
 
     def progress(self) -> int:
         """How far this device is in the optimizer step it runs (safe to call from another thread): -1 in
@@ -575,7 +586,7 @@ class Worker:
         trainer.publish(cmd.checkpoint)
         assert trainer.version == cmd.version + 1
         t1 = self.now()
-        self.slices.append(Slice(self.device, "train", f"step v{cmd.version}->v{trainer.version}", t0, t1))
+        self.slices.append(Slice(self.gpu, "train", f"step v{cmd.version}->v{trainer.version}", t0, t1))
         if rank != 0:
             return None
         return Trained(cmd.devices, trainer.version, result.stats, t1 - t0, result.tokens, result.backward_s)

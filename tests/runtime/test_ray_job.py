@@ -93,15 +93,19 @@ def test_sharded_bf16_on_a_static_split_keeps_its_group(backend, tiny_checkpoint
     assert not [e for e in events if e["name"] == "train state -> GPS"]  # the train set never changed
 
 
-def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_cluster):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_cluster, tp):
     """Rollout and judge on vLLM beside four Ray device actors, shiftable, the trainer sharded over the device
     processes: the samples, rewards and update of one native device; and no process ever builds engines of two
     models (vLLM's sleep allocator is one per process on a GPU): each device's policy and judge engines run in
-    processes of their own, apart from the device's."""
+    processes of their own, apart from the device's. With ``tensor_parallel=2`` the control plane's devices
+    are two instances of two: each engine spans an instance's two devices (vLLM tensor parallel over gloo),
+    the roles shift whole instances, and the four devices are the trainer's ranks."""
     base = ("steps=2", "eval.every=1", "rollout.max_batch=4")
     native = tmp_path / "native"
     run_job(small_job(vllm_checkpoints, *base), native, progress=False)
-    extra = (*base, "mode=shiftable", "devices=4", "train.backend=fsdp", "rollout.backend=vllm", "judge.backend=vllm")
+    extra = (*base, "mode=shiftable", "devices=4", "train.backend=fsdp", "rollout.backend=vllm", "judge.backend=vllm",
+             f"tensor_parallel={tp}")  # fmt: skip
     summary = run_job(small_job(vllm_checkpoints, *extra), tmp_path / "vllm", progress=False)
     for a, b in zip(metrics(native), metrics(tmp_path / "vllm"), strict=True):
         for key in KEYS:
@@ -121,3 +125,19 @@ def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_clust
     assert all(len(models) == 1 for models in models_of.values()), models_of
     served = {(e["device"], e["args"]["engine_builds"]) for e in opened}
     assert len(models_of) == len(served) and {m for _, m in served} == {"policy", "judge"}
+    assert {d for d, _ in served} <= {0, 2} if tp == 2 else True  # (an instance's first device drives its engines)
+    for e in opened:  # each rank of a tensor-parallel engine copies its shard of a version, not the whole
+        ranks = e["args"].get("rank_bytes", [])
+        assert len(ranks) == (tp if tp > 1 else 0)
+        assert tp == 1 or (all(0 < r < 0.75 * e["args"]["bytes"] for r in ranks) and sum(ranks) == e["args"]["bytes"])
+    assert summary["plan"]["tensor_parallel"] == tp
+    shifts: dict[int, list[tuple[str, int]]] = {}
+    for e in events:
+        if e["role"] == "shift" and "version" in e["args"]:  # (a role's shift, not a state's save)
+            shifts.setdefault(e["device"], []).append((e["name"], e["args"]["version"]))
+    for first in range(0, 4, tp):  # every device of an instance took every shift of its instance
+        assert all(shifts[first] == shifts[d] for d in range(first, first + tp)), shifts
+    assert any(len(set(v)) > 1 for v in shifts.values())  # (the roles did shift)
+    trace = json.loads((tmp_path / "vllm" / "trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e.get("name") == "process_name"}
+    assert names == ({"instance 0", "instance 1"} if tp == 2 else {"pivotrl"})
