@@ -8,15 +8,18 @@ instance of ``tp`` devices, an engine of a model holds:
               (vLLM cuts the embedding, the head and every layer's matmuls in tp parts; the KV projections it
               copies where tp exceeds the KV heads, a few percent of a layer, left out)
     KV cache  rollout.max_batch sequences of the role's longest sequence, every one at its longest at once,
-              / min(tp, KV heads) (with tp above the KV heads vLLM holds each head on several devices);
+              / min(tp, KV heads) (with tp above the KV heads vLLM holds each head on several devices: a
+              device's KV heads are max(1, heads // tp), ``ModelConfig.get_num_kv_heads`` in vLLM 0.32);
               ``rollout.kv_cache_gb`` instead where given (what each engine allocates, whatever the batch)
     contexts  the device's processes' CUDA contexts
 
 and holds its batch where that is within ``ENGINE_FRACTION`` of the device's memory: the share pivotrl's vLLM
 engines take (``gpu_memory_utilization``, ``pivotrl.engine.vllm_engine``; vLLM 0.32's ``request_memory`` in
 ``vllm/v1/worker/utils.py`` takes that share of the GPU, and ``determine_available_memory`` in ``gpu_worker.py``
-gives the KV cache what the weights and the profiled activations leave of it). The rest is the activations' and
-the allocator's. The native engine's auto budget (a share of what its weights leave) holds at least as much.
+gives the KV cache what the weights, the profiled activations and its own context leave of it). The device's other
+processes' contexts lie outside that share and are counted inside it here: a margin for the activations, which
+this arithmetic does not model. The native engine's auto budget (a share of what its weights leave) holds at least
+as much.
 
 A size that does not hold the whole batch still runs, slower: vLLM preempts sequences its cache cannot hold, the
 native engine has fewer slots. So this sizes instances for the job's throughput, not only for starting. The trainer
