@@ -243,7 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(
             f"--device-memory-gb: got {args.device_memory_gb:g}, must be a finite number > 0 (a train device's memory)"
         )
-    report = plan_report(cfg, run_dir, device_gb=args.device_memory_gb)
+    report = plan_report(cfg, run_dir, device_gb=args.device_memory_gb, gpu=args.gpu)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -375,8 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--profile", help="a finished run directory whose measured lengths and throughputs to use")
     pl.add_argument("--json", action="store_true")
-    pl.add_argument("--device-memory-gb", type=float, help="a train device's memory: the fewest train devices "
-                    "each trainer fits on (train.min_devices)")  # fmt: skip
+    pl.add_argument("--device-memory-gb", type=float, help="a device's memory: the fewest train devices each "
+                    "trainer fits on (train.min_devices), the devices an instance needs (tensor_parallel)")  # fmt: skip
+    pl.add_argument("--gpu", help="the modeled GPU the step is priced on, one of pivotrl.sim's (H100, H800, H200, "
+                    "A100; default: the one --device-memory-gb suggests, H100 for 80); alone, its memory is the "
+                    "devices'")  # fmt: skip
     pl.set_defaults(func=cmd_plan)
     tl = sub.add_parser("timeline", help="redraw a run's timeline picture from its events.jsonl")
     tl.add_argument("run_dir")

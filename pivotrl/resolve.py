@@ -320,22 +320,32 @@ def resolve(
 
 def tensor_parallel_for(cfg: JobConfig, hw: Hardware, policy: ModelConfig | None, judge: ModelConfig | None,
                        dtypes: tuple[str, str], max_lens: tuple[int, int]) -> int:  # fmt: skip
-    """Devices of an instance: ``tensor_parallel`` as given; ``auto`` is the fewest devices (a divisor of the
-    job's) whose memory holds each generating model's weights and one sequence's KV cache, cut in that many
-    parts, beside a CUDA context per process; 1 where the devices' memory is not known (CPUs)."""
+    """Devices of an instance: ``tensor_parallel`` as given; ``auto`` is the smallest size that holds every role
+    (``pivotrl.sizing``: each engine's weights and the KV cache of ``rollout.max_batch`` of its longest sequences,
+    cut in that many parts, beside a CUDA context per process, within the share of a device an engine takes), among
+    the divisors of the job's devices up to a node's GPUs that every model can be cut in (1 beside a native
+    engine); 1 where the devices' memory is not known (CPUs). ``max_lens``: the policy's and the judge's longest
+    sequences, 0 where not known (then the job's bounds, ``sequence_lengths``). Where no size holds, auto cannot
+    choose one: a ``UserError`` says so in one line, naming the key (an explicit size runs anyway, slower)."""
     if cfg.tensor_parallel != "auto":
         return cfg.tensor_parallel
     if hw.device_bytes is None:
         return 1
-    need = max(
-        _engine_bytes(model, dtype, max_len)
-        for model, dtype, max_len in ((policy, dtypes[0], max_lens[0]), (judge, dtypes[1], max_lens[1]))
-        if model is not None
-    ) if policy is not None or judge is not None else 0.0  # fmt: skip
-    for tp in (d for d in range(1, cfg.devices + 1) if cfg.devices % d == 0):
-        if need / tp + 3 * CUDA_CONTEXT_BYTES <= hw.device_bytes:
-            return tp
-    return cfg.devices
+    from pivotrl.sizing import sizing  # (it builds on this module's rules)
+
+    bounds = sequence_lengths(cfg)
+    s = sizing(
+        cfg,
+        hw.device_bytes,
+        {"rollout": policy, "judge": judge},
+        {"rollout": dtypes[0], "judge": dtypes[1]},
+        {"rollout": backend_for(cfg.rollout.backend, hw), "judge": backend_for(cfg.judge.backend, hw)},
+        {"rollout": max_lens[0] or bounds[0], "judge": max_lens[1] or bounds[1]},
+    )
+    tp = s.auto()
+    if tp is None:
+        raise UserError(s.refusal())
+    return tp
 
 
 def check_tensor_parallel(tp: int, models: dict[str, ModelConfig | None], backends: dict[str, str]) -> None:

@@ -157,3 +157,79 @@ def test_with_device_memory_the_train_devices_at_the_step_are_those_a_run_takes(
         plan("devices=2")
     assert main(["plan", CONFIG, policy, "--device-memory-gb", "inf"]) == 2
     assert "must be a finite number > 0" in capsys.readouterr().err
+
+
+def shapes(where: Path) -> list[str]:
+    """``policy.path`` and ``judge.path`` of Qwen2.5-7B and Qwen2.5-32B: folders holding only their config.json
+    (``pivotrl plan`` reads the architectures, no weights, no tokenizer)."""
+    from pivotrl.sim.models import MODELS
+
+    paths = []
+    for key, name in (("policy", "Qwen2.5-7B"), ("judge", "Qwen2.5-32B")):
+        folder = where / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(MODELS[name].train_config().to_hf("bfloat16")))
+        paths.append(f"{key}.path={folder}")
+    return paths
+
+
+def test_plan_sizes_instances_for_a_7b_policy_and_a_32b_judge_and_prices_their_step_on_the_roofline(tmp_path, capsys):
+    """On 80 GB devices the 32B judge's engine holds its batch on 2 (65.5 GB of bf16 weights alone leave one
+    device's 68 GB no room for 128 judgments of 512 tokens), the 7B on 1: tensor_parallel=auto takes 2. The step is
+    priced for those models on H100s (80 GB suggests it), in instances of 2, and labelled so."""
+    job = [*shapes(tmp_path), "devices=8", "tensor_parallel=auto"]
+    assert main(["plan", CONFIG, *job, "--device-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("devices: 8 (4 instances of 2)   mode: shiftable\nstep priced by the roofline of H100 GPUs")
+    assert "for the 7.62B policy in bfloat16 and the 32.76B judge in bfloat16, instances of 2" in out
+    assert (
+        "  judge (32.76B in bfloat16, KV cache of 128 x 512 tokens, 8 KV heads): 2 devices: weights 32.8 + KV cache "
+        "8.6 + contexts 1.5 = 42.9 GB; on 1: weights 65.5 + KV cache 17.2 + contexts 1.5 = 84.2 GB, over 68.0"
+    ) in out
+    assert "  rollout, the policy (7.62B in bfloat16, KV cache of 128 x 352 tokens, 4 KV heads): 1 device: " in out
+    assert "  -> tensor_parallel=auto takes 2: the smallest of 1, 2, 4 (divisors of devices=8" in out
+    assert "  train (zero): its state and a micro batch over the job's 8 devices 66.0 + contexts 1.5" in out
+    report = plan_report(load_config(CONFIG, job), device_gb=80.0)
+    assert (report["source"], report["tensor_parallel"]) == ("roofline", 2)
+    assert sum(report["recommended"].values()) == 8  # (in devices, whole instances)
+    assert all(sum(int(n) for n in re.findall(r"\d+", e["split"])) == 4 for e in report["estimates"])  # (instances)
+    priors = plan_report(load_config(CONFIG, job))  # (no memory, no GPU: the bundled job's CPU priors)
+    assert priors["source"] == "priors" and priors["tensor_parallel"] == 1
+    assert priors["pricing"].startswith("the planner's CPU priors (the bundled job's")
+    assert "--gpu NAME" in priors["pricing"]
+    assert report["estimates"][0]["seconds"] != priors["estimates"][0]["seconds"]
+    json.dumps(report, allow_nan=False)
+
+
+def test_the_gpu_a_step_is_priced_on_is_named_or_suggested_by_the_memory(tmp_path, capsys):
+    from pivotrl.plan import model_gpu
+
+    assert model_gpu(None, 80).name == "H100" and model_gpu(None, 141).name == "H200"
+    assert model_gpu("a100", 80).name == "A100"
+    assert model_gpu(None, 40) is None and model_gpu(None, None) is None
+    job = load_config(CONFIG, [*shapes(tmp_path), "devices=8", "tensor_parallel=auto"])
+    alone = plan_report(job, gpu="H200")  # (its memory the devices')
+    assert alone["train_memory"]["device_gb"] == 150.8 and alone["pricing"].startswith("the roofline of H200 GPUs")
+    forty = plan_report(job, device_gb=40.0)["pricing"]
+    assert "no modeled GPU has 40 GB: --gpu NAME (H100, H800, H200, A100)" in forty
+    assert plan_report(job, device_gb=40.0, gpu="A100")["source"] == "roofline"
+    assert main(["plan", CONFIG, "--gpu", "B200"]) == 2
+    assert "--gpu: got 'B200'; allowed: H100, H800, H200, A100" in capsys.readouterr().err
+
+
+def test_without_both_models_shapes_the_step_keeps_the_cpu_priors_and_says_why(tmp_path):
+    policy = shapes(tmp_path)[0]
+    report = plan_report(load_config(CONFIG, [policy, "judge.path=/nonexistent"]), device_gb=80.0)
+    assert report["source"] == "priors"
+    assert report["pricing"].startswith("the planner's CPU priors")
+    assert "judge.path: cannot read '/nonexistent/" in report["pricing"]
+    assert "  judge: not sized, judge.path: cannot read" in format_report(report)
+
+
+def test_a_split_is_counted_in_whole_instances(tmp_path):
+    job = [*shapes(tmp_path), "devices=8", "tensor_parallel=auto", "mode=disaggregated"]
+    with pytest.raises(UserError, match=r"split: rollout:3 is not a whole number of instances of tensor_parallel=2 "):
+        plan_report(load_config(CONFIG, [*job, "split=rollout:3,judge:3,train:2"]), device_gb=80.0)
+    report = plan_report(load_config(CONFIG, [*job, "split=rollout:2,judge:2,train:4", "train.min_devices=4"]),
+                         device_gb=80.0)  # fmt: skip
+    assert report["split"] == {"rollout": 2, "judge": 2, "train": 4} and report["timeline"]["split"] == "r1 j1 t2"

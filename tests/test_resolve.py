@@ -329,10 +329,43 @@ def test_an_instance_of_several_devices_counts_train_devices_in_instances():
 
 
 def test_auto_tensor_parallel_is_the_fewest_devices_that_hold_each_model():
+    """Qwen2.5-7B policy, Qwen2.5-32B judge, 80 GB devices, the default batch (64) and lengths (496 judge tokens, 352
+    policy tokens: 256-token prompts). On one device the judge's engine needs its bf16 weights, 65.5 GB, the KV cache
+    of 64 judgments, 8.3 GB, and 3 CUDA contexts, 1.5 GB: 75.3 GB, more than the 68 GB (0.85) an engine takes. Cut in
+    2: 32.8 + 4.2 + 1.5 = 38.4 GB. The policy (15.2 + 1.3 + 1.5) fits one. So 2; on 40 GB (34 an engine), 4."""
     vllm = ("devices=8", "rollout.backend=vllm", "judge.backend=vllm", "tensor_parallel=auto")
     assert plan(*vllm, judge=SMALL).tensor_parallel == 1  # a 7B policy and a small judge fit one 80 GB GPU
-    assert plan(*vllm, judge=QWEN2_5_32B, judge_max_len=4096, memory_gb=40).tensor_parallel == 2  # 65 GB in bf16
+    assert plan(*vllm, judge=QWEN2_5_32B).tensor_parallel == 2
+    assert plan(*vllm, judge=QWEN2_5_32B, memory_gb=40).tensor_parallel == 4  # 16.4 + 2.1 + 1.5 = 20.0 of 34 GB
+    # the batch decides: one judgment's KV cache beside the weights fits one device (65.5 + 0.1 + 1.5 = 67.2 GB)
+    assert plan(*vllm, "rollout.max_batch=1", judge=QWEN2_5_32B).tensor_parallel == 1
+    # the lengths a run measures count: 4096-token judgments (64 x 4096 x 0.26 MB = 68.7 GB of KV cache) need 4
+    assert plan(*vllm, judge=QWEN2_5_32B, judge_max_len=4096).tensor_parallel == 4
     assert plan(*vllm, kind="cpu", memory_gb=None, judge=QWEN2_5_32B).tensor_parallel == 1  # memory not known
+    assert plan(*vllm[:3], judge=QWEN2_5_32B).tensor_parallel == 1  # (as given: not auto)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "memory_gb", "words"),
+    [
+        # 8 devices of 20 GB: on 4 the judge needs 16.4 + 2.1 + 1.5 = 20.0 GB of 17; 8 would hold it (10.7 GB), but
+        # the 7B policy's 28 heads cannot be cut in 8
+        (("devices=8", "judge.backend=vllm"), 20, "of the sizes allowed here (1, 2, 4: divisors of devices=8 up to "
+         "a node's 8 GPUs that every model can be cut in), on 4 the judge's engine needs 20.0 GB a device (weights "
+         "16.4 + KV cache 2.1 + 3 CUDA contexts 1.5), more than the 17.0 GB an engine takes"),
+        # 2 devices: 2 at most
+        (("devices=2", "judge.backend=vllm"), 40, "of the sizes allowed here (1, 2: divisors of devices=2"),
+        # a native engine serves one device: 1 alone
+        (("devices=8", "judge.backend=native"), 80, "(1: judge.backend=native serves one device; an instance of "
+         "several needs vllm), on 1 the judge's engine needs 74.8 GB"),
+    ],
+)  # fmt: skip
+def test_auto_tensor_parallel_that_no_size_holds_is_one_line_naming_the_key(overrides, memory_gb, words):
+    with pytest.raises(UserError) as e:
+        plan(*overrides, "rollout.backend=vllm", "tensor_parallel=auto", judge=QWEN2_5_32B, memory_gb=memory_gb)
+    text = str(e.value)
+    assert text.startswith("tensor_parallel=auto: no instance size holds every role's batch") and "\n" not in text
+    assert words in text and "set tensor_parallel to run anyway" in text
 
 
 @pytest.mark.parametrize(

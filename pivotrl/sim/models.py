@@ -55,6 +55,24 @@ class ModelSpec:
         if dense and self.active_params != self.total_params:
             raise ValueError(f"model {self.name!r}: a dense model has active_params == total_params")
 
+    @classmethod
+    def from_config(cls, config: ModelConfig, name: str, dtype_bytes: int = 2) -> ModelSpec:
+        """The shape of a checkpoint's architecture (``ModelConfig.from_hf`` of its config.json), held in
+        ``dtype_bytes`` a parameter: the parameters counted from the shape (``ModelConfig.num_parameters``), a
+        token's active ones without the experts it is not routed to."""
+        total = config.num_parameters()
+        active = total
+        if config.num_experts:  # each sparse layer's unrouted experts: E - k of them, 3 h I weights each
+            sparse = sum(config.is_sparse_layer(i) for i in range(config.num_hidden_layers))
+            unrouted = config.num_experts - config.num_experts_per_tok
+            active -= sparse * unrouted * 3 * config.hidden_size * config.moe_intermediate_size
+        return cls(
+            name, float(total), float(active), config.num_hidden_layers, config.hidden_size,
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.vocab_size,
+            config.tie_word_embeddings, config.num_experts, config.num_experts_per_tok, dtype_bytes,
+            config.moe_intermediate_size if config.num_experts else config.intermediate_size,
+        )  # fmt: skip
+
     @property
     def is_moe(self) -> bool:
         return self.experts > 0

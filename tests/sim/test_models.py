@@ -77,3 +77,17 @@ def test_unknown_model_lists_the_known_ones():
 def test_a_custom_dense_spec():
     spec = ModelSpec("tiny", 1e6, 1e6, 2, 64, 4, 2, 16, 100, True)
     assert not spec.is_moe and spec.expert_params == 0 and spec.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-7B", "Qwen2.5-32B", "Qwen3-30B-A3B"])
+def test_a_spec_from_a_checkpoint_s_architecture_has_its_card_s_shape(name):
+    """What ``pivotrl plan`` prices a policy.path's config.json with: the shape as the card's spec, the parameters
+    counted from it (within 1% of the card's), a MoE token's active ones without its unrouted experts."""
+    card = MODELS[name]
+    spec = ModelSpec.from_config(card.train_config(), name, dtype_bytes=4)
+    shape = ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "tied_embeddings", "experts",
+             "active_experts", "intermediate")  # fmt: skip
+    assert all(getattr(spec, f) == getattr(card, f) for f in shape) and spec.dtype_bytes == 4
+    assert spec.total_params == pytest.approx(card.total_params, rel=0.01)
+    assert spec.active_params == pytest.approx(card.active_params, rel=0.02)
+    assert spec.kv_bytes_per_token == 2 * card.kv_bytes_per_token
