@@ -30,8 +30,11 @@ def test_reasoning_points_spread_the_judgments_and_leave_about_one_percent_at_th
 def test_with_tp_replaces_the_instance_size():
     base = job_overrides(GROUPS["judge-32b"], 128, 2)
     out = with_tp(base, 4)
-    assert "sim.instance_gpus=4" in out and "sim.instance_gpus=2" not in out and len(out) == len(base)
+    assert "tensor_parallel=4" in out and "tensor_parallel=2" not in out and len(out) == len(base)
     assert GROUPS["judge-32b"].job(out).sim.instance_gpus == 4
+    # overrides that name the size by its older name (a report's) take the new one
+    older = with_tp([o.replace("tensor_parallel=", "sim.instance_gpus=") for o in base], 4)
+    assert older == out
 
 
 # each group as examples/sim128.yaml ran it with the group's models and settings on the command line

@@ -196,7 +196,8 @@ def test_measured_costs_drive_a_simulation(tmp_path):
     "args, message",
     [
         (["sim.gpu=B200"], "sim.gpu: expected one of H100, H800, H200, A100, got 'B200'"),
-        (["sim.gpus=100", "sim.instance_gpus=8"], "sim.gpus: expected a multiple of instance_gpus (8), got 100"),
+        (["sim.gpus=100", "tensor_parallel=8"], "sim.gpus: expected a multiple of tensor_parallel (8), got 100"),
+        (["sim.gpus=100", "sim.instance_gpus=8"], "sim.gpus: expected a multiple of tensor_parallel (8), got 100"),
         (["sim.lengths.kind=zipf"], "sim.lengths.kind: must be one of fixed, uniform, lognormal, pareto"),
         (["sim.lengths.sigma=-1"], "sim.lengths.sigma: got -1.0, must be a finite number >= 0"),
         (["sim.gpsu=8"], "unknown key 'sim.gpsu'"),
@@ -205,7 +206,7 @@ def test_measured_costs_drive_a_simulation(tmp_path):
         (["sim.lengths_file=/nonexistent.jsonl"], "sim.lengths_file: file '/nonexistent.jsonl' not found"),
         (["sim.group_correlation=1.5"], "sim.group_correlation: expected a number in [0, 1], got 1.5"),
         (["sim.lengths_replay=true"], "sim.lengths_replay: needs a trace to replay (sim.lengths_file)"),
-        (["sim.policy_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with"),
+        (["sim.policy_model=Qwen3-235B-A22B"], "tensor_parallel: Qwen3-235B-A22B with"),
         (["mode=disaggregated", "split=rollout:2,judge:1,train:1"], "uses 4 devices, but devices=128"),
         (["sim.instance_gpus=4", "sim.rollout_engine_gpus=3"], "sim.rollout_engine_gpus: expected 0 (one engine"),
         (["sim.elastic_engines=3"], "sim.elastic_engines: expected true or false, got 3"),
@@ -231,12 +232,12 @@ def test_cli_prints_the_summary_and_virtual_time(capsys, tmp_path):
 def test_the_cli_names_an_instance_size_whose_floor_allows_more(tmp_path, capsys):
     """The bundled 128-GPU job's steps wait on their longest responses: its floor is lower on instances of
     4 GPUs than of 1 (``ideals_by_size``), so at 1 the size to try is 4; at 4 nothing faster is named."""
-    assert "try sim.instance_gpus=4" in format_sizes(load_config(EXAMPLE, []))
+    assert "try tensor_parallel=4" in format_sizes(load_config(EXAMPLE, []))
     assert format_sizes(load_config(EXAMPLE, ["sim.instance_gpus=4"])) is None
     assert main(["simulate", EXAMPLE, "steps=1", "eval.size=16", "--out", str(tmp_path / "run")]) == 0
-    assert "try sim.instance_gpus=4" in capsys.readouterr().out
+    assert "try tensor_parallel=4" in capsys.readouterr().out
     assert main(["simulate", EXAMPLE, "steps=1", "eval.size=16", "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
-    assert "try sim.instance_gpus" not in capsys.readouterr().out
+    assert "try tensor_parallel" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mode", ["colocated", "shiftable"])
