@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pivotrl.config import JobConfig, load_config
+from pivotrl.errors import UserError
 from pivotrl.resolve import Hardware, resolve
 from pivotrl.runtime.devices import CUDA
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.ideal import INSTANCE_SIZES, IdealStep, ideal_for_job, ideals_by_size
 from pivotrl.sim.models import MODELS
+from pivotrl.sim.run import build
 from pivotrl.sim.workload import LengthDist
 from pivotrl.train.traits import TrainerKind
 
@@ -105,6 +107,20 @@ def instance_sizes(group: Group, gpus: int, tps: tuple[int, ...] = INSTANCE_SIZE
     out = {tp: step for tp, step in found.items() if gpus // tp >= 3}
     if not out:
         raise SystemExit(f"{group.name}: no instance size in {tps} fits both models on {gpus} GPUs")
+    return out
+
+
+def unbuilt_sizes(group: Group, gpus: int, tps: tuple[int, ...] = INSTANCE_SIZES) -> dict[str, str]:
+    """Each size of ``tps`` that divides the cluster but is no layout of the group the runtime builds (an instance
+    past a node, a model whose heads, KV heads or MLP width it cannot cut evenly, a model it cannot hold): the
+    simulator's one-line refusal, by size."""
+    out: dict[str, str] = {}
+    for tp in tps:
+        if gpus % tp == 0:
+            try:
+                build(group.job(job_overrides(group, gpus, tp)), warn=False)
+            except UserError as e:
+                out[str(tp)] = str(e)
     return out
 
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from pivotrl.config import load_config
-from pivotrl.sim.groups import BASE, GROUPS, job_overrides, reasoning_points, sweep_points, tail_points, with_tp
+from pivotrl.sim.groups import (
+    BASE,
+    GROUPS,
+    instance_sizes,
+    job_overrides,
+    reasoning_points,
+    sweep_points,
+    tail_points,
+    unbuilt_sizes,
+    with_tp,
+)
 
 
 def test_tail_points_keep_the_mean_length():
@@ -71,3 +81,13 @@ def test_the_sweep_varies_dense_7b_one_axis_at_a_time():
     assert judge.job(job_overrides(judge, 128, 1)).sim.judge_model == "Qwen2.5-1.5B"
     assert [gpus for *_, gpus in points] == [128, 128, 128, 32, 512]
     assert len(sweep_points(128, [128], ("tail", "reasoning", "cluster"))) == len(tail_points()) + 2
+
+
+def test_the_groups_run_only_layouts_the_runtime_builds():
+    """A 7B model's 28 attention heads cut in 1, 2 or 4 but not 8: its groups' table leaves out instances of 8
+    GPUs and says why; the 14B pair (40 heads, 8 KV heads) and the MoE pair (32, 4) cut in 8."""
+    assert sorted(instance_sizes(GROUPS["dense-7b"], 128)) == [1, 2, 4]
+    unbuilt = unbuilt_sizes(GROUPS["dense-7b"], 128)
+    assert list(unbuilt) == ["8"] and "num_attention_heads=28 cannot be cut in 8 parts" in unbuilt["8"]
+    assert unbuilt_sizes(GROUPS["dense-14b"], 128) == unbuilt_sizes(GROUPS["moe-30b"], 128) == {}
+    assert 8 in instance_sizes(GROUPS["dense-14b"], 128)
