@@ -117,7 +117,7 @@ def length_correlation(run: Path) -> float:
 def simulate(config: Path, job: list[str], devices: int, costs: Path, out: Path, seeds: int) -> dict[str, Any]:
     """Phases of the simulated job, the mean over ``seeds`` simulations (the job's seed and the next
     ones: each draws its own verdicts and operation times), and each one's step seconds."""
-    cfg = load_config(config, [*job, f"sim.gpus={devices}", "sim.instance_gpus=1", f"sim.costs={costs}"])
+    cfg = load_config(config, [*job, f"sim.gpus={devices}", "tensor_parallel=1", f"sim.costs={costs}"], simulated=True)
     runs = []
     for k in range(seeds):
         run_simulation(replace(cfg, seed=cfg.seed + k), out / f"seed{k}", progress=False)

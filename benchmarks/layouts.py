@@ -1,7 +1,8 @@
 """Engines inside an instance: does a per-role engine size, or elastic tensor parallelism, change the comparison?
 
-``paper.py`` runs every instance as one engine a role, at the instance size where each mode is fastest.
-Two things that could change its table are left out there, and measured here on its four model groups
+``paper.py`` runs every instance as one engine a role, at the instance size where each mode is fastest: the
+layouts the runtime builds. Two things that could change its table are left out there, as no runtime layout
+today (what-ifs), and measured here on its model groups
 (128 simulated H100s, 512 x 16 samples a step), every mode beside the others in one run:
 
 * **Per-role engines** (``sim.rollout_engine_gpus``, ``sim.judge_engine_gpus``): an instance of 4 GPUs

@@ -35,11 +35,18 @@ instead of 3): ``train.activation_checkpointing=auto`` resolves on for every
 policy here, as on an 80 GB GPU the 16k-token micro batches' activations do
 not fit beside the trainer unchecked.
 
-Tensor parallelism: every instance is one engine a role, of
-``sim.instance_gpus`` GPUs, policy and judge alike (``layouts.py`` measures
-engines of their own size per role, and an elastic bound, beside these: they
-move no mode by more than 5%). Each mode runs at the power of two from 1
-to 8 where it is fastest, measured (``--tp`` forces one for all): a smaller
+Tensor parallelism: only layouts the runtime builds. Every instance is
+``tensor_parallel`` GPUs of one 8-GPU node, one engine a role over all of them,
+policy and judge at the same size (the runtime has one ``tensor_parallel`` for
+the job). A size a model's attention heads, KV heads or MLP width cannot be cut
+in evenly (vLLM's rule, ``pivotrl.resolve.check_tensor_parallel``: a 7B's 28
+heads rule out 8) is not run, and the notes say so (``unbuilt`` in the JSON).
+Engines smaller than the instance (``sim.rollout_engine_gpus``,
+``sim.judge_engine_gpus``) and the elastic bound (``sim.elastic_engines``) are
+not layouts the runtime builds: they are not in this table (``layouts.py``
+measures them beside it: they move no mode by more than 5%). Each mode runs
+at the power of two from 1 to 8 where it is fastest, measured (``--tp``
+forces one for all): a smaller
 instance has more of them and room for larger batches per GPU, a larger one
 decodes each token sooner (the weights and the KV cache read by more GPUs at
 once) and pays more collectives. These steps are bound by their longest
@@ -94,7 +101,8 @@ a looser floor.)
 Writes ``benchmarks/results/paper.{json,md,png}``: the JSON has a ``groups``
 list (per group ``name``, ``ideal``, ``modes``, ``ideal_fraction`` and
 ``floor_fraction`` per mode (its throughput over the ideal's and over the
-floor's), ``speedup_vs_deployed_colocated``, ``speedup_vs_colocated``,
+floor's), ``unbuilt`` (the sizes not run, and why),
+``speedup_vs_deployed_colocated``, ``speedup_vs_colocated``,
 ``speedup_vs_disaggregated``, the search's runs),
 the markdown the table with its assumptions, the PNG the bar chart.
 
@@ -128,11 +136,14 @@ from typing import Any
 
 from common import machine, write_report
 
+from pivotrl.errors import UserError
 from pivotrl.sim.groupbench import Settings, bench
 from pivotrl.sim.groupreport import (
     SPENT_HEAD,
+    Unbuilt,
     bound,
     derive,
+    drop_unbuilt,
     md_table,
     mode_tp,
     modes_of,
@@ -166,10 +177,14 @@ ASSUMPTIONS = """\
 - Workload `examples/sim128.yaml`: 512 prompts x 16 responses a step, 512-token prompts, lognormal response lengths
   (median 1200, sigma 0.9, cap 8192), judge prompt = prompt + response + 256 tokens, 512-token judgments,
   at most 256 sequences per engine.
-- One tensor-parallel size for every instance of a run (the simulator's `sim.instance_gpus`), chosen per mode as
-  the one where the mode is fastest (measured at 1, 2, 4 and 8 GPUs where the models fit, a size skipped when its
-  floor bound cannot beat the best run so far; the disaggregated split searched at each size). The ideal row is
-  at the size with the highest ideal throughput; the bound at the size with the lowest floor.
+- Only layouts the runtime builds: an instance is `tensor_parallel` GPUs of one 8-GPU node, one engine a role over
+  all of them, policy and judge at the same size; a size a model's heads, KV heads or MLP width cannot be cut in
+  (vLLM's rule, `pivotrl.resolve.check_tensor_parallel`) is not run (the notes name each). No engines smaller than
+  the instance, no elastic bound (`benchmarks/layouts.py` has those).
+- One tensor-parallel size for every instance of a run (the job's `tensor_parallel`), chosen per mode as
+  the one where the mode is fastest (measured at 1, 2, 4 and 8 GPUs where the models fit and cut, a size skipped
+  when its floor bound cannot beat the best run so far; the disaggregated split searched at each size). The ideal
+  row is at the size with the highest ideal throughput; the bound at the size with the lowest floor.
 - Throughput over steps 2..N (step 1 runs on priors and pays the first loads); busy, shifts and shift seconds over
   the same window. Rollout s: from a step's start to its last response generated, the mean over the same steps;
   in the ideal row, the spread path's generation (a floor). Shifts count role moves and per-step weight
@@ -318,7 +333,8 @@ def code() -> str:
 
 
 def rerender(path: Path, out: Path | None) -> None:
-    """``--rerender``: the runs of a report, their ideals and bounds recomputed, written again."""
+    """``--rerender``: the runs of a report, their ideals and bounds recomputed, written again; the runs at a size
+    this code builds no layout at are dropped (a mode that was chosen there must run again)."""
     try:
         report = json.loads(path.read_text())
         key = "points" if "points" in report else "groups"
@@ -326,9 +342,19 @@ def rerender(path: Path, out: Path | None) -> None:
         for g in items:
             config = g.get("config", BASE)  # (older reports: overrides of examples/sim128.yaml)
             g["ideal"] = ideal(config, g["overrides"]).to_dict()
-            if "ideals" in g:
-                g["ideals"] = {tp: ideal(config, with_tp(g["overrides"], int(tp))).to_dict() for tp in g["ideals"]}
+            if "ideals" in g:  # (a size this code builds no layout at: its runs go, the report says why)
+                unbuilt: dict[str, str] = {}
+                for tp in g["ideals"]:
+                    try:
+                        g["ideals"][tp] = ideal(config, with_tp(g["overrides"], int(tp))).to_dict()
+                    except UserError as e:
+                        unbuilt[tp] = str(e)
+                drop_unbuilt(g, unbuilt)
         report[key] = [derive(g) for g in items]
+    except UserError as e:
+        raise SystemExit(f"--rerender: {e}") from None
+    except Unbuilt as e:
+        raise SystemExit(f"--rerender: {e} (--update, its --groups and --modes)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"--rerender: {path} is not a report of this script ({type(e).__name__}: {e})") from None
     report["rerendered"] = {"code": code(), "machine": machine(list(os.getloadavg()))}
@@ -395,7 +421,8 @@ def main() -> None:
                    help="the modes --update runs again (default: shiftable)")  # fmt: skip
     p.add_argument("--rerender", type=Path, metavar="JSON",
                    help="no runs: recompute the ideals and bounds of a report's groups or points with this code and "
-                        "write its table and chart again (its runs kept as they are)")  # fmt: skip
+                        "write its table and chart again (its runs kept as they are, but those at a size this code "
+                        "builds no layout at)")  # fmt: skip
     args = p.parse_args()
     if args.rerender:
         rerender(args.rerender, args.out)

@@ -76,7 +76,7 @@ def profile(mode: str, gpus: int, steps: int, limit: float, top: int = 30) -> di
     def stop(signum: int, frame: Any) -> None:
         raise TimeoutError
 
-    cfg = load_config(EXAMPLE, overrides(mode, gpus, steps))
+    cfg = load_config(EXAMPLE, overrides(mode, gpus, steps), simulated=True)
     prof = cProfile.Profile()
     summary = None
     signal.signal(signal.SIGALRM, stop)

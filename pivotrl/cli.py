@@ -150,7 +150,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise UserError("--sizes, --search-budget and --seeds go with --versus (the job in several modes side by side)")
     if args.versus is not None:
         return _simulate_versus(args)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, simulated=True)
     out = Path(args.out)
     check_run_dir(out, resumable=False)
     summary = run_simulation(cfg, out, progress=not args.quiet)

@@ -342,15 +342,22 @@ class JobConfig:
 # ---------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = (), written: bool = False) -> JobConfig:
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), written: bool = False, simulated: bool = False
+) -> JobConfig:
     """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides, later winning.
-    ``written``: the file is a run's own config.json, which may use the names of an older version."""
+    ``written``: the file is a run's own config.json, which may use the names of an older version.
+    ``simulated``: the job is for ``pivotrl simulate`` (``simulated_instances``)."""
     raw: dict[str, Any] = {} if path is None else _read_yaml(path)
     if written:
         raw = upgrade_written(raw)
     defaults = JobConfig().to_dict()
     for item in overrides:
+        if simulated:
+            _forget_other_instance_key(raw, item)
         _apply_override(raw, item, defaults)
+    if simulated:
+        raw = simulated_instances(raw)
     cfg = _build(JobConfig, raw, "")
     _resolve_paths(cfg)
     return cfg
@@ -360,6 +367,50 @@ def config_from_dict(raw: dict[str, Any]) -> JobConfig:
     """A config from its ``to_dict()`` form (a run's config.json); keys added since it was written take their
     defaults, keys renamed since take their new names."""
     return _build(JobConfig, upgrade_written(raw), "")
+
+
+INSTANCE_KEYS = ("tensor_parallel", "sim.instance_gpus")  # two names of a simulated job's instance size
+
+
+def simulated_instances(raw: dict[str, Any]) -> dict[str, Any]:
+    """A simulated job's raw config with its instance size (``tensor_parallel``) held as ``sim.instance_gpus``.
+
+    The simulator's devices are the instances of ``sim.gpus`` (``devices`` is not read) and its ``split`` counts
+    instances: in the job the control plane runs, a device is an instance, so ``tensor_parallel`` is 1 there
+    and ``sim.instance_gpus`` says how many GPUs each one is. A config may name either key (``sim.instance_gpus``
+    is the simulator's older name); naming both with different values is an error, where ``tensor_parallel: 1``
+    (the default, and what a simulated run writes in its config.json) names nothing."""
+    if "tensor_parallel" not in raw:
+        return raw
+    out = dict(raw)
+    tp = _convert(_hints(JobConfig)["tensor_parallel"], out.pop("tensor_parallel"), "tensor_parallel")
+    if tp != "auto" and tp < 1:
+        raise ConfigError(f"tensor_parallel: expected an integer >= 1, got {tp}")
+    sim = out.get("sim")
+    if sim is not None and not isinstance(sim, Mapping):
+        return out  # (its own error, naming sim)
+    named = (sim or {}).get("instance_gpus")
+    if named is not None and tp == 1:
+        return out
+    if named is not None and named != tp:
+        raise ConfigError(
+            f"tensor_parallel: {tp} and sim.instance_gpus: {named} both name the instance size "
+            "(sim.instance_gpus is the simulator's older name for it): give tensor_parallel alone"
+        )
+    out["sim"] = {**(sim or {}), "instance_gpus": tp}
+    return out
+
+
+def _forget_other_instance_key(raw: dict[str, Any], item: str) -> None:
+    """An override of either name of the instance size sets it, later winning as every override: the other
+    name, where the file gives it, goes."""
+    key = item.partition("=")[0].strip()
+    if key not in INSTANCE_KEYS:
+        return
+    if key == "tensor_parallel" and isinstance(raw.get("sim"), dict):
+        raw["sim"] = {k: v for k, v in raw["sim"].items() if k != "instance_gpus"}
+    elif key != "tensor_parallel":
+        raw.pop("tensor_parallel", None)
 
 
 RENAMED_SIM_KEYS = {"genrm_model": "judge_model", "genrm_engine_gpus": "judge_engine_gpus"}

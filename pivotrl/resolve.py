@@ -257,17 +257,16 @@ def resolve(
     judge_max_len: int = 0,
     rollout_max_len: int = 0,
     trainer: str | None = None,
-    ranks_per_device: int = 1,
 ) -> Plan:
     """``cfg`` made concrete for ``hw``.
 
     ``policy``: the policy's architecture, which the memory rules need where ``hw`` knows its memory (None: those
     rules take their CPU answers). ``cfg.tensor_parallel`` makes a control-plane device an instance of that many
-    devices (``min_train_devices`` counts instances then).
+    devices (``min_train_devices`` counts instances then: the step's fewest devices over the instance's; the
+    simulator resolves its jobs with ``devices`` its GPUs and ``tensor_parallel`` the GPUs of its instances).
     ``judge`` and ``judge_max_len`` (its longest sequence), ``rollout_max_len``:
     for the engines' limits. ``trainer``: the trainer a resumed run keeps (the one that wrote its state),
-    instead of ``auto``'s choice. ``ranks_per_device``: GPUs a device spans where the memory rules count GPUs
-    (the simulator's instances): the step's fewest devices are its fewest GPUs over this.
+    instead of ``auto``'s choice.
     """
     t = cfg.train
     precision = precision_for(t, hw.kind)
@@ -276,7 +275,6 @@ def resolve(
     rollout_backend, judge_backend = backend_for(cfg.rollout.backend, hw), backend_for(cfg.judge.backend, hw)
     tp = tensor_parallel_for(cfg, hw, policy, judge, (rollout_dtype, judge_dtype), (rollout_max_len, judge_max_len))
     check_tensor_parallel(tp, {"policy": policy, "judge": judge}, {"rollout": rollout_backend, "judge": judge_backend})
-    ranks_per_device = max(ranks_per_device, tp)
     memory_known = hw.device_bytes is not None and policy is not None
     kind = TrainerKind(trainer) if trainer else _trainer(cfg, hw, policy, precision, rollout_dtype)
     compute = 2 if precision == "bf16" else 4
@@ -289,7 +287,7 @@ def resolve(
         if found is None:
             too_big = _too_big(t, policy, kind, cfg.devices, hw.device_bytes, compute, checkpointed)
         fewest = found or 1
-    min_devices = -(-(t.min_devices or fewest) // ranks_per_device)
+    min_devices = -(-(t.min_devices or fewest) // tp)
     train = dataclasses.replace(
         t, backend=kind.value, precision=precision, activation_checkpointing=checkpointed, min_devices=min_devices
     )
@@ -300,8 +298,8 @@ def resolve(
         assert policy is not None
         share = Share(
             train=memory.per_device(policy, kind, cfg.devices, t.planned_tokens, compute, checkpointed),
-            rollout=_engine_bytes(policy, rollout_dtype, rollout_max_len) / ranks_per_device,
-            judge=0.0 if judge is None else _engine_bytes(judge, judge_dtype, judge_max_len) / ranks_per_device,
+            rollout=_engine_bytes(policy, rollout_dtype, rollout_max_len) / tp,
+            judge=0.0 if judge is None else _engine_bytes(judge, judge_dtype, judge_max_len) / tp,
             processes=1 + (rollout_backend == VLLM) + (judge_backend == VLLM),
         )
         backends = {"policy": rollout_backend, "judge": judge_backend}

@@ -423,3 +423,31 @@ def test_tensor_parallel_takes_an_integer_or_auto():
     assert load_config(None, ["devices=4", "tensor_parallel=2"]).tensor_parallel == 2
     assert load_config(None, ["tensor_parallel=auto"]).tensor_parallel == "auto"
     assert load_config(None, ["devices=4", "tensor_parallel=2"]).instances(2) == 2
+
+
+def test_a_simulated_job_holds_its_instance_size_as_sim_instance_gpus(tmp_path):
+    """For ``pivotrl simulate`` devices are the instances of sim.gpus and a split counts instances: the size leaves
+    the control plane's view (tensor_parallel 1 there) for sim.instance_gpus, its older name, which still loads."""
+    job = ["sim.gpus=16", "mode=disaggregated", "split=rollout:2,judge:1,train:1"]  # (devices=1: not read)
+    cfg = load_config(None, [*job, "tensor_parallel=4"], simulated=True)
+    assert (cfg.tensor_parallel, cfg.sim.instance_gpus, cfg.sim.devices) == (1, 4, 4)
+    assert load_config(None, [*job, "sim.instance_gpus=4"], simulated=True) == cfg
+    assert load_config(None, ["tensor_parallel=auto"], simulated=True).sim.instance_gpus == "auto"
+    both = tmp_path / "both.yaml"
+    both.write_text("tensor_parallel: 2\nsim:\n  gpus: 16\n  instance_gpus: 4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(both, simulated=True)
+    assert str(e.value) == (
+        "tensor_parallel: 2 and sim.instance_gpus: 4 both name the instance size (sim.instance_gpus is the "
+        "simulator's older name for it): give tensor_parallel alone"
+    )
+    # an override of either name sets the size, later winning; a run's written config names it once, beside 1
+    assert load_config(both, ["sim.instance_gpus=8"], simulated=True).sim.instance_gpus == 8
+    assert load_config(both, ["tensor_parallel=8"], simulated=True).sim.instance_gpus == 8
+    written = tmp_path / "written.yaml"
+    written.write_text("tensor_parallel: 1\nsim:\n  gpus: 16\n  instance_gpus: 4\n")
+    assert load_config(written, simulated=True).sim.instance_gpus == 4
+    with pytest.raises(ConfigError, match=r"^tensor_parallel: expected an integer >= 1, got 0$"):
+        load_config(None, ["tensor_parallel=0"], simulated=True)
+    with pytest.raises(ConfigError, match="tensor_parallel: must be an integer or auto, got 'two'"):
+        load_config(None, ["tensor_parallel=two"], simulated=True)

@@ -114,9 +114,10 @@ def test_min_train_devices_are_the_fewest_that_hold_the_state_or_as_given():
     assert plan(*fsdp8, "train.min_devices=5").min_train_devices == 5
     assert plan(*fsdp8, memory_gb=None).min_train_devices == 1  # (not known: one)
     assert plan(kind="cpu", memory_gb=None).min_train_devices == 1
-    # the simulator's instances of 4 GPUs: the step's fewest GPUs over 4, rounded up
+    # instances of 4 GPUs (the runtime's, the simulator's): the step's fewest GPUs over 4, rounded up
     gpus = plan(*fsdp8).min_train_devices
-    assert plan(*fsdp8, ranks_per_device=4).min_train_devices == -(-gpus // 4)
+    vllm = ("rollout.backend=vllm", "judge.backend=vllm")
+    assert plan(*fsdp8, *vllm, "tensor_parallel=4").min_train_devices == -(-gpus // 4)
 
 
 def test_a_state_no_device_count_holds_is_said_in_one_sentence():

@@ -2,10 +2,13 @@
 
 The rest of the job config means what it means in a real run (``mode``,
 ``split``, ``steps``, ``seed``, ``rollout.*``, ``judge.max_new_tokens``,
-``eval.*``); ``devices`` is replaced by ``gpus / instance_gpus``: one device
-of the control plane is one model instance of ``instance_gpus`` GPUs (tensor
-parallel). Checked when built, like every section; whether ``lengths_file``
-and a measured-costs file exist is checked when the simulation starts.
+``eval.*``); ``devices`` is replaced by ``gpus / tensor_parallel``: one device
+of the control plane is one model instance of the job's ``tensor_parallel``
+GPUs, which a simulated job holds as ``instance_gpus``
+(``pivotrl.config.simulated_instances``). Checked when built, like every
+section; whether ``lengths_file`` and a measured-costs file exist, and what
+``auto`` and the models make of the instance size, is checked when the
+simulation starts.
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ KV_CACHES = ("paged", "reserved")
 class SimConfig:
     gpu: str = "H100"  # modeled accelerator, a name in pivotrl.sim.hardware.GPUS
     gpus: int = 8  # GPUs in the cluster
-    instance_gpus: int = 1  # GPUs per model instance (tensor parallel); a control-plane device is one instance
+    # GPUs per model instance: the job's tensor_parallel (this key's older name), an integer or auto; a
+    # control-plane device is one instance
+    instance_gpus: int | Literal["auto"] = 1
     # GPUs of each engine an instance runs a role on (0: one engine of all its GPUs): an instance of 4 GPUs
     # may roll out on 2 engines of 2 and judge on 1 of 4; its sequences are spread evenly over its engines
     rollout_engine_gpus: int = 0
@@ -117,23 +122,14 @@ class SimConfig:
         for name in ("policy_model", "judge_model"):
             if getattr(self, name) not in MODELS:
                 raise ValueError(f"{name}: expected one of {', '.join(MODELS)}, got {getattr(self, name)!r}")
-        _int_at_least(self, 1, "gpus", "instance_gpus", "prompt_len", "judge_output_len")
+        _int_at_least(self, 1, "gpus", "prompt_len", "judge_output_len")
+        if self.instance_gpus != "auto":
+            _int_at_least(self, 1, "instance_gpus")
         _int_at_least(self, 0, "judge_template_len", "rollout_engine_gpus", "judge_engine_gpus")
-        for name in ("rollout_engine_gpus", "judge_engine_gpus"):
-            if self.instance_gpus % (getattr(self, name) or self.instance_gpus):
-                raise ValueError(
-                    f"{name}: expected 0 (one engine of the instance) or a divisor of instance_gpus "
-                    f"({self.instance_gpus}), got {getattr(self, name)}"
-                )
         if not isinstance(self.elastic_engines, bool):
             raise ValueError(f"elastic_engines: expected true or false, got {self.elastic_engines!r}")
-        if self.elastic_engines and self.instance_gpus == 1:
-            raise ValueError("elastic_engines: an instance of 1 GPU has one layout; needs instance_gpus >= 2")
-        if self.gpus % self.instance_gpus:
-            raise ValueError(
-                f"gpus: expected a multiple of instance_gpus ({self.instance_gpus}), got {self.gpus} "
-                f"(a device is one instance of instance_gpus GPUs)"
-            )
+        if self.instance_gpus != "auto":  # (auto: checked once resolved, ``pivotrl.sim.run.build``)
+            self.check_instances(self.instance_gpus)
         if not (isinstance(self.judge_output_sigma, float | int) and 0 <= self.judge_output_sigma < math.inf):
             raise ValueError(f"judge_output_sigma: expected a number >= 0, got {self.judge_output_sigma!r}")
         if not (isinstance(self.yes_probability, float | int) and 0 <= self.yes_probability <= 1):
@@ -159,6 +155,23 @@ class SimConfig:
                 f"costs: expected 'roofline', 'deployed' or a measured-costs JSON file, got {self.costs!r}"
             )
 
+    def check_instances(self, tp: int) -> None:
+        """Refuse (``ValueError``) what instances of ``tp`` GPUs cannot hold: a cluster they do not divide,
+        engine sizes that do not divide them."""
+        for name in ("rollout_engine_gpus", "judge_engine_gpus"):
+            if tp % (getattr(self, name) or tp):
+                raise ValueError(
+                    f"{name}: expected 0 (one engine of the instance) or a divisor of tensor_parallel ({tp}), "
+                    f"got {getattr(self, name)}"
+                )
+        if self.elastic_engines and tp == 1:
+            raise ValueError("elastic_engines: an instance of 1 GPU has one layout; needs tensor_parallel >= 2")
+        if self.gpus % tp:
+            raise ValueError(
+                f"gpus: expected a multiple of tensor_parallel ({tp}), got {self.gpus} "
+                f"(a device is one instance of tensor_parallel GPUs)"
+            )
+
     def judge_lengths(self, cap: int) -> LengthDist:
         """Tokens of a judgment, capped at ``cap`` (``judge.max_new_tokens``)."""
         if not self.judge_output_sigma:
@@ -167,5 +180,7 @@ class SimConfig:
 
     @property
     def devices(self) -> int:
-        """Control-plane devices: model instances of ``instance_gpus`` GPUs."""
+        """Control-plane devices: model instances of ``instance_gpus`` GPUs (resolved: not auto)."""
+        if self.instance_gpus == "auto":
+            raise ValueError("instance_gpus: auto is resolved by pivotrl.sim.run.build")
         return self.gpus // self.instance_gpus

@@ -36,7 +36,7 @@ def recorded_run(config: str | Path, overrides: list[str]) -> tuple[list[tuple[f
     planner_module.Planner.plan = plan  # type: ignore[method-assign]
     try:
         with tempfile.TemporaryDirectory() as out:
-            run_simulation(load_config(config, overrides), out)
+            run_simulation(load_config(config, overrides, simulated=True), out)
             steps = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     finally:
         planner_module.Planner.plan = original  # type: ignore[method-assign]

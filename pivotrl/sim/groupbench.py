@@ -1,8 +1,9 @@
 """A model group in every mode, each at its fastest instance size: the runs behind ``benchmarks/paper.py``.
 
 Every run is ``pivotrl simulate`` of the group's job in its own process (``versus.simulate_apart``), read
-through the steady window (``pivotrl.sim.steady``). Colocated (deployed and strong) and shiftable run at each
-instance size from the highest floor bound down, a size skipped when its bound cannot beat the mode's best run
+through the steady window (``pivotrl.sim.steady``), at instance sizes the runtime builds (``unbuilt`` says why
+each other size is not run). Colocated (deployed and strong) and shiftable run at each instance size from the
+highest floor bound down, a size skipped when its bound cannot beat the mode's best run
 so far (``versus.best_size``). The disaggregated baseline's split is searched (``versus.search_split``) on
 short runs at each size worth trying, the size whose search found the shortest step kept, and its best split
 run again at full length.
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.sim.groupreport import derive, rate_text
-from pivotrl.sim.groups import Group, instance_sizes, job_overrides
+from pivotrl.sim.groups import Group, instance_sizes, job_overrides, unbuilt_sizes
 from pivotrl.sim.ideal import INSTANCE_SIZES, IdealStep
 from pivotrl.sim.versus import MODES, Split, best_size, mode_overrides, search_split, simulate_apart, split_text
 
@@ -56,7 +57,8 @@ def bench(
     ``kept`` (the group from an earlier report) the runs of its other modes are kept as they are."""
     t0 = time.perf_counter()
     wanted = set(modes)
-    sizes = instance_sizes(group, gpus, (settings.tp,) if settings.tp else INSTANCE_SIZES)
+    tps = (settings.tp,) if settings.tp else INSTANCE_SIZES
+    sizes = instance_sizes(group, gpus, tps)  # (only the layouts the runtime builds: ``unbuilt`` says why not)
     tp0 = max(sizes, key=lambda tp: sizes[tp].samples_per_s)  # the highest ideal: the table's ideal row
     caps = {tp: i.floor_samples_per_s for tp, i in sizes.items()}
     keep = (lambda mode: settings.runs / group.name / mode) if settings.runs else (lambda mode: None)
@@ -102,6 +104,7 @@ def bench(
         "overrides": job_overrides(group, gpus, tp0),
         "ideal": sizes[tp0].to_dict(),
         "ideals": {str(tp): i.to_dict() for tp, i in sizes.items()},
+        "unbuilt": unbuilt_sizes(group, gpus, tps),
         "modes": {m: rows[m] for m in MODES if m in rows},
     }
     return {**derive(g), "wall_s": time.perf_counter() - t0}

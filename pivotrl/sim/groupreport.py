@@ -245,15 +245,42 @@ def report_text(report: dict[str, Any]) -> tuple[list[list[str]], list[str], str
     """The table rows, the notes, the title and the label of a report."""
     if "points" in report:
         items = report["points"]
-        notes = [f"{g['sweep']} {g['point']}: {speedups(g)}" for g in items]
+        notes = [f"{g['sweep']} {g['point']}: {speedups(g)}" for g in items] + unbuilt_notes(items, "point")
         gpus = report["settings"]["gpus"]
         title = f"dense-7b sensitivity (base {gpus} GPUs): tail, judge size, judgment length, cluster size"
         return sweep_rows(items), notes, title, "point"
     items = report["groups"]
     notes = [f"{g['name']} ({g['policy']} + {g['judge']} judge): {speedups(g)}" for g in items]
     notes += [f"{g['name']}: {line}" for g in items if (line := gap(g))]
+    notes += unbuilt_notes(items, "name")
     title = f"{report['settings']['gpus']} x H100: steady samples/s by mode and the ideal"
     return [r for g in items for r in rows(g)], notes, title, "name"
+
+
+def unbuilt_notes(items: list[dict[str, Any]], label: str) -> list[str]:
+    """Per group (or point), the instance sizes not run as no layout the runtime builds, and why (``unbuilt``)."""
+    return [f"{g[label]}: TP{tp} not run, no layout the runtime builds ({why})"
+            for g in items for tp, why in g.get("unbuilt", {}).items()]  # fmt: skip
+
+
+class Unbuilt(ValueError):
+    """A mode's run is at an instance size the runtime builds no layout at: it must run again."""
+
+
+def drop_unbuilt(g: dict[str, Any], unbuilt: dict[str, str]) -> dict[str, Any]:
+    """``g`` without its runs at the sizes of ``unbuilt`` (size -> why the runtime builds no such layout), which
+    it records; a mode whose chosen run is at one of them cannot be kept (``Unbuilt``)."""
+    for mode, r in g["modes"].items():
+        if str(r.get("instance_gpus")) in unbuilt:
+            raise Unbuilt(f"{g.get('name', g.get('point'))} {mode} ran at TP{r['instance_gpus']}, no layout the "
+                             f"runtime builds ({unbuilt[str(r['instance_gpus'])]}): run it again")  # fmt: skip
+        for key in ("sizes", "search"):
+            if key in r:
+                r[key] = [t for t in r[key] if str(t["tp"]) not in unbuilt]
+    g["ideals"] = {tp: i for tp, i in g.get("ideals", {}).items() if tp not in unbuilt}
+    if unbuilt:
+        g["unbuilt"] = {**g.get("unbuilt", {}), **unbuilt}
+    return g
 
 
 def update_note(report: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
 """The model groups of the cluster-scale comparison: a policy and its generative judge on 128 simulated H100s.
 
 Each group is a job file under ``examples/paper/`` (``examples/sim128.yaml``'s workload with the group's
-models, trainer and instance size); ``benchmarks/paper.py`` runs every group in every mode through
+models, trainer and instance size, ``tensor_parallel``); ``benchmarks/paper.py`` runs every group in every mode
+through
 ``pivotrl.sim.versus``, and the benchmarks beside it (the gap to the floor, the planner's estimates, engine
 layouts, the replayed floor) run the same jobs. A group may carry further overrides (a point of a
 sensitivity sweep: other lengths, another judge, another cluster size).
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pivotrl.config import JobConfig, load_config
+from pivotrl.errors import UserError
 from pivotrl.resolve import Hardware, resolve
 from pivotrl.runtime.devices import CUDA
 from pivotrl.sim.hardware import GPUS
 from pivotrl.sim.ideal import INSTANCE_SIZES, IdealStep, ideal_for_job, ideals_by_size
 from pivotrl.sim.models import MODELS
+from pivotrl.sim.run import build
 from pivotrl.sim.workload import LengthDist
 from pivotrl.train.traits import TrainerKind
 
@@ -39,7 +42,7 @@ class Group:
 
     def job(self, overrides: list[str] | None = None) -> JobConfig:
         """The group's job with ``overrides`` (``job_overrides``' hold ``extra``), or with ``extra`` alone."""
-        return load_config(self.config, list(self.extra) if overrides is None else overrides)
+        return load_config(self.config, list(self.extra) if overrides is None else overrides, simulated=True)
 
     @property
     def policy(self) -> str:
@@ -51,7 +54,8 @@ class Group:
 
     @property
     def instance_gpus(self) -> int:
-        """The instance size the job file names: the one the shiftable mode runs fastest at on 128 GPUs."""
+        """The instance size the job file names (``tensor_parallel``): the one the shiftable mode runs fastest at
+        on 128 GPUs."""
         return self.job().sim.instance_gpus
 
 
@@ -74,7 +78,7 @@ GROUPS = {
 
 def job_overrides(group: Group, gpus: int, tp: int) -> list[str]:
     """The overrides of ``group.config`` that run the group on ``gpus`` GPUs in instances of ``tp``."""
-    return [f"sim.gpus={gpus}", f"sim.instance_gpus={tp}", f"train.backend={trainer(group.policy, gpus)}",
+    return [f"sim.gpus={gpus}", f"tensor_parallel={tp}", f"train.backend={trainer(group.policy, gpus)}",
             *group.extra]  # fmt: skip
 
 
@@ -92,11 +96,13 @@ def trainer(policy: str, gpus: int) -> str:
 
 def ideal(config: str | Path, overrides: list[str]) -> IdealStep:
     """The ideal step of the job (its colocated form: a split names devices of one size)."""
-    return ideal_for_job(load_config(config, [*overrides, "mode=colocated"]))
+    return ideal_for_job(load_config(config, [*overrides, "mode=colocated"], simulated=True))
 
 
 def instance_sizes(group: Group, gpus: int, tps: tuple[int, ...] = INSTANCE_SIZES) -> dict[int, IdealStep]:
-    """The ideal of each instance size of ``tps`` both models fit on, with an instance for each role."""
+    """The ideal of each instance size of ``tps`` the runtime can build for both models (``ideals_by_size``: on
+    one node, every model's heads, KV heads and MLP width cut evenly) and both fit on, with an instance for each
+    role."""
     found = ideals_by_size(group.job(job_overrides(group, gpus, 1)), tps)
     out = {tp: step for tp, step in found.items() if gpus // tp >= 3}
     if not out:
@@ -104,9 +110,24 @@ def instance_sizes(group: Group, gpus: int, tps: tuple[int, ...] = INSTANCE_SIZE
     return out
 
 
+def unbuilt_sizes(group: Group, gpus: int, tps: tuple[int, ...] = INSTANCE_SIZES) -> dict[str, str]:
+    """Each size of ``tps`` that divides the cluster but is no layout of the group the runtime builds (an instance
+    past a node, a model whose heads, KV heads or MLP width it cannot cut evenly, a model it cannot hold): the
+    simulator's one-line refusal, by size."""
+    out: dict[str, str] = {}
+    for tp in tps:
+        if gpus % tp == 0:
+            try:
+                build(group.job(job_overrides(group, gpus, tp)), warn=False)
+            except UserError as e:
+                out[str(tp)] = str(e)
+    return out
+
+
 def with_tp(overrides: list[str], tp: int) -> list[str]:
-    """``overrides`` with instances of ``tp`` GPUs."""
-    return [x for x in overrides if not x.startswith("sim.instance_gpus=")] + [f"sim.instance_gpus={tp}"]
+    """``overrides`` with instances of ``tp`` GPUs (where they name the size by either name)."""
+    named = ("sim.instance_gpus=", "tensor_parallel=")
+    return [x for x in overrides if not x.startswith(named)] + [f"tensor_parallel={tp}"]
 
 
 # -- the sensitivity sweep's points ---------------------------------------------------------

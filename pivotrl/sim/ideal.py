@@ -340,10 +340,11 @@ INSTANCE_SIZES = (1, 2, 4, 8)  # GPUs per model instance that ``ideals_by_size``
 
 
 def ideals_by_size(cfg: JobConfig, sizes: tuple[int, ...] = INSTANCE_SIZES) -> dict[int, IdealStep]:
-    """The ideal step of job ``cfg`` with instances of each of ``sizes`` GPUs that divides the cluster and
-    holds both models, each running a role on one engine; empty with measured costs (a profile is of the
-    instance it measured). A step bound by its longest responses more than by its work has its lowest
-    floor on larger instances than its highest ideal throughput."""
+    """The ideal step of job ``cfg`` with instances of each of ``sizes`` GPUs that divides the cluster, holds
+    both models and is a layout the runtime builds (on one node, every model's heads cut evenly:
+    ``pivotrl.sim.run.build`` refuses the others), each running a role on one engine; empty with measured
+    costs (a profile is of the instance it measured). A step bound by its longest responses more than by its
+    work has its lowest floor on larger instances than its highest ideal throughput."""
     if cfg.sim.costs not in ("roofline", "deployed"):  # (a profile is of the instance it measured)
         return {}
     out: dict[int, IdealStep] = {}
@@ -353,8 +354,8 @@ def ideals_by_size(cfg: JobConfig, sizes: tuple[int, ...] = INSTANCE_SIZES) -> d
         sim = dataclasses.replace(cfg.sim, instance_gpus=tp, rollout_engine_gpus=0, judge_engine_gpus=0,
                                   elastic_engines=False)  # fmt: skip
         try:  # (colocated: the job's split names devices of its own size)
-            out[tp] = ideal_for_job(dataclasses.replace(cfg, mode="colocated", split="", sim=sim))
-        except UserError:  # a model does not fit on tp GPUs
+            out[tp] = ideal_for_job(dataclasses.replace(cfg, mode="colocated", split="", tensor_parallel=1, sim=sim))
+        except UserError:  # a model does not fit on tp GPUs, or cannot be cut in tp parts
             continue
     return out
 

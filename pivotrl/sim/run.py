@@ -4,7 +4,8 @@
 
 The job config means what it means for ``pivotrl train`` (mode, split, steps,
 seed, rollout, judge and eval settings); ``sim.*`` says what is modeled, and
-the devices are ``sim.gpus / sim.instance_gpus`` model instances. Problems are
+the devices are the model instances of ``sim.gpus``, ``tensor_parallel`` GPUs each
+(``sim.instance_gpus`` once loaded: ``pivotrl.config.simulated_instances``). Problems are
 stand-ins (every prompt costs ``sim.prompt_len`` tokens), so held-out accuracy and
 judge agreement describe ``sim.yes_probability``, not a policy. Times in the
 run's files are virtual seconds; the summary adds ``sim_seconds`` (virtual)
@@ -73,7 +74,7 @@ def _costs(cfg: JobConfig) -> CostModel:
             f"sim.costs: expected 'roofline', 'deployed' or a measured-costs JSON file, {sim.costs!r} not found"
         )
     if sim.instance_gpus != 1:
-        raise UserError(f"sim.instance_gpus: measured costs are of one device per instance, got {sim.instance_gpus}")
+        raise UserError(f"tensor_parallel: measured costs are of one device per instance, got {sim.instance_gpus}")
     try:
         return MeasuredCosts.load(sim.costs)
     except ValueError as e:
@@ -101,10 +102,50 @@ def _replay(cfg: JobConfig) -> dict[tuple[int, int], int] | None:
         raise UserError(f"sim.lengths_replay: {e}") from None
 
 
+def simulated_job(cfg: JobConfig) -> JobConfig:
+    """``cfg`` as the simulator holds it, its instance size in ``sim.instance_gpus`` and its control plane's
+    ``tensor_parallel`` 1 (``pivotrl.config.simulated_instances``, for a config loaded as a run's)."""
+    tp = cfg.tensor_parallel
+    if tp == 1:
+        return cfg
+    if cfg.sim.instance_gpus not in (1, tp):
+        raise UserError(
+            f"tensor_parallel: {tp} and sim.instance_gpus: {cfg.sim.instance_gpus} both name the instance size "
+            "(sim.instance_gpus is the simulator's older name for it): give tensor_parallel alone"
+        )
+    return dataclasses.replace(cfg, tensor_parallel=1, sim=_with_instances(cfg.sim, tp))
+
+
+def concrete_instances(cfg: JobConfig) -> JobConfig:
+    """``simulated_job(cfg)`` with ``tensor_parallel=auto`` resolved on the modeled GPUs, as ``build`` does."""
+    cfg = simulated_job(cfg)
+    if cfg.sim.instance_gpus != "auto":
+        return cfg
+    return dataclasses.replace(cfg, sim=_with_instances(cfg.sim, build(cfg, warn=False).spec.tp))
+
+
+def _with_instances(sim: SimConfig, tp: int | str) -> SimConfig:
+    try:
+        return dataclasses.replace(sim, instance_gpus=tp)
+    except ValueError as e:
+        raise UserError(f"sim.{e}") from None
+
+
+def _check_node(sim: SimConfig) -> None:
+    """An instance is on one node: no more GPUs than a node of the modeled GPU holds."""
+    node = GPUS[sim.gpu].gpus_per_node
+    if sim.instance_gpus != "auto" and sim.instance_gpus > node:
+        raise UserError(
+            f"tensor_parallel: {sim.instance_gpus} GPUs an instance, more than a node of {sim.gpu}s holds ({node}): "
+            "an instance is on one node"
+        )
+
+
 def build(cfg: JobConfig, warn: bool = True) -> Simulation:
     """Check the job and set up its simulation; a mistake raises ``UserError`` naming the key. ``warn``: say
     what a run would meet (a trainer that fits no GPU, judgments cut at their cap); off for the ideals of a job
     already built, which would say it again for each."""
+    cfg = simulated_job(cfg)
     sim = cfg.sim
     costs = _costs(cfg)
     policy_model, judge_model = MODELS[sim.policy_model], MODELS[sim.judge_model]
@@ -113,18 +154,29 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         policy_model = dataclasses.replace(policy_model, name=costs.rollout.model)
         judge_model = dataclasses.replace(judge_model, name=costs.genrm.model)
     shape = policy_model.train_config()
-    # the job resolved as the runtime would on the modeled GPUs, a device each (train.backend=auto: ZeRO-1 in
-    # shiftable mode where it fits, else FSDP2); a measured CPU profile's runtime trains replicated
-    hw = Hardware(CPU) if measured else Hardware(CUDA, GPUS[sim.gpu].hbm_bytes)
-    plan = resolve(dataclasses.replace(cfg, devices=sim.gpus), hw, None if measured else shape,
-                   ranks_per_device=sim.instance_gpus)  # fmt: skip
+    r, j = cfg.rollout, cfg.judge
+    rollout_context = sim.prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens)
+    judge_context = sim.prompt_len + r.max_new_tokens + sim.judge_template_len + j.max_new_tokens
+    # the job resolved as the runtime would on the modeled GPUs, devices its GPUs and tensor_parallel those of
+    # an instance, its models served by vLLM (train.backend=auto: ZeRO-1 in shiftable mode where it fits, else
+    # FSDP2; tensor_parallel=auto: the fewest GPUs that hold each model; a size the models' heads cannot be cut
+    # in is refused); a measured CPU profile's runtime trains replicated
+    _check_node(sim)
+    hw = Hardware(CPU) if measured else Hardware(CUDA, GPUS[sim.gpu].hbm_bytes, vllm=True)
+    judge_shape = None if measured else judge_model.train_config()
+    plan = resolve(dataclasses.replace(cfg, devices=sim.gpus, tensor_parallel=sim.instance_gpus, split=""), hw,
+                   None if measured else shape, judge=judge_shape, judge_max_len=judge_context,
+                   rollout_max_len=rollout_context)  # fmt: skip
+    if plan.tensor_parallel != sim.instance_gpus:  # (auto, resolved)
+        sim = _with_instances(sim, plan.tensor_parallel)
+        cfg = dataclasses.replace(cfg, sim=sim)
+        _check_node(sim)
     if not measured:  # the judge priced in the dtype a run would hold and serve it in
         judge_model = dataclasses.replace(judge_model, dtype_bytes=DTYPE_BYTES[plan.judge_dtype])
     if isinstance(costs, RooflineCosts) and shape is not None and plan.activation_checkpointing:
         costs = dataclasses.replace(costs, train_forwards=4.0)  # each layer's forward again in the backward
     if sim.shift_scale != 1 or sim.migration_scale != 1:
         costs = ScaledCosts(costs, float(sim.shift_scale), float(sim.migration_scale))
-    r, j = cfg.rollout, cfg.judge
     genrm = GenRM(j.template, j.verdict_pattern, j.rewards, j.fallback_reward)
     by_reward = sorted(genrm.rewards, key=lambda label: genrm.rewards[label])
     verdicts = (synthetic.verdict_text(genrm, by_reward[0]), synthetic.verdict_text(genrm, by_reward[-1]))
@@ -137,8 +189,6 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
     lengths, replay, judge_lengths = _lengths(cfg), _replay(cfg), sim.judge_lengths(j.max_new_tokens)
     if sim.judge_output_sigma and warn:
         _warn_capped_judgments(judge_lengths)
-    rollout_context = sim.prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens)
-    judge_context = sim.prompt_len + r.max_new_tokens + sim.judge_template_len + j.max_new_tokens
     spec = SimSpec(
         devices=sim.devices,
         tp=sim.instance_gpus,
@@ -198,10 +248,10 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         if engine and engine < sim.instance_gpus:  # the instance may hold it, one of its engines does not
             raise UserError(
                 f"sim.{key}: {name} with {context}-token sequences does not fit on an engine of "
-                f"{engine} x {sim.gpu} (give each engine more GPUs, up to sim.instance_gpus = {sim.instance_gpus})"
+                f"{engine} x {sim.gpu} (give each engine more GPUs, up to tensor_parallel = {sim.instance_gpus})"
             )
         raise UserError(
-            f"sim.instance_gpus: {name} with {context}-token sequences does not fit on "
+            f"tensor_parallel: {name} with {context}-token sequences does not fit on "
             f"{sim.instance_gpus} x {sim.gpu} (give an instance more GPUs)"
         )
     # an engine runs no more sequences than its KV memory holds; handing it more only queues them
@@ -220,9 +270,9 @@ def build(cfg: JobConfig, warn: bool = True) -> Simulation:
         train = dataclasses.replace(cfg.train, backend=plan.trainer.value)  # (auto made concrete, as a run's is)
         job = dataclasses.replace(cfg, devices=sim.devices, rollout=r, train=train)
     except ValueError as e:
-        raise UserError(f"{e} (the simulator's devices are sim.gpus / sim.instance_gpus = {sim.devices})") from None
-    # the modeled engines' capacities are what this hardware answers for the judge's limits
-    plan = dataclasses.replace(plan, judge_per_device=judge_batch, judge_kv=judge_kv or 0)
+        raise UserError(f"{e} (the simulator's devices are sim.gpus / tensor_parallel = {sim.devices})") from None
+    # the modeled engines' capacities are what this hardware answers for the rollout's and the judge's limits
+    plan = dataclasses.replace(plan, rollout_per_device=0, judge_per_device=judge_batch, judge_kv=judge_kv or 0)
     if isinstance(alloc, Shiftable):
         _startup_profile(alloc.profiles, spec)
         alloc.max_batch = (r.max_batch, judge_batch)
@@ -394,6 +444,7 @@ def format_sizes(job: JobConfig) -> str | None:
     than the job's own (None if none does, or with measured costs)."""
     from pivotrl.sim.ideal import ideal_for_job, ideals_by_size
 
+    job = concrete_instances(job)
     sim = job.sim
     floors = {tp: i.floor_samples_per_s for tp, i in ideals_by_size(job).items()}
     own = floors.get(sim.instance_gpus)
@@ -409,7 +460,7 @@ def format_sizes(job: JobConfig) -> str | None:
     what = "instances of {} GPUs, one engine a role" if engines else "instances of {} GPUs"
     sizes = ", ".join(f"{rate:.1f} samples/s on {what.format(tp)}" for tp, rate in sorted(better.items()))
     best = max(better, key=lambda tp: better[tp])
-    try_ = f"sim.instance_gpus={best}"
+    try_ = f"tensor_parallel={best}"
     for key, off in (("rollout_engine_gpus", 0), ("judge_engine_gpus", 0), ("elastic_engines", "false")):
         if engines and getattr(sim, key):
             try_ += f" sim.{key}={off}"

@@ -140,7 +140,7 @@ def _ideal_split(cfg: JobConfig) -> Split:
     devices = cfg.sim.gpus // cfg.sim.instance_gpus
     if devices < 3:
         raise UserError(f"{devices} instance(s) of {cfg.sim.instance_gpus} GPU(s) cannot hold one a role; a static "
-                        "split needs 3 or more (more sim.gpus, or smaller instances)")  # fmt: skip
+                        "split needs 3 or more (more sim.gpus, or a smaller tensor_parallel)")  # fmt: skip
     s = ideal_for_job(cfg).split(devices)
     return s["rollout"], s["judge"], s["train"]
 
@@ -207,15 +207,15 @@ class Versus:
         if named:
             raise UserError(f"--versus runs the job in each mode it names: leave {named[0]!r} out of the overrides")
         self.config, self.overrides, self.say = config, list(overrides), say
-        self.job = load_config(config, self.overrides)  # (a bad override stops here, before any run)
+        self.job = load_config(config, self.overrides, simulated=True)  # (a bad override stops here, before any run)
         if self.job.sim.costs == "deployed":
             raise UserError("--versus prices the deployed baseline itself (sim.costs=deployed for that mode only): "
                             "leave sim.costs at roofline, the default, or a measured-costs file")  # fmt: skip
 
     def cfg(self, mode: str, tp: int, *extra: str) -> JobConfig:
         split = [] if mode == "disaggregated" else ["split="]  # (a split names devices of one size)
-        return load_config(self.config, [*self.overrides, *mode_overrides(mode), *split,
-                                         f"sim.instance_gpus={tp}", *extra])  # fmt: skip
+        return load_config(self.config, [*self.overrides, *mode_overrides(mode), *split, f"tensor_parallel={tp}",
+                                         *extra], simulated=True)  # fmt: skip
 
     def simulate(self, cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
         from pivotrl.sim.run import run_simulation
@@ -274,6 +274,7 @@ def versus(
     ``out/versus.json``. With ``seeds`` above 1 each mode runs again at its size (and split) with the
     job's seed + 1, + 2, ... (``out/<mode>-seed<N>``), and its figures are the runs' means."""
     from pivotrl.sim.ideal import ideal_for_job
+    from pivotrl.sim.run import concrete_instances
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -289,7 +290,7 @@ def versus(
         raise UserError(f"--versus deployed: the deployed baseline is priced on the modeled GPUs, this job's costs "
                         f"are measured (sim.costs={v.job.sim.costs}); leave deployed out, or compare on the "
                         "modeled GPUs (sim.costs=roofline)")  # fmt: skip
-    sizes = list(dict.fromkeys(sizes)) or [v.job.sim.instance_gpus]
+    sizes = list(dict.fromkeys(sizes)) or [concrete_instances(v.job).sim.instance_gpus]
     floors: dict[int, float] = {}  # samples/s no schedule passes, per size the job fits at
     for tp in sizes:
         try:

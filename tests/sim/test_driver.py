@@ -169,9 +169,10 @@ def test_kv_memory_limits_the_batch():
 
 
 def test_a_model_that_does_not_fit_is_a_user_error():
-    with pytest.raises(UserError, match="sim.instance_gpus: Qwen3-235B-A22B with .* does not fit on 1 x H100"):
+    with pytest.raises(UserError, match="tensor_parallel: Qwen3-235B-A22B with .* does not fit on 1 x H100"):
         build(load_config(None, ["sim.policy_model=Qwen3-235B-A22B"]))
-    build(load_config(None, ["sim.policy_model=Qwen3-235B-A22B", "sim.instance_gpus=8", "sim.gpus=8"]))
+    build(load_config(None, ["sim.policy_model=Qwen3-235B-A22B", "sim.judge_model=Qwen2.5-14B", "sim.instance_gpus=8",
+                             "sim.gpus=8"]))  # fmt: skip
 
 
 def test_slices_end_on_a_shared_grid_or_when_the_engine_runs_dry():

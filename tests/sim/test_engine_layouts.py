@@ -5,17 +5,23 @@ from __future__ import annotations
 import pytest
 
 from pivotrl.control.messages import Role
+from pivotrl.errors import UserError
 from pivotrl.sim.engine_layouts import overrides, rows, summarize
 from pivotrl.sim.groups import GROUPS
 from pivotrl.sim.run import build
 
 
 def test_each_layout_is_a_job_the_simulator_builds():
-    for layout, elastic, engines in (((4, 2, 4), False, (2, 1)), ((4, 4, 4), False, (1, 1)), ((8, 0, 0), True, (8, 8))):
-        spec = build(GROUPS["judge-32b"].job(overrides(GROUPS["judge-32b"], 128, layout, elastic))).spec
+    cases = (("judge-32b", (4, 2, 4), False, (2, 1)), ("judge-32b", (4, 4, 4), False, (1, 1)),
+             ("dense-14b", (8, 0, 0), True, (8, 8)))  # fmt: skip
+    for name, layout, elastic, engines in cases:
+        spec = build(GROUPS[name].job(overrides(GROUPS[name], 128, layout, elastic))).spec
         assert spec.tp == layout[0] and spec.elastic is elastic
         # elastic: the smallest engines that hold each model with its longest sequence (both on 1 GPU)
         assert (spec.engines(Role.ROLLOUT), spec.engines(Role.JUDGE)) == engines
+    # instances of 8 GPUs are no layout for a 7B policy: its 28 attention heads cannot be cut in 8
+    with pytest.raises(UserError, match="tensor_parallel=8: the policy's num_attention_heads=28 cannot be cut"):
+        build(GROUPS["judge-32b"].job(overrides(GROUPS["judge-32b"], 128, (8, 0, 0), True)))
 
 
 def run(layout: str, rate: float, elastic: bool = False) -> dict:

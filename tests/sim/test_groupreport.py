@@ -88,3 +88,26 @@ def test_gap_says_when_shiftables_rollout_ends_and_how_long_after_it_the_update_
     line = groupreport.gap({**g, "ideals": {"4": priced}, "modes": {"shiftable": waits}})
     assert "a group waits 12.5 s for its judgments (median)" in line
     assert groupreport.gap({**g, "ideals": {"4": fake_ideal(100.0)}}) is None  # an older report
+
+
+def test_runs_at_a_size_the_runtime_builds_no_layout_at_are_dropped_and_said():
+    """A report made before the layout rules: its runs at such a size leave its tried sizes, its split search and
+    its ideals, and the notes say why; a mode chosen at such a size cannot be kept."""
+    at4, at8 = fake_ideal(100.0), fake_ideal(90.0)
+    g = {"name": "dense-7b", "ideals": {"4": at4, "8": at8},
+         "modes": {"colocated": {"instance_gpus": 4, "sizes": [{"tp": 4, "samples_per_s": 80.0},
+                                                              {"tp": 8, "samples_per_s": 60.0}]},
+                   "disaggregated": {"instance_gpus": 4, "search": [{"tp": 4, "split": "a"}, {"tp": 8, "split": "b"}],
+                                     "sizes": [{"tp": 4, "samples_per_s": 50.0}]}}}  # fmt: skip
+    why = {"8": "tensor_parallel=8: the policy's num_attention_heads=28 cannot be cut in 8 parts"}
+    out = groupreport.drop_unbuilt(g, why)
+    assert out["ideals"] == {"4": at4} and out["unbuilt"] == why
+    assert [t["tp"] for t in out["modes"]["colocated"]["sizes"]] == [4]
+    assert [t["tp"] for t in out["modes"]["disaggregated"]["search"]] == [4]
+    assert groupreport.unbuilt_notes([out], "name") == [
+        "dense-7b: TP8 not run, no layout the runtime builds (tensor_parallel=8: the policy's "
+        "num_attention_heads=28 cannot be cut in 8 parts)"
+    ]
+    chosen = {"name": "x", "ideals": {"8": at8}, "modes": {"shiftable": {"instance_gpus": 8}}}
+    with pytest.raises(groupreport.Unbuilt, match="x shiftable ran at TP8, no layout the runtime builds"):
+        groupreport.drop_unbuilt(chosen, why)

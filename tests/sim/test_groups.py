@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from pivotrl.config import load_config
-from pivotrl.sim.groups import BASE, GROUPS, job_overrides, reasoning_points, sweep_points, tail_points, with_tp
+from pivotrl.sim.groups import (
+    BASE,
+    GROUPS,
+    instance_sizes,
+    job_overrides,
+    reasoning_points,
+    sweep_points,
+    tail_points,
+    unbuilt_sizes,
+    with_tp,
+)
 
 
 def test_tail_points_keep_the_mean_length():
@@ -30,8 +40,11 @@ def test_reasoning_points_spread_the_judgments_and_leave_about_one_percent_at_th
 def test_with_tp_replaces_the_instance_size():
     base = job_overrides(GROUPS["judge-32b"], 128, 2)
     out = with_tp(base, 4)
-    assert "sim.instance_gpus=4" in out and "sim.instance_gpus=2" not in out and len(out) == len(base)
+    assert "tensor_parallel=4" in out and "tensor_parallel=2" not in out and len(out) == len(base)
     assert GROUPS["judge-32b"].job(out).sim.instance_gpus == 4
+    # overrides that name the size by its older name (a report's) take the new one
+    older = with_tp([o.replace("tensor_parallel=", "sim.instance_gpus=") for o in base], 4)
+    assert older == out
 
 
 # each group as examples/sim128.yaml ran it with the group's models and settings on the command line
@@ -68,3 +81,12 @@ def test_the_sweep_varies_dense_7b_one_axis_at_a_time():
     assert judge.job(job_overrides(judge, 128, 1)).sim.judge_model == "Qwen2.5-1.5B"
     assert [gpus for *_, gpus in points] == [128, 128, 128, 32, 512]
     assert len(sweep_points(128, [128], ("tail", "reasoning", "cluster"))) == len(tail_points()) + 2
+
+
+def test_the_groups_run_only_layouts_the_runtime_builds():
+    """A 7B model's 28 attention heads cut in 1, 2 or 4 but not 8: its groups' table leaves out instances of 8
+    GPUs and says why; the 14B pair (40 heads, 8 KV heads) and the MoE pair (32, 4) cut in 8."""
+    assert sorted(instance_sizes(GROUPS["dense-7b"], 128)) == [1, 2, 4]
+    unbuilt = unbuilt_sizes(GROUPS["dense-7b"], 128)
+    assert list(unbuilt) == ["8"] and "num_attention_heads=28 cannot be cut in 8 parts" in unbuilt["8"]
+    assert unbuilt_sizes(GROUPS["dense-14b"], 128) == unbuilt_sizes(GROUPS["moe-30b"], 128) == {}

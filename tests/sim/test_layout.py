@@ -85,6 +85,9 @@ def test_the_span_function_is_kept_per_model():
     assert layout.span_of(QWEN32, 4) is not layout.span_of(QWEN7, 4)
 
 
+CUT_IN_8 = ("sim.policy_model=Qwen2.5-14B", "sim.judge_model=Qwen2.5-14B")  # (a 7B's 28 heads do not cut in 8)
+
+
 def small(*extra: str) -> list[str]:
     return ["sim.gpus=8", "sim.instance_gpus=4", "rollout.max_new_tokens=4096", "rollout.max_batch=32", *extra]
 
@@ -135,7 +138,8 @@ def test_the_ideal_prices_each_role_on_its_engines():
 def test_the_elastic_bound_is_below_every_fixed_layout():
     """Every span of the elastic instance is the shortest of its layouts', so its floor is below each
     fixed layout's at the same size, and so is its work."""
-    job = ["sim.gpus=64", "sim.instance_gpus=8", "rollout.max_new_tokens=8192", "rollout.prompts_per_step=64"]
+    job = ["sim.gpus=64", "sim.instance_gpus=8", "rollout.max_new_tokens=8192", "rollout.prompts_per_step=64",
+           *CUT_IN_8]  # fmt: skip
     elastic = ideal_for_job(load_config(None, [*job, "sim.elastic_engines=true"]))
     assert elastic.floor_seconds <= ideal_for_job(load_config(None, job)).floor_seconds
     smallest = ideal_for_job(load_config(None, [*job, "sim.rollout_engine_gpus=1", "sim.judge_engine_gpus=1"]))
@@ -151,9 +155,10 @@ def test_the_elastic_bound_is_below_every_fixed_layout():
         (["sim.rollout_engine_gpus=3"], "sim.rollout_engine_gpus: expected 0 (one engine of the instance) or a"),
         (["sim.judge_engine_gpus=8"], "sim.judge_engine_gpus: expected 0 (one engine of the instance) or a"),
         (["sim.elastic_engines=true", "sim.instance_gpus=1", "sim.gpus=8"], "sim.elastic_engines: an instance of 1"),
-        (["sim.judge_model=Qwen3-235B-A22B", "sim.instance_gpus=8", "sim.judge_engine_gpus=4"],
+        (["sim.judge_model=Qwen3-235B-A22B", "sim.policy_model=Qwen2.5-14B", "sim.instance_gpus=8",
+          "sim.judge_engine_gpus=4"],
          "sim.judge_engine_gpus: Qwen3-235B-A22B with .* does not fit on an engine of 4 x H100"),
-        (["sim.judge_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with .* does not fit on 4 x H100"),
+        (["sim.judge_model=Qwen3-235B-A22B"], "tensor_parallel: Qwen3-235B-A22B with .* does not fit on 4 x H100"),
     ],
 )  # fmt: skip
 def test_a_bad_engine_setting_names_the_key(args, message):
@@ -169,7 +174,7 @@ def test_the_hint_compares_with_one_engine_a_role():
            "rollout.group_size=16", "train.activation_checkpointing=false"]  # fmt: skip
     hint = format_sizes(load_config(None, [*job, "sim.rollout_engine_gpus=1", "sim.judge_engine_gpus=1"]))
     assert hint is not None and "instances of 4 GPUs, one engine a role" in hint
-    assert hint.endswith("try sim.instance_gpus=4 sim.rollout_engine_gpus=0 sim.judge_engine_gpus=0")
+    assert hint.endswith("try tensor_parallel=4 sim.rollout_engine_gpus=0 sim.judge_engine_gpus=0")
     assert format_sizes(load_config(None, [*job, "sim.rollout_engine_gpus=4"])) is None
 
 
@@ -189,7 +194,7 @@ def test_elastic_engines_hold_what_their_roomiest_layout_holds():
     """A 32B judge on one GPU has room for a few sequences beside its weights, on eight GPUs for hundreds:
     the elastic instance admits what the roomiest layout holds, not what its smallest engines do."""
     job = ["sim.gpus=64", "sim.instance_gpus=8", "sim.judge_model=Qwen2.5-32B", "rollout.max_new_tokens=8192",
-           "rollout.max_batch=256"]  # fmt: skip
+           "rollout.max_batch=256", "sim.policy_model=Qwen2.5-14B"]  # fmt: skip
     elastic = build(load_config(None, [*job, "sim.elastic_engines=true"])).spec
     fixed = [build(load_config(None, [*job, f"sim.judge_engine_gpus={g}"])).spec for g in (1, 2, 4, 8)]
     assert elastic.engine_tp[1] == 1

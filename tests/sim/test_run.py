@@ -12,6 +12,7 @@ from pivotrl.cli import main
 from pivotrl.config import load_config
 from pivotrl.control.controller import Controller
 from pivotrl.control.messages import Role
+from pivotrl.errors import UserError
 from pivotrl.sim.ideal import ideal_for_job, ideals_by_size
 from pivotrl.sim.run import build, format_sim, format_sizes, run_simulation
 from tests.sim.test_measured import PROFILE
@@ -196,7 +197,8 @@ def test_measured_costs_drive_a_simulation(tmp_path):
     "args, message",
     [
         (["sim.gpu=B200"], "sim.gpu: expected one of H100, H800, H200, A100, got 'B200'"),
-        (["sim.gpus=100", "sim.instance_gpus=8"], "sim.gpus: expected a multiple of instance_gpus (8), got 100"),
+        (["sim.gpus=100", "tensor_parallel=8"], "sim.gpus: expected a multiple of tensor_parallel (8), got 100"),
+        (["sim.gpus=100", "sim.instance_gpus=8"], "sim.gpus: expected a multiple of tensor_parallel (8), got 100"),
         (["sim.lengths.kind=zipf"], "sim.lengths.kind: must be one of fixed, uniform, lognormal, pareto"),
         (["sim.lengths.sigma=-1"], "sim.lengths.sigma: got -1.0, must be a finite number >= 0"),
         (["sim.gpsu=8"], "unknown key 'sim.gpsu'"),
@@ -205,7 +207,10 @@ def test_measured_costs_drive_a_simulation(tmp_path):
         (["sim.lengths_file=/nonexistent.jsonl"], "sim.lengths_file: file '/nonexistent.jsonl' not found"),
         (["sim.group_correlation=1.5"], "sim.group_correlation: expected a number in [0, 1], got 1.5"),
         (["sim.lengths_replay=true"], "sim.lengths_replay: needs a trace to replay (sim.lengths_file)"),
-        (["sim.policy_model=Qwen3-235B-A22B"], "sim.instance_gpus: Qwen3-235B-A22B with"),
+        (["sim.policy_model=Qwen3-235B-A22B"], "tensor_parallel: Qwen3-235B-A22B with"),
+        (["tensor_parallel=8"], "tensor_parallel=8: the policy's num_attention_heads=28 cannot be cut in 8 parts"),
+        (["tensor_parallel=16"], "tensor_parallel: 16 GPUs an instance, more than a node of H100s holds (8)"),
+        (["tensor_parallel=4", "rollout.backend=native"], "tensor_parallel=4: rollout.backend=native serves one"),
         (["mode=disaggregated", "split=rollout:2,judge:1,train:1"], "uses 4 devices, but devices=128"),
         (["sim.instance_gpus=4", "sim.rollout_engine_gpus=3"], "sim.rollout_engine_gpus: expected 0 (one engine"),
         (["sim.elastic_engines=3"], "sim.elastic_engines: expected true or false, got 3"),
@@ -231,12 +236,12 @@ def test_cli_prints_the_summary_and_virtual_time(capsys, tmp_path):
 def test_the_cli_names_an_instance_size_whose_floor_allows_more(tmp_path, capsys):
     """The bundled 128-GPU job's steps wait on their longest responses: its floor is lower on instances of
     4 GPUs than of 1 (``ideals_by_size``), so at 1 the size to try is 4; at 4 nothing faster is named."""
-    assert "try sim.instance_gpus=4" in format_sizes(load_config(EXAMPLE, []))
+    assert "try tensor_parallel=4" in format_sizes(load_config(EXAMPLE, []))
     assert format_sizes(load_config(EXAMPLE, ["sim.instance_gpus=4"])) is None
     assert main(["simulate", EXAMPLE, "steps=1", "eval.size=16", "--out", str(tmp_path / "run")]) == 0
-    assert "try sim.instance_gpus=4" in capsys.readouterr().out
+    assert "try tensor_parallel=4" in capsys.readouterr().out
     assert main(["simulate", EXAMPLE, "steps=1", "eval.size=16", "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
-    assert "try sim.instance_gpus" not in capsys.readouterr().out
+    assert "try tensor_parallel" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mode", ["colocated", "shiftable"])
@@ -418,3 +423,28 @@ def test_free_shifts_and_migrations_are_a_what_if_that_costs_nothing_else(runs, 
     assert [(r["step"], r["uid"], r["response_tokens"], r["reward"]) for r in free] == key
     half = simulate(tmp_path / "half", "mode=shiftable", "sim.shift_scale=0.5")
     assert "shifts at 0.5x their cost (a what-if)" in format_sim(half)
+
+
+def test_tensor_parallel_is_the_instance_size_the_simulator_models(tmp_path):
+    """The job's key, as a simulated job loads it or as a run's config names it (devices its GPUs), models the
+    same instances as the simulator's older key; its written config reloads to them."""
+    spec = build(load_config(EXAMPLE, [*SMALL, "sim.gpus=8", "tensor_parallel=4"], simulated=True)).spec
+    older = build(load_config(EXAMPLE, [*SMALL, "sim.gpus=8", "sim.instance_gpus=4"])).spec
+    as_run = build(load_config(EXAMPLE, [*SMALL, "sim.gpus=8", "devices=8", "tensor_parallel=4"])).spec
+    assert (spec.tp, spec.devices) == (older.tp, older.devices) == (as_run.tp, as_run.devices) == (4, 2)
+    with pytest.raises(UserError, match="tensor_parallel: 4 and sim.instance_gpus: 2 both name the instance size"):
+        build(load_config(EXAMPLE, [*SMALL, "sim.gpus=8", "devices=8", "tensor_parallel=4", "sim.instance_gpus=2"]))
+    assert main(["simulate", EXAMPLE, *SMALL, "sim.gpus=8", "tensor_parallel=2", "mode=colocated", "steps=1",
+                 "--out", str(tmp_path), "--quiet"]) == 0  # fmt: skip
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert (written["tensor_parallel"], written["devices"], written["sim"]["instance_gpus"]) == (1, 4, 2)
+    assert load_config(tmp_path / "config.json", simulated=True).sim.instance_gpus == 2
+
+
+def test_auto_tensor_parallel_resolves_on_the_modeled_gpus_memory():
+    """The fewest GPUs (a divisor of the cluster's) that hold each model: a 235B judge needs 8 H100s of 80 GB,
+    4 H200s of 141 GB; a pair of 7B models one GPU."""
+    job = ["sim.gpus=16", "tensor_parallel=auto", "sim.judge_model=Qwen3-235B-A22B", "sim.policy_model=Qwen2.5-14B"]
+    assert build(load_config(EXAMPLE, job, simulated=True)).spec.tp == 8
+    assert build(load_config(EXAMPLE, [*job, "sim.gpu=H200"], simulated=True)).spec.tp == 4
+    assert build(load_config(EXAMPLE, ["tensor_parallel=auto"], simulated=True)).spec.tp == 1

@@ -133,7 +133,7 @@ def test_each_mode_is_kept_at_its_fastest_size(tmp_path):
         ([], {"search_budget": 0}, "--search-budget must be >= 1 (got 0)"),
         (["sim.gpsu=8"], {}, "unknown key 'sim.gpsu'"),
         (["sim.costs=deployed"], {}, "--versus prices the deployed baseline itself"),
-        ([], {"sizes": [1, 3]}, "--sizes 3: sim.gpus: expected a multiple of instance_gpus (3), got 16"),
+        ([], {"sizes": [1, 3]}, "--sizes 3: sim.gpus: expected a multiple of tensor_parallel (3), got 16"),
     ],
 )
 def test_bad_requests_stop_before_any_run(tmp_path, overrides, kwargs, message):
