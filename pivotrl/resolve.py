@@ -209,9 +209,11 @@ def describe(d: dict[str, Any]) -> list[str]:
     if d["judge_kv"]:
         judge.append(f"{d['judge_kv']} KV tokens")
     rollout = d.get("rollout_per_device") or 0
+    tp = d.get("tensor_parallel", 1)
+    unit = f"instance(s) of {tp} devices" if tp > 1 else "device(s)"
     lines = [
         f"resolved for {d['device']} devices ({memory_text}{', sharing GPUs' if d['shared_gpu'] else ''}):",
-        f"  trainer {d['trainer']}, at least {d['min_train_devices']} train device(s) a step, "
+        f"  trainer {d['trainer']}, at least {d['min_train_devices']} train {unit} a step, "
         f"{d['precision']} compute, activation checkpointing {'on' if d['activation_checkpointing'] else 'off'}",
         f"  rollout copy in {d['rollout_dtype']}, "
         + (f"{rollout} sequences a device at once" if rollout else "as many sequences a device as rollout.max_batch")
@@ -323,8 +325,9 @@ def tensor_parallel_for(cfg: JobConfig, hw: Hardware, policy: ModelConfig | None
     cut in that many parts, beside a CUDA context per process, within the share of a device an engine takes), among
     the divisors of the job's devices up to a node's GPUs that every model can be cut in (1 beside a native
     engine); 1 where the devices' memory is not known (CPUs). ``max_lens``: the policy's and the judge's longest
-    sequences, 0 where not known (then the job's bounds, ``sequence_lengths``). Where no size holds, auto cannot
-    choose one: a ``UserError`` says so in one line, naming the key (an explicit size runs anyway, slower)."""
+    sequences, 0 where not known (then the job's bounds, ``sequence_lengths``). Where no size holds the batches,
+    the smallest where every engine holds its weights and one sequence (it runs fewer at once); where none does
+    even that, a ``UserError`` says so in one line, naming the key."""
     if cfg.tensor_parallel != "auto":
         return cfg.tensor_parallel
     if hw.device_bytes is None:

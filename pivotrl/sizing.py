@@ -73,6 +73,11 @@ class Engine:
         """The parts the KV cache is cut in on ``tp`` devices: a KV head is never cut."""
         return min(tp, self.model.num_key_value_heads)
 
+    def one_sequence(self, tp: int) -> float:
+        """Bytes one device of an instance of ``tp`` holds for the weights and a single sequence at its longest:
+        the least an engine starts with (vLLM refuses a cache that cannot hold one)."""
+        return self.weights / tp + self.kv / self.batch / self.kv_cut(tp)
+
     def per_device(self, tp: int) -> tuple[float, float]:
         """(weights, KV cache) one device of an instance of ``tp`` holds."""
         return self.weights / tp, self.kv_cache_bytes or self.kv / self.kv_cut(tp)
@@ -109,24 +114,43 @@ class Sizing:
         """The fewest devices an instance of ``engine`` needs to hold its batch (None: more than a node's)."""
         return next((tp for tp in self.sizes(engine) if self.holds(engine, tp)), None)
 
-    def auto(self) -> int | None:
+    def starts(self, engine: Engine, tp: int) -> bool:
+        """Whether ``engine`` starts on instances of ``tp``: its weights and one sequence."""
+        return engine.one_sequence(tp) + self.processes * CUDA_CONTEXT_BYTES <= self.limit
+
+    def holds_all(self) -> int | None:
         """The smallest allowed size that holds every engine's batch (None: none does)."""
         return next((tp for tp in self.allowed if all(self.holds(e, tp) for e in self.engines)), None)
 
+    def auto(self) -> int | None:
+        """The smallest allowed size that holds every engine's batch; where none does, the smallest where every
+        engine starts (it runs fewer sequences at once than the batch: vLLM preempts the others); None where no
+        size does."""
+        held = self.holds_all()
+        if held is not None:
+            return held
+        return next((tp for tp in self.allowed if all(self.starts(e, tp) for e in self.engines)), None)
+
     def refusal(self) -> str:
-        """Why ``tensor_parallel=auto`` finds no size, in one line: the largest allowed size's shortfall."""
+        """Why ``tensor_parallel=auto`` finds no size, in one line: the largest allowed size's shortfall for the
+        least an engine starts with (its weights and one sequence)."""
         largest = self.allowed[-1]
-        short = [e for e in self.engines if not self.holds(e, largest)]
-        what = "; ".join(f"the {ROLE_MODEL[e.role]}'s engine needs {self.need(e, largest) / GB:.1f} GB a device "
-                         f"({_terms(self, e, largest)})" for e in short)  # fmt: skip
+        contexts = self.processes * CUDA_CONTEXT_BYTES
+        short = [e for e in self.engines if not self.starts(e, largest)]
+        what = "; ".join(
+            f"the {ROLE_MODEL[e.role]}'s engine needs {(e.one_sequence(largest) + contexts) / GB:.1f} GB a device "
+            f"(weights {e.weights / largest / GB:.1f} + one sequence's KV cache "
+            f"{(e.one_sequence(largest) - e.weights / largest) / GB:.2f} + {self.processes} CUDA contexts "
+            f"{contexts / GB:.1f})"
+            for e in short
+        )
         return (
-            f"tensor_parallel=auto: no instance size holds every role's batch on {self.device_bytes / GB:g} GB "
-            f"devices: of the sizes allowed here ({', '.join(map(str, self.allowed))}: {self.why_allowed}), "
-            f"on {largest} {what}, more than the {self.limit / GB:.1f} GB an engine takes ({ENGINE_FRACTION:g} of a "
-            f"device); set tensor_parallel to run anyway, fewer sequences at once than the batch (vLLM preempts, the "
-            f"native engine has fewer slots), or "
-            f"use devices with more memory, a smaller rollout.max_batch or shorter generations (pivotrl plan CONFIG "
-            f"tensor_parallel=N --device-memory-gb GB shows the arithmetic)"
+            f"tensor_parallel=auto: no instance size holds even one sequence of every role on "
+            f"{self.device_bytes / GB:g} GB devices: of the sizes allowed here ({', '.join(map(str, self.allowed))}: "
+            f"{self.why_allowed}), on {largest} {what}, more than the {self.limit / GB:.1f} GB an engine takes "
+            f"({ENGINE_FRACTION:g} of a device); use devices with more memory, more devices (an instance is a "
+            f"divisor of devices), or a smaller model (pivotrl plan CONFIG tensor_parallel=N --device-memory-gb GB "
+            "shows the arithmetic)"
         )
 
     def to_dict(self, tensor_parallel: int, auto: bool) -> dict[str, Any]:
@@ -152,7 +176,7 @@ class Sizing:
             "why_allowed": self.why_allowed,
             "auto": auto,
             "tensor_parallel": tensor_parallel,
-            "holds_all": self.auto(),
+            "holds_all": self.holds_all(),
             "engines": engines,
         }
 
@@ -224,8 +248,15 @@ def describe(d: dict[str, Any], prompt_bound: int) -> list[str]:
     tp = d["tensor_parallel"]
     allowed = ", ".join(map(str, d["allowed"]))
     if d["auto"]:
-        lines.append(f"  -> tensor_parallel=auto takes {tp}: the smallest of {allowed} ({d['why_allowed']}) "
-                     "that holds every role's batch")  # fmt: skip
+        if d["holds_all"] is not None:
+            lines.append(f"  -> tensor_parallel=auto takes {tp}: the smallest of {allowed} ({d['why_allowed']}) "
+                         "that holds every role's batch")  # fmt: skip
+        else:
+            lines.append(
+                f"  -> tensor_parallel=auto takes {tp}: none of {allowed} ({d['why_allowed']}) holds every role's "
+                "batch; the smallest where each engine holds its weights and one sequence (fewer at once than the "
+                "batch: vLLM preempts the others)"
+            )
         return lines
     short = [ROLE_MODEL[e["role"]] for e in d["engines"] if not any(r["holds"] for r in e["at"] if r["devices"] == tp)]
     text = f"  -> tensor_parallel={tp}, as configured"

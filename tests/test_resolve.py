@@ -262,10 +262,10 @@ def test_the_plan_keeps_what_it_serves_with_and_reads_plans_written_before():
     assert (d["judge_dtype"], d["rollout_backend"], d["judge_backend"], d["audit_migrations"]) == (
         "bfloat16", "vllm", "vllm", False)  # fmt: skip
     assert p.serving() == {k: d[k] for k in ("rollout_dtype", "judge_dtype", "rollout_backend", "judge_backend",
-                                             "audit_migrations")}  # fmt: skip
+                                             "audit_migrations", "tensor_parallel")}  # fmt: skip
     assert "  judge in bfloat16; backends: rollout vllm, judge vllm; migration audit off" in p.lines()
     old = {k: v for k, v in d.items() if k not in ("judge_dtype", "rollout_backend", "judge_backend",
-                                                   "audit_migrations", "share_gb")}  # fmt: skip
+                                                   "audit_migrations", "share_gb", "tensor_parallel")}  # fmt: skip
     assert describe(old) == p.lines()[:3]  # (a checkpoint's plan from before these keys: what it has)
     assert changed(old, p) == []
 
@@ -349,24 +349,32 @@ def test_auto_tensor_parallel_is_the_fewest_devices_that_hold_each_model():
 @pytest.mark.parametrize(
     ("overrides", "memory_gb", "words"),
     [
-        # 8 devices of 20 GB: on 4 the judge needs 16.4 + 2.1 + 1.5 = 20.0 GB of 17; 8 would hold it (10.7 GB), but
-        # the 7B policy's 28 heads cannot be cut in 8
-        (("devices=8", "judge.backend=vllm"), 20, "of the sizes allowed here (1, 2, 4: divisors of devices=8 up to "
-         "a node's 8 GPUs that every model can be cut in), on 4 the judge's engine needs 20.0 GB a device (weights "
-         "16.4 + KV cache 2.1 + 3 CUDA contexts 1.5), more than the 17.0 GB an engine takes"),
-        # 2 devices: 2 at most
-        (("devices=2", "judge.backend=vllm"), 40, "of the sizes allowed here (1, 2: divisors of devices=2"),
+        # 8 devices of 16 GB: on 4 the judge needs 16.4 + 0.03 + 1.5 GB of 13.6 (8 would hold it, but the 7B
+        # policy's 28 heads cannot be cut in 8)
+        (("devices=8", "judge.backend=vllm"), 16, "of the sizes allowed here (1, 2, 4: divisors of devices=8 up to "
+         "a node's 8 GPUs that every model can be cut in), on 4 the judge's engine needs 17.9 GB a device (weights "
+         "16.4 + one sequence's KV cache 0.03 + 3 CUDA contexts 1.5), more than the 13.6 GB an engine takes"),
+        # 2 devices of 30 GB: 2 at most
+        (("devices=2", "judge.backend=vllm"), 30, "of the sizes allowed here (1, 2: divisors of devices=2"),
         # a native engine serves one device: 1 alone
-        (("devices=8", "judge.backend=native"), 80, "(1: judge.backend=native serves one device; an instance of "
-         "several needs vllm), on 1 the judge's engine needs 74.8 GB"),
+        (("devices=8", "judge.backend=native"), 60, "(1: judge.backend=native serves one device; an instance of "
+         "several needs vllm), on 1 the judge's engine needs 66.7 GB"),
     ],
 )  # fmt: skip
-def test_auto_tensor_parallel_that_no_size_holds_is_one_line_naming_the_key(overrides, memory_gb, words):
+def test_auto_tensor_parallel_that_no_size_starts_is_one_line_naming_the_key(overrides, memory_gb, words):
     with pytest.raises(UserError) as e:
         plan(*overrides, "rollout.backend=vllm", "tensor_parallel=auto", judge=QWEN2_5_32B, memory_gb=memory_gb)
     text = str(e.value)
-    assert text.startswith("tensor_parallel=auto: no instance size holds every role's batch") and "\n" not in text
-    assert words in text and "set tensor_parallel to run anyway" in text
+    assert text.startswith("tensor_parallel=auto: no instance size holds even one sequence") and "\n" not in text
+    assert words in text
+
+
+def test_auto_tensor_parallel_where_no_size_holds_the_batch_is_the_smallest_that_starts():
+    vllm = ("rollout.backend=vllm", "judge.backend=vllm", "tensor_parallel=auto")
+    # a 32B judge's batch does not fit 2 devices of 48 GB (32.8 weights + 8.6 KV cache + 1.5 contexts > 40.8),
+    # one sequence does (34.3)
+    assert plan("devices=2", *vllm, judge=QWEN2_5_32B, memory_gb=48).tensor_parallel == 2
+    assert plan("devices=8", *vllm, judge=QWEN2_5_32B, memory_gb=40).tensor_parallel == 4
 
 
 @pytest.mark.parametrize(

@@ -442,9 +442,10 @@ def test_tensor_parallel_is_the_instance_size_the_simulator_models(tmp_path):
 
 
 def test_auto_tensor_parallel_resolves_on_the_modeled_gpus_memory():
-    """The fewest GPUs (a divisor of the cluster's) that hold each model: a 235B judge needs 8 H100s of 80 GB,
-    4 H200s of 141 GB; a pair of 7B models one GPU."""
+    """The fewest GPUs (a divisor of the cluster's) that hold each model's batch, or where none does, its weights
+    and a sequence: a 235B judge needs 8 H100s of 80 GB, 4 H200s of 141 GB."""
     job = ["sim.gpus=16", "tensor_parallel=auto", "sim.judge_model=Qwen3-235B-A22B", "sim.policy_model=Qwen2.5-14B"]
     assert build(load_config(EXAMPLE, job, simulated=True)).spec.tp == 8
     assert build(load_config(EXAMPLE, [*job, "sim.gpu=H200"], simulated=True)).spec.tp == 4
-    assert build(load_config(EXAMPLE, ["tensor_parallel=auto"], simulated=True)).spec.tp == 1
+    # (a 7B pair: on one GPU, but its batch of 256 sequences of 9k tokens holds 125 GB of KV cache, on 4 a quarter)
+    assert build(load_config(EXAMPLE, ["tensor_parallel=auto"], simulated=True)).spec.tp == 4
