@@ -1,31 +1,27 @@
-"""Ray driver: one actor per device, each a ``Worker`` with its own torch.
+"""Ray driver: one actor per device (``pivotrl.runtime.device_actor``), the control plane's commands on
+instances mapped to their devices (``pivotrl.runtime.instances``).
 
 The embedded default starts a local Ray instance of its own (no dashboard,
 token auth), whatever else runs on the machine; ``ray_address`` joins an
 existing cluster instead (``ray start --head`` then ``--ray-address auto``).
 Each device actor holds one bundle of a placement group packed per node (a
-GPU share when devices are cuda; see ``pivotrl.runtime.devices``). Weights
-travel through the GPS in Ray's object store. A device generates in a thread
-of its own, slice after slice, while it holds sequences
-(``pivotrl.runtime.stream``): the driver keeps one look (``run``) in flight per
-generating device and turns what each returns into events, so rewards stream;
-commands (a shift, an abort, more work) run between two slices. Each vLLM
-engine runs in a process of its own beside its device
-(``pivotrl.runtime.engine_host``).
+GPU share when devices are cuda; see ``pivotrl.runtime.devices``), and the
+instances are cut from each node's devices. Weights travel through the GPS
+in Ray's object store. A device generates on its own while it holds
+sequences: the driver keeps one look (``run``) in flight per generating
+instance and turns what each returns into events, so rewards stream;
+commands (a shift, an abort, more work) run between two slices.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import shutil
 import signal
 import socket
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from pivotrl import gps_sizing
@@ -51,26 +47,20 @@ from pivotrl.log import logger
 from pivotrl.resolve import Plan
 from pivotrl.runtime import devices as dev
 from pivotrl.runtime.blame import PROBE_S, blame, told
-from pivotrl.runtime.contexts import JUDGE, POLICY, ContextSpec
+from pivotrl.runtime.contexts import POLICY, ContextSpec
+from pivotrl.runtime.device_actor import PROBE, DeviceActor
 from pivotrl.runtime.engine_host import (
-    EngineClient,
-    EngineHost,
     engine_processes,
-    needs_process,
-    ray_client,
-    ray_instance_client,
 )
 from pivotrl.runtime.groups import TrainGroups
-from pivotrl.runtime.instances import Instances, Member, combine_accumulated, combine_shifts, split_shard
-from pivotrl.runtime.stream import Stream
-from pivotrl.runtime.worker import TrainSpec, Worker
+from pivotrl.runtime.instances import Instances, combine_accumulated, combine_shifts, split_shard
+from pivotrl.runtime.ray_session import clean_stale_sessions, mark_session, unmark_session
+from pivotrl.runtime.worker import TrainSpec
 from pivotrl.telemetry import Slice
 from pivotrl.train.group import collective_timeout
 
-SLICE_SECONDS = 0.05
 POLL_S = 1.0  # how long a look at a generating device waits for its next slice's events (it returns with them)
 STEP_GRACE_S = 20.0  # how long the rest of an optimizer step may take once one of its devices is lost
-PROBE = "probe"  # a device actor's concurrency group for questions answered while a call runs (its own thread)
 PLACEMENT_TIMEOUT_S = 60.0  # how long the cluster may take to reserve every device's bundle
 START_TIMEOUT_S = 300.0  # how long device actors may take to start, at least (device_timeout bounds calls)
 
@@ -103,251 +93,6 @@ class _StepCalls:
     rendezvous: Any = None  # rank 0's (host, port) of a new group (an ObjectRef for several); None: the held one
     attempt: int = 0  # the driver's count of optimizer steps sent, this one's (a member is told which to abandon)
     errors: list[BaseException] = field(default_factory=list)
-
-
-class DeviceActor:
-    """The Ray face of a Worker (methods run one at a time, in call order)."""
-
-    def __init__(
-        self,
-        device: int,
-        store: RayStore,
-        spec: ContextSpec,
-        train: TrainSpec,
-        origin: float,
-        threads: int,
-        bundle: int | None = None,
-        gpu_share: float = 0.0,
-        member: Member | None = None,
-    ) -> None:
-        """``device``: its index among the job's devices (and its placement-group bundle's); ``member``: its place
-        in its instance (None: an instance of its own), given again by ``configure`` once the plan is known."""
-        self.member = member or Member(device, 0, (device,))
-        # its models' engines that run in processes of their own (engine_host), once their backends are known: now
-        # for a device restarted with the run's plan, else when the plan comes (configure)
-        self.clients: dict[str, EngineClient] = {}
-        self._engines = (store, spec, threads, bundle, gpu_share)
-        self._start_engines(spec)
-        spec = replace(spec, device=dev.bind(spec.device))  # see the devices module for a GPU torch cannot see
-        self.bundle = bundle  # the placement-group bundle it was scheduled into (Ray does not tell an actor)
-        self.worker = Worker(
-            self.member.instance, store, spec, train, origin, threads=threads, engines=self.clients.__getitem__,
-            gpu=device, serves=self.member.rank == 0,
-        )  # fmt: skip
-        self.stream = Stream(self.worker, SLICE_SECONDS)  # (it generates on its own while it holds sequences)
-        # a device about to be declared lost for missing its deadline is first asked for its threads' stacks
-        # (written to its log, which Ray forwards to the driver's): what it was stuck in
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def binding(self) -> dev.Binding:
-        """What this actor holds, as it sees it."""
-        import ray
-        import torch
-
-        ctx = ray.get_runtime_context()
-        return dev.Binding(
-            device=self.worker.device,
-            bundle=self.bundle,
-            placement_group=ctx.get_placement_group_id(),
-            node_ip=dev.node_address(),
-            gpu_ids=tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", [])),
-            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            kind=dev.CUDA if self.worker.spec.device == dev.CUDA else dev.CPU,
-            threads=torch.get_num_threads(),
-            memory_bytes=dev.gpu_memory() if self.worker.spec.device == dev.CUDA else 0,
-            bf16=dev.bf16_supported() if self.worker.spec.device == dev.CUDA else True,
-        )
-
-    def configure(self, plan: Any, member: Member | None = None) -> None:
-        """The run's plan, and this device's place in its instance (None: an instance of its own)."""
-        self.member = member or self.member
-
-        def take() -> None:
-            self.worker.configure(plan)
-            self.worker.device, self.worker.serves = self.member.instance, self.member.rank == 0
-
-        self.stream.hold(take)
-        self._start_engines(replace(self._engines[1], **plan.serving()))
-
-    def _start_engines(self, spec: ContextSpec) -> None:
-        """Start the engine process of each model whose backend needs one (in the background: the start of a
-        process and its imports is paid beside the rest, not at the first shift). The first device of an
-        instance of several starts an engine process in each of its instance's bundles, the ranks of one
-        tensor-parallel engine, and drives them all; the others serve no engine."""
-        store, _, threads, bundle, share = self._engines
-        if self.member.rank:
-            return
-        for name in (POLICY, JUDGE):
-            if needs_process(spec.backend(name)) and name not in self.clients:
-                if len(self.member.bundles) == 1:
-                    self.clients[name] = _engine_process(name, store, spec, threads, bundle, share)
-                else:
-                    self.clients[name] = _engine_ranks(name, store, spec, threads, self.member.bundles, share)
-
-    # -- commands: each runs between two slices of generation and returns the events generated before it, then
-    # its own result (pivotrl.runtime.stream) --
-    def shift(self, role: Any, version: int) -> tuple[list[Event], Event]:
-        return self.stream.call(lambda: self.worker.shift(role, version))
-
-    def hang(self) -> None:
-        """Stop answering (fault injection, ``fault.kind=hang``): the calls queued behind this one wait."""
-        while True:
-            time.sleep(3600)
-
-    def hang_in_next_step(self) -> None:
-        self.worker.hang_in_next_step()
-
-    # -- called in the PROBE concurrency group (their own thread), beside the call in progress: what the
-    # driver asks of the members of an overdue optimizer step --
-    def progress(self) -> int:
-        return self.worker.progress()
-
-    def abandon(self, attempt: int) -> None:
-        self.worker.abandon(attempt)
-
-    def generate(self, cmd: Generate) -> tuple[list[Event], None]:
-        return self.stream.call(lambda: self.worker.generate(cmd))
-
-    def judge(self, cmd: Judge) -> tuple[list[Event], None]:
-        return self.stream.call(lambda: self.worker.judge(cmd))
-
-    def run(self, seconds: float) -> tuple[list[Event], bool]:
-        """What the device generated since the last look (waiting up to ``seconds`` for the next slice's), and
-        whether it still holds sequences."""
-        return self.stream.poll(seconds)
-
-    def abort(self, uids: tuple[int, ...] = ()) -> tuple[list[Event], Event]:
-        return self.stream.call(lambda: self.worker.abort(uids))
-
-    def accumulate(self, cmd: Accumulate) -> tuple[list[Event], Event]:
-        return self.stream.call(lambda: self.worker.accumulate(cmd))
-
-    def listen(self, world_size: int) -> tuple[str, int]:
-        return self.stream.hold(lambda: self.worker.listen(world_size))
-
-    def retire_group(self) -> None:
-        self.stream.hold(self.worker.retire_group)
-
-    def step(
-        self, cmd: Step, rank: int, rendezvous: Any, state_world: int, attempt: int, *after: object
-    ) -> tuple[list[Event], Event | None]:
-        return self.stream.call(lambda: self.worker.step(cmd, rank, rendezvous, state_world, attempt))
-
-    def close(self) -> None:
-        self.stream.hold(self.worker.close)
-
-    def drain_slices(self) -> list[Slice]:
-        return self.stream.hold(self.worker.drain_slices)
-
-    def set_origin(self, origin: float) -> None:
-        self.worker.origin = origin
-
-
-def _engine_process(
-    name: str, store: RayStore, spec: ContextSpec, threads: int, bundle: int | None, gpu_share: float
-) -> EngineClient:
-    """Start model ``name``'s engine process in the caller's placement-group bundle (the device's), with its
-    share of the device's GPU; owned by the caller, it dies with it."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = ray.util.get_current_placement_group()
-    where = PlacementGroupSchedulingStrategy(pg, bundle) if pg is not None and bundle is not None else None
-    remote = ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpu_share, scheduling_strategy=where)
-    return ray_client(remote.remote(name, store, spec, threads), name)
-
-
-def _engine_ranks(
-    name: str, store: RayStore, spec: ContextSpec, threads: int, bundles: tuple[int, ...], gpu_share: float
-) -> EngineClient:
-    """Model ``name``'s tensor-parallel engine over an instance: one process per bundle of ``bundles`` (rank r
-    in the r-th, the caller's first), meeting at a port of the caller's node (an instance is on one node);
-    owned by the caller, they die with it."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = ray.util.get_current_placement_group()
-    with socket.socket() as s:  # (a port free now, taken by rank 0's store when the engine builds)
-        s.bind((dev.node_address(), 0))
-        port = s.getsockname()[1]
-    meet = (dev.node_address(), port)
-    hosts = []
-    for rank, b in enumerate(bundles):
-        where = PlacementGroupSchedulingStrategy(pg, b) if pg is not None else None
-        remote = ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpu_share, scheduling_strategy=where)
-        hosts.append(remote.remote(name, store, spec, threads, rank, meet))
-    return ray_instance_client(hosts, name)
-
-
-MARKER = "pivotrl-driver"  # in the session directory of a Ray instance a pivotrl driver started: its pid
-
-
-def ray_temp_dir() -> Path:
-    return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
-
-
-def mark_session(session_dir: str) -> None:
-    """Note in the session directory of the Ray instance this driver started that this process owns it."""
-    (Path(session_dir) / MARKER).write_text(str(os.getpid()))
-
-
-def unmark_session(session_dir: str) -> None:
-    """The Ray instance this driver started was shut down: nothing of it is left for a later start to end."""
-    (Path(session_dir) / MARKER).unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale_sessions(root: Path | None = None) -> int:
-    """Remove what Ray instances started by pivotrl drivers that died (SIGKILL, a crash) left behind: the
-    processes still writing into their session directories (Ray's agents outlive a killed driver) and the
-    directories. Only sessions carrying this driver's marker are touched, never a cluster someone started.
-    Returns the processes ended."""
-    root = root or ray_temp_dir()
-    killed = 0
-    for session in sorted(root.glob("session_*")) if root.is_dir() else []:
-        marker = session / MARKER
-        try:
-            owner = int(marker.read_text())
-        except (OSError, ValueError):
-            continue
-        if _alive(owner):
-            continue
-        prefix = str(session.resolve())
-        ended = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                fds = os.listdir(f"/proc/{entry}/fd")
-                targets = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in fds]
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if prefix in cmdline or any(t.startswith(prefix) for t in targets):
-                try:
-                    os.kill(int(entry), 9)
-                    ended.append(int(entry))
-                except OSError:
-                    pass
-        shutil.rmtree(session, ignore_errors=True)
-        killed += len(ended)
-        logger.warning(
-            "removed a Ray instance left by pivotrl driver %d, which died: %d process(es), %s", owner, len(ended),
-            session.name,
-        )  # fmt: skip
-    return killed
 
 
 def check_reachable(address: str) -> None:
@@ -853,7 +598,6 @@ class RayDriver:
         if not step.lost:  # every call returned and none lost, yet no Trained: a real error
             raise step.errors[0] if step.errors else RuntimeError(f"the step of v{step.version} reported nothing")
         from pivotrl.gps import Kind
-        from pivotrl.runtime.contexts import POLICY
 
         assert self.store is not None
         if step.version + 1 in self.store.versions(POLICY, Kind.WEIGHTS):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from pivotrl.runtime.ray_driver import MARKER, clean_stale_sessions
+from pivotrl.runtime.ray_session import MARKER, clean_stale_sessions
 
 
 def holder(path) -> subprocess.Popen:
@@ -49,7 +49,8 @@ def test_a_driver_that_shut_its_ray_down_leaves_nothing_to_clean(tmp_path, monke
 
     import ray
 
-    from pivotrl.runtime.ray_driver import RayDriver, mark_session
+    from pivotrl.runtime.ray_driver import RayDriver
+    from pivotrl.runtime.ray_session import mark_session
 
     session = tmp_path / "session_done"
     session.mkdir()
