@@ -1,6 +1,7 @@
 """End to end on Ray: 4 CPU devices, colocated and disaggregated, against one local device."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -93,19 +94,28 @@ def test_sharded_bf16_on_a_static_split_keeps_its_group(backend, tiny_checkpoint
     assert not [e for e in events if e["name"] == "train state -> GPS"]  # the train set never changed
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_cluster, tp):
-    """Rollout and judge on vLLM beside four Ray device actors, shiftable, the trainer sharded over the device
+VLLM_BASE = ("steps=2", "eval.every=1", "rollout.max_batch=4")
+
+
+@pytest.fixture(scope="module")
+def vllm_native(vllm_checkpoints, tmp_path_factory) -> Path:
+    """The vLLM jobs' reference: their job on one native device."""
+    out = tmp_path_factory.mktemp("native")
+    run_job(small_job(vllm_checkpoints, *VLLM_BASE), out, progress=False)
+    return out
+
+
+@pytest.mark.parametrize(("tp", "devices"), [(1, 2), (2, 4)])
+def test_vllm_devices_match_native_devices(vllm_checkpoints, vllm_native, tmp_path, ray_cluster, tp, devices):
+    """Rollout and judge on vLLM beside Ray device actors, shiftable, the trainer sharded over the device
     processes: the samples, rewards and update of one native device; and no process ever builds engines of two
     models (vLLM's sleep allocator is one per process on a GPU): each device's policy and judge engines run in
-    processes of their own, apart from the device's. With ``tensor_parallel=2`` the control plane's devices
-    are two instances of two: each engine spans an instance's two devices (vLLM tensor parallel over gloo),
-    the roles shift whole instances, and the four devices are the trainer's ranks."""
-    base = ("steps=2", "eval.every=1", "rollout.max_batch=4")
-    native = tmp_path / "native"
-    run_job(small_job(vllm_checkpoints, *base), native, progress=False)
-    extra = (*base, "mode=shiftable", "devices=4", "train.backend=fsdp", "rollout.backend=vllm", "judge.backend=vllm",
-             f"tensor_parallel={tp}")  # fmt: skip
+    processes of their own, apart from the device's. With ``tensor_parallel=2`` on four devices the control
+    plane's devices are two instances of two: each engine spans an instance's two devices (vLLM tensor parallel
+    over gloo), the roles shift whole instances, and the four devices are the trainer's ranks."""
+    native = vllm_native
+    extra = (*VLLM_BASE, "mode=shiftable", f"devices={devices}", "train.backend=fsdp", "rollout.backend=vllm",
+             "judge.backend=vllm", f"tensor_parallel={tp}")  # fmt: skip
     summary = run_job(small_job(vllm_checkpoints, *extra), tmp_path / "vllm", progress=False)
     for a, b in zip(metrics(native), metrics(tmp_path / "vllm"), strict=True):
         for key in KEYS:
@@ -135,7 +145,7 @@ def test_vllm_devices_match_native_devices(vllm_checkpoints, tmp_path, ray_clust
     for e in events:
         if e["role"] == "shift" and "version" in e["args"]:  # (a role's shift, not a state's save)
             shifts.setdefault(e["device"], []).append((e["name"], e["args"]["version"]))
-    for first in range(0, 4, tp):  # every device of an instance took every shift of its instance
+    for first in range(0, devices, tp):  # every device of an instance took every shift of its instance
         assert all(shifts[first] == shifts[d] for d in range(first, first + tp)), shifts
     assert any(len(set(v)) > 1 for v in shifts.values())  # (the roles did shift)
     trace = json.loads((tmp_path / "vllm" / "trace.json").read_text())["traceEvents"]
