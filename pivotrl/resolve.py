@@ -293,7 +293,7 @@ def resolve(
     train = dataclasses.replace(
         t, backend=kind.value, precision=precision, activation_checkpointing=checkpointed, min_devices=min_devices
     )
-    per_device, kv = _judge_limits(cfg, hw, judge, judge_dtype, judge_backend, judge_max_len)
+    per_device, kv = _judge_limits(cfg, hw, judge, judge_dtype, judge_backend, judge_max_len, tp)
     rollout = _rollout_limit(cfg, hw, policy, rollout_dtype, rollout_backend, rollout_max_len)
     share, too_small = None, ""
     if memory_known and hw.kind == CUDA:
@@ -530,14 +530,14 @@ def _too_big(t: TrainConfig, policy: ModelConfig, trainer: TrainerKind, devices:
     )
 
 
-def _budget(cfg: JobConfig, hw: Hardware, model: ModelConfig, dtype: str) -> int | None:
+def _budget(cfg: JobConfig, hw: Hardware, model: ModelConfig, dtype: str, tp: int = 1) -> int | None:
     """Bytes of KV cache a device gives an engine of ``model`` in ``dtype``, where known before it starts:
     ``rollout.kv_cache_gb``, or on a GPU of known memory what the auto budget leaves after the weights (the engine
     sizes itself again from the memory free when it starts: this is the plan's figure, not a promise)."""
     if cfg.rollout.kv_cache_gb > 0:
         return int(cfg.rollout.kv_cache_gb * GB)
     if hw.kind == CUDA and hw.device_bytes is not None:
-        weights = model.num_parameters() * DTYPE_BYTES[dtype]
+        weights = model.num_parameters() * DTYPE_BYTES[dtype] / tp  # (a device of an instance of tp: its shard)
         return max(0, int(AUTO_KV_FRACTION * (hw.device_bytes - weights)))
     return None
 
@@ -565,17 +565,19 @@ def _rollout_limit(cfg: JobConfig, hw: Hardware, policy: ModelConfig | None, dty
     return 0 if budget is None else _slots(cfg, budget, _per_token(policy, dtype), max_len)
 
 
-def _judge_limits(cfg: JobConfig, hw: Hardware, judge: ModelConfig | None, dtype: str, backend: str, max_len: int
-                  ) -> tuple[int, int]:  # fmt: skip
-    """(judgments a judge device holds at once, tokens of its paged cache), 0 where not limited or not known."""
+def _judge_limits(cfg: JobConfig, hw: Hardware, judge: ModelConfig | None, dtype: str, backend: str, max_len: int,
+                  tp: int = 1) -> tuple[int, int]:  # fmt: skip
+    """(judgments a judge device holds at once, tokens of its paged cache), 0 where not limited or not known; on
+    instances of ``tp`` devices, an instance's."""
     if judge is None or max_len < 1:
         return 0, 0
-    budget = _budget(cfg, hw, judge, dtype)
+    budget = _budget(cfg, hw, judge, dtype, tp)
     if budget is None:
         return 0, 0
     per_token = _per_token(judge, dtype)
-    if backend == VLLM:  # paged: a judgment holds the blocks of its own length
-        return 0, max(1, budget // per_token)
+    if backend == VLLM:  # paged: a judgment holds the blocks of its own length; the tokens are an instance's (the
+        # control plane's unit), each of its tp devices holding its share of the KV heads, at least one
+        return 0, max(1, budget * min(tp, judge.num_key_value_heads) // per_token)
     return _slots(cfg, budget, per_token, max_len), 0
 
 

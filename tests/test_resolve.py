@@ -396,3 +396,13 @@ def test_an_instance_size_the_engines_cannot_cut_is_one_line(overrides, model, w
     with pytest.raises(UserError, match="tensor_parallel=") as e:
         plan("devices=8", *overrides, policy=model)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_judge_instance_of_several_devices_holds_their_kv_cache_together():
+    vllm = ("devices=4", "rollout.backend=vllm", "judge.backend=vllm")
+    judge = dataclasses.replace(SMALL, num_attention_heads=16)  # (2 KV heads; 16 heads: cut in 4)
+    one = plan(*vllm, judge=judge, judge_max_len=1024)
+    two = plan(*vllm, "tensor_parallel=2", judge=judge, judge_max_len=1024)
+    assert two.judge_kv == pytest.approx(2 * one.judge_kv, rel=0.01)  # (each device holds one of its 2 KV heads)
+    four = plan(*vllm, "tensor_parallel=4", judge=judge, judge_max_len=1024)
+    assert four.judge_kv == pytest.approx(two.judge_kv, rel=0.01)  # (2 KV heads: 4 devices hold each twice)
