@@ -199,6 +199,23 @@ def semantics(results: Path) -> str:
     )
 
 
+def tensor_parallel(results: Path) -> str:
+    r = load("tensor_parallel", results)
+    rows = []
+    for x in r["runs"].values():
+        audit = x.get("migration_audit") or {}
+        rows.append([str(x["tensor_parallel"]), str(x["steps"]), f"{x['steady_samples_per_s']:.1f}", str(x["shifts"]),
+                     str(x["migrations"]), f"{x['accuracy_start']:.2f} to {x['accuracy_end']:.3f}",
+                     f"{audit.get('identical', 0)} of {audit.get('checked', 0)}"])  # fmt: skip
+    head = ["tensor_parallel", "steps", "samples/s", "shifts", "migrations", "held-out accuracy",
+            "audited migrations identical"]  # fmt: skip
+    c = r["comparison"]
+    return md(head, rows) + (
+        f"\n\nSame tokens: {c['same_tokens']:,} of {c['samples']:,} sequences; same reward: {c['same_reward']:,}; "
+        f"held-out gain differs by {r['gain_difference']:.3f}."
+    )
+
+
 def sim_scale(results: Path) -> str:
     r = load("sim_scale", results)
     rows = [[x["mode"], str(x["gpus"]), str(x["steps_done"]), f"{x['wall_s']:.1f}", f"{x['events']:,}",
@@ -335,6 +352,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "soak": soak,
     "modes": modes,
     "semantics": semantics,
+    "tensor_parallel": tensor_parallel,
     "sim_scale": sim_scale,
     "fidelity": fidelity,
     "estimate": estimate,

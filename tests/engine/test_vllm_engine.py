@@ -157,3 +157,18 @@ def test_engines_of_one_shape_are_built_from_one_directory_kept_for_the_compile_
     assert _model_dir(config.to_hf("float32")) != a
     with open(os.path.join(a, "config.json")) as f:
         assert json.load(f) == config.to_hf("bfloat16")
+
+
+def test_a_rank_holds_its_shard_by_vllms_cutting_rules():
+    """A rank of an engine of two holds half of the cut weights, every KV head's projections it keeps, the norms
+    whole and half of the padded vocabulary's rows; one rank holds the whole model and the vocabulary's padding."""
+    from pivotrl.engine.vllm_engine import VOCAB_PADDING, shard_parameters
+    from tests.test_resolve import QWEN2_5_32B, SMALL
+
+    m = SMALL  # (Qwen2.5-0.5B's shape: 14 heads, 2 KV heads, a tied vocabulary of 151,936 rows)
+    padding = (-m.vocab_size % VOCAB_PADDING) * m.hidden_size
+    assert shard_parameters(m, 1) == m.num_parameters() + padding
+    per_layer_whole = 2 * m.hidden_size + m.hidden_size  # (2 norms and the KV biases' halves stay whole per rank)
+    assert abs(2 * shard_parameters(m, 2) - shard_parameters(m, 1)) < m.num_hidden_layers * per_layer_whole * 4
+    # 8 KV heads over 4 ranks: two each, nothing replicated but the norms
+    assert abs(4 * shard_parameters(QWEN2_5_32B, 4) / QWEN2_5_32B.num_parameters() - 1) < 1e-3
