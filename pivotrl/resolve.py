@@ -542,7 +542,7 @@ def _budget(cfg: JobConfig, hw: Hardware, model: ModelConfig, dtype: str, tp: in
     return None
 
 
-def _per_token(model: ModelConfig, dtype: str) -> int:
+def kv_bytes_per_token(model: ModelConfig, dtype: str) -> int:
     """Bytes of keys and values one token holds over all layers."""
     return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * DTYPE_BYTES[dtype]
 
@@ -562,7 +562,7 @@ def _rollout_limit(cfg: JobConfig, hw: Hardware, policy: ModelConfig | None, dty
     if policy is None or max_len < 1 or backend == VLLM:
         return 0
     budget = _budget(cfg, hw, policy, dtype)
-    return 0 if budget is None else _slots(cfg, budget, _per_token(policy, dtype), max_len)
+    return 0 if budget is None else _slots(cfg, budget, kv_bytes_per_token(policy, dtype), max_len)
 
 
 def _judge_limits(cfg: JobConfig, hw: Hardware, judge: ModelConfig | None, dtype: str, backend: str, max_len: int,
@@ -574,7 +574,7 @@ def _judge_limits(cfg: JobConfig, hw: Hardware, judge: ModelConfig | None, dtype
     budget = _budget(cfg, hw, judge, dtype, tp)
     if budget is None:
         return 0, 0
-    per_token = _per_token(judge, dtype)
+    per_token = kv_bytes_per_token(judge, dtype)
     if backend == VLLM:  # paged: a judgment holds the blocks of its own length; the tokens are an instance's (the
         # control plane's unit), each of its tp devices holding its share of the KV heads, at least one
         return 0, max(1, budget * min(tp, judge.num_key_value_heads) // per_token)
@@ -584,7 +584,7 @@ def _judge_limits(cfg: JobConfig, hw: Hardware, judge: ModelConfig | None, dtype
 def _engine_bytes(model: ModelConfig, dtype: str, max_len: int) -> float:
     """The least an engine of ``model`` holds on its device: its weights and one sequence's KV cache (an engine
     that holds fewer fails when it starts)."""
-    return model.num_parameters() * DTYPE_BYTES[dtype] + _per_token(model, dtype) * max(0, max_len)
+    return model.num_parameters() * DTYPE_BYTES[dtype] + kv_bytes_per_token(model, dtype) * max(0, max_len)
 
 
 def _too_small(cfg: JobConfig, hw: Hardware, share: Share, trainer: TrainerKind, dtypes: tuple[str, str],

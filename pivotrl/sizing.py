@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pivotrl.resolve import CUDA_CONTEXT_BYTES, DTYPE_BYTES, GB, VLLM, uncut
+from pivotrl.resolve import CUDA_CONTEXT_BYTES, DTYPE_BYTES, GB, VLLM, kv_bytes_per_token, uncut
 
 if TYPE_CHECKING:
     from pivotrl.model.config import ModelConfig
@@ -65,9 +65,7 @@ class Engine:
     @property
     def kv(self) -> float:
         """Bytes of keys and values of the whole batch at its longest, over all KV heads."""
-        m = self.model
-        per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * DTYPE_BYTES[self.dtype]
-        return self.batch * self.max_len * per_token
+        return self.batch * self.max_len * kv_bytes_per_token(self.model, self.dtype)
 
     def kv_cut(self, tp: int) -> int:
         """The parts the KV cache is cut in on ``tp`` devices: a KV head is never cut."""

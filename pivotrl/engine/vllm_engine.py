@@ -172,23 +172,6 @@ def _tie_embeddings(worker: Any) -> None:
 VOCAB_PADDING = 64  # vLLM pads the vocabulary's rows to a multiple of this, then cuts them (vocab_parallel_embedding)
 
 
-def shard_parameters(m: ModelConfig, tp: int) -> int:
-    """Parameters one rank of a ``tp``-way engine of ``m`` holds, by vLLM 0.32's cutting rules: the query heads,
-    the MLP's and every expert's width and the vocabulary's rows (padded to ``VOCAB_PADDING``) cut in ``tp``; each
-    rank ``max(1, kv // tp)`` KV heads; norms, an output bias and the router whole. What a load copies into it (the
-    whole model at ``tp`` = 1, but for the padding)."""
-    h, d = m.hidden_size, m.head_dim
-    q, kv = m.num_attention_heads // tp * d, max(1, m.num_key_value_heads // tp) * d
-    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.qkv_bias else 0) + (h if m.o_bias else 0)
-    per_layer = attn + 2 * h + (2 * d if m.qk_norm else 0)
-    width, expert = m.intermediate_size // tp, m.moe_intermediate_size // tp
-    dense = 3 * h * width + (2 * width + h if m.mlp_bias else 0)
-    sparse = m.num_experts * (3 * h * expert + h)
-    mlps = sum(sparse if m.is_sparse_layer(i) else dense for i in range(m.num_hidden_layers))
-    rows = -(-m.vocab_size // VOCAB_PADDING) * VOCAB_PADDING // tp
-    return m.num_hidden_layers * per_layer + mlps + rows * h * (1 if m.tie_word_embeddings else 2) + h
-
-
 # vLLM's sleep mode allocates an engine's weights and KV cache through one allocator per process
 # (``CuMemAllocator``, vllm/device_allocator/cumem.py): its GPU worker refuses to load a second engine's weights
 # while the allocator holds anything (vllm/v1/worker/gpu_worker.py, ``_maybe_get_memory_pool_context``), and its
@@ -563,9 +546,9 @@ class VllmEngine:
     def held_bytes(self) -> int:
         """Bytes of weights this process's engine holds: what a version's load copies into it (a rank of a
         tensor-parallel engine: its shard of the whole, which vLLM's loaders cut from the GPS's views), by vLLM's
-        cutting rules (:func:`shard_parameters`): the model's own parameters do not say it on a CPU, whose linear
-        layers keep their weights packed outside them."""
-        return shard_parameters(self.config, self.tensor_parallel) * self.dtype.itemsize
+        cutting rules (``ModelConfig.num_parameters`` of a rank): the model's own parameters do not say it on a
+        CPU, whose linear layers keep their weights packed outside them."""
+        return self.config.num_parameters(self.tensor_parallel, VOCAB_PADDING) * self.dtype.itemsize
 
     def sleep(self) -> None:
         """On a GPU free the weights and the KV cache (the engine stays); on a CPU nothing to free."""

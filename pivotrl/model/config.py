@@ -96,17 +96,21 @@ class ModelConfig:
             self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
         )
 
-    def num_parameters(self) -> int:
-        """All parameters, every expert included (the ones a token uses are fewer)."""
+    def num_parameters(self, tp: int = 1, vocab_multiple: int = 1) -> int:
+        """All parameters, every expert included (the ones a token uses are fewer). With ``tp`` > 1: those one
+        rank of a tensor-parallel engine holds, by vLLM 0.32's cutting rules: the query heads, the MLP's and every
+        expert's width and the vocabulary's rows (padded to ``vocab_multiple`` first) cut in ``tp``; each rank
+        ``max(1, kv // tp)`` KV heads; norms, an output bias and the router whole."""
         h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        q, kv = self.num_attention_heads // tp * d, max(1, self.num_key_value_heads // tp) * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         per_layer = attn + 2 * h + (2 * d if self.qk_norm else 0)
-        dense = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        sparse = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and their router rows
+        width, expert = self.intermediate_size // tp, self.moe_intermediate_size // tp
+        dense = 3 * h * width + (2 * width + h if self.mlp_bias else 0)
+        sparse = self.num_experts * (3 * h * expert + h)  # experts and their router rows
         mlps = sum(sparse if self.is_sparse_layer(i) else dense for i in range(self.num_hidden_layers))
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + mlps + emb + h
+        rows = -(-self.vocab_size // vocab_multiple) * vocab_multiple // tp
+        return self.num_hidden_layers * per_layer + mlps + rows * h * (1 if self.tie_word_embeddings else 2) + h
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:

@@ -162,8 +162,11 @@ def test_engines_of_one_shape_are_built_from_one_directory_kept_for_the_compile_
 def test_a_rank_holds_its_shard_by_vllms_cutting_rules():
     """A rank of an engine of two holds half of the cut weights, every KV head's projections it keeps, the norms
     whole and half of the padded vocabulary's rows; one rank holds the whole model and the vocabulary's padding."""
-    from pivotrl.engine.vllm_engine import VOCAB_PADDING, shard_parameters
+    from pivotrl.engine.vllm_engine import VOCAB_PADDING
     from tests.test_resolve import QWEN2_5_32B, SMALL
+
+    def shard_parameters(m, tp):
+        return m.num_parameters(tp, VOCAB_PADDING)
 
     m = SMALL  # (Qwen2.5-0.5B's shape: 14 heads, 2 KV heads, a tied vocabulary of 151,936 rows)
     padding = (-m.vocab_size % VOCAB_PADDING) * m.hidden_size
