@@ -42,7 +42,7 @@ def loads(run: Path) -> dict[str, int]:
     for e in read_events(run):
         if e.role == "shift" and "engine_pid" in e.args:
             whole += e.args["bytes"]
-            ranks += max(e.args.get("rank_bytes") or [e.args["bytes"]])
+            ranks += e.args.get("rank_bytes", e.args["bytes"])
     return {"bytes_loaded": whole, "largest_rank_bytes": ranks}
 
 

@@ -45,7 +45,6 @@ from pivotrl.runtime.contexts import ContextSpec, GenerationContext, Tokenizer, 
 
 MAX_SLICE_STEPS = 256  # engine steps a slice of a tensor-parallel engine may run (its estimate of a step's time off)
 OWN_PROCESS = ("vllm",)  # backends whose engine runs in a process of its own (see the module docstring)
-EVERY_RANK = ("open", "refresh")  # calls whose answers a tensor-parallel engine's client takes from every rank
 ENGINE_DIED = 70  # the exit status of a device's process whose engine's process died
 
 
@@ -192,7 +191,6 @@ class EngineClient:
         # decides (``run``), never each rank's own clock
         self.ranks = ranks
         self.step_s = 0.0  # seconds an engine step took, as the last slices measured it (ranks > 1)
-        self.rank_bytes: tuple[int, ...] = ()  # bytes each rank copied at the last load (ranks > 1)
         self.uids: set[int] = set()
         self.stats = EngineStats()  # the engine's, as its last run reported them
         self.max_batch = self.max_len = 0
@@ -201,21 +199,14 @@ class EngineClient:
     def open(self, version: int) -> Opened:
         """Wake the engine with ``version`` (built there on the first open)."""
         opened: Opened = self._call("open", version)
-        if self.ranks > 1:  # (every rank's answer: each loaded its shard)
-            self.rank_bytes = tuple(o.nbytes for o in opened)  # type: ignore[attr-defined]
-            opened = opened[0]  # type: ignore[index]
         self.max_batch, self.max_len = opened.max_batch, opened.max_len
         if opened.meta is not None:
             self.tokenizer = tokenizer_of(opened.meta)
         return opened
 
     def refresh(self, version: int) -> int:
-        """Load ``version`` in place; the bytes rank 0 copied (every rank's: ``rank_bytes``)."""
-        nbytes = self._call("refresh", version)
-        if self.ranks > 1:
-            self.rank_bytes = tuple(nbytes)
-            nbytes = nbytes[0]
-        return nbytes
+        """Load ``version`` in place; the bytes a rank copied (every rank its shard, of one size)."""
+        return self._call("refresh", version)
 
     def release(self) -> None:
         self._call("release")
@@ -289,17 +280,18 @@ class RemoteGeneration:
     def __init__(self, name: str, version: int, client: EngineClient) -> None:
         opened = client.open(version)
         assert client.tokenizer is not None, "the first open brings the tokenizer"
-        # (the bytes loaded on every rank of a tensor-parallel engine, each its shard: ``client.rank_bytes``)
-        self.name, self.version, self.nbytes = name, version, sum(client.rank_bytes) or opened.nbytes
+        # (the bytes loaded on every rank of a tensor-parallel engine: each its shard, ``rank_bytes``)
+        self.rank_bytes = opened.nbytes
+        self.name, self.version, self.nbytes = name, version, opened.nbytes * client.ranks
         self.engine, self.tokenizer = client, client.tokenizer
         self.builds, self.pid = opened.builds, opened.pid
 
     def refresh(self, store: ParameterStore, version: int) -> int:
         """Load another version of the same model in place (the engine must be idle); its process reads the
         GPS itself."""
-        nbytes = self.engine.refresh(version)
+        self.rank_bytes = self.engine.refresh(version)
         self.version = version
-        return sum(self.engine.rank_bytes) or nbytes
+        return self.rank_bytes * self.engine.ranks
 
     def release(self) -> EngineClient:
         """Put the engine to sleep; the client is what comes back to it."""
@@ -347,8 +339,8 @@ def ray_client(actor: Any, name: str) -> EngineClient:
 def ray_instance_client(actors: list[Any], name: str) -> EngineClient:
     """A client of a tensor-parallel engine whose ranks are the host actors ``actors`` (rank 0 first): every
     call goes to every rank, in the same order (each rank runs its own scheduler, so they agree only on the same
-    calls), and rank 0's answer is the engine's (every rank's, for the loads: ``EVERY_RANK``). A rank's error is
-    the engine's; a rank's process that died ends the device's, as for one rank."""
+    calls), and rank 0's answer is the engine's. A rank's error is the engine's; a rank's process that died ends
+    the device's, as for one rank."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -364,8 +356,7 @@ def ray_instance_client(actors: list[Any], name: str) -> EngineClient:
                 earlier = list(sent)
                 sent.clear()
                 ray.get(earlier)
-            answers = ray.get(refs)
-            return answers if method in EVERY_RANK else answers[0]
+            return ray.get(refs)[0]
         except RayActorError as e:
             engine_died(name, e)
 

@@ -184,8 +184,8 @@ class Worker:
                     version, self.store, self.spec, train.cfg, train.temperature, train.keep_versions
                 )
             nbytes = 0 if self.ctx is None else self.ctx.nbytes
-        if isinstance(self.ctx, RemoteGeneration) and self.ctx.engine.rank_bytes:  # (tensor parallel: each rank's)
-            engine["rank_bytes"] = list(self.ctx.engine.rank_bytes)
+        if isinstance(self.ctx, RemoteGeneration) and self.ctx.engine.ranks > 1:  # (what each rank holds of it)
+            engine["rank_bytes"] = self.ctx.rank_bytes
         self.role = role
         t1 = self.now()
         name = f"{before.value if before else 'none'}->{role.value}"
