@@ -1,7 +1,9 @@
 """Sharded (FSDP2) trainer: the update does not depend on how many ranks hold the shards.
 
-One spawn of three real processes (gloo on loopback) plays every scenario in
-turn: groups of 1, 2 and 3 ranks, a membership change 2 -> 3 -> 2 with the
+One spawn of four real processes (gloo on loopback) plays every scenario in
+turn: groups of 1, 2 and 3 ranks, two instances of two devices (each
+instance's groups cut among its devices, a group maybe across two, as the Ray
+driver deals them), a membership change 2 -> 3 -> 2 with the
 train state moving through the GPS as shards, a tied-embedding model, the KL
 term against a sharded reference, bf16 compute, and a mixture-of-experts
 model (ranks whose tokens leave different experts unchosen), half of each batch
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,7 @@ from tests.train.test_replicated import (
     Batch,
     G,
     batch_tokens,
+    instance_share,
     local_share,
     make_batch,
     max_diff,
@@ -44,6 +48,7 @@ MODEL = "policy"
 CFG = TrainConfig(micro_batch=5, micro_batch_tokens=40, grad_clip=0.5)  # cuts by count and by tokens; clip active
 KL = TrainConfig(micro_batch=5, grad_clip=0.5, kl_coef=0.1)
 TIMEOUT_S = 60.0
+Share = Callable[[Batch, int, int], Batch]  # a rank's part of a batch: (batch, world size, rank)
 
 
 def config(tied: bool = False, moe: bool = False) -> ModelConfig:
@@ -116,8 +121,8 @@ def _group(rank: int, world: int, name: str, out: Path, staged: bool = False) ->
     )
 
 
-def _step(trainer: ShardedTrainer, batch: Batch) -> dict[str, float]:
-    trainer.add(*local_share(batch, trainer.group.world_size, trainer.rank))
+def _step(trainer: ShardedTrainer, batch: Batch, share: Share = local_share) -> dict[str, float]:
+    trainer.add(*share(batch, trainer.group.world_size, trainer.rank))
     result = trainer.step(batch_tokens(batch))
     assert result.tokens > 0 and result.backward_s > 0
     return result.stats
@@ -140,7 +145,10 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
         state = _published(trainer)  # a collective: every rank of the group takes part
         torch.save({"state": state, "stats": stats}, out / f"{name}.{rank}.pt")
 
-    def run(name: str, world: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False, moe: bool = False) -> None:
+    def run(
+        name: str, world: int, cfg: TrainConfig, tied: bool = False, bf16: bool = False, moe: bool = False,
+        share: Share = local_share,
+    ) -> None:  # fmt: skip
         if rank >= world:
             return
         with _group(rank, world, name, out) as group:
@@ -148,7 +156,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
             dtype = torch.bfloat16 if bf16 else torch.float32
             trainer = ShardedTrainer(group, config(tied, moe), cfg, 1.0, 0, dtype, ref)
             trainer.load_weights(weights(initial(tied, moe=moe)))
-            stats = [_step(trainer, b) for b in batches[:2]]
+            stats = [_step(trainer, b, share) for b in batches[:2]]
             save(name, trainer, stats)
 
     run("w1", 1, CFG)
@@ -157,6 +165,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
     run("kl", 2, KL)
     run("bf16", 2, CFG, bf16=True)
     run("moe", 2, CFG, moe=True)
+    run("instances", 4, CFG, share=instance_share)  # two instances of two devices
 
     # a backward ahead of the step: 2 ranks backpropagate half the batch, buffer the rest, then step
     if rank < 2:
@@ -183,13 +192,14 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
             trainer.add(*local_share(first, 2, rank))
             trainer.backward_pending()
             files.export(trainer)
-    with _group(rank, 3, "moved", out) as group:
-        trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
-        trainer.import_shards(files.shards(2, 0, partial=True), MODEL, 0, 2, partial=True)
-        assert trainer.mid_step and bool(trainer.partial) == (rank == 0)
-        _, second = halves(batches[0])
-        trainer.add(*local_share(second, 3, rank))
-        save("moved", trainer, [trainer.step(batch_tokens(batches[0])).stats])
+    if rank < 3:
+        with _group(rank, 3, "moved", out) as group:
+            trainer = ShardedTrainer(group, tiny_config(), CFG, 1.0, 0)
+            trainer.import_shards(files.shards(2, 0, partial=True), MODEL, 0, 2, partial=True)
+            assert trainer.mid_step and bool(trainer.partial) == (rank == 0)
+            _, second = halves(batches[0])
+            trainer.add(*local_share(second, 3, rank))
+            save("moved", trainer, [trainer.step(batch_tokens(batches[0])).stats])
 
     # membership: 2 ranks step v0 -> v1, write shards; 3 ranks read them and step v1 -> v2; 2 ranks again for v3
     stats: list[dict[str, float]] = []
@@ -227,7 +237,7 @@ def batches() -> list[Batch]:
 @pytest.fixture(scope="module")
 def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
-    spawn(_worker, (batches, str(out)), 3, out / "marks")
+    spawn(_worker, (batches, str(out)), 4, out / "marks")
     return out
 
 
@@ -246,7 +256,9 @@ def load(runs: Path, name: str) -> dict:
     return torch.load(runs / f"{name}.0.pt")
 
 
-@pytest.mark.parametrize(("name", "world", "tied"), [("w1", 1, False), ("w2", 2, False), ("w3", 3, True)])
+@pytest.mark.parametrize(
+    ("name", "world", "tied"), [("w1", 1, False), ("w2", 2, False), ("w3", 3, True), ("instances", 4, False)]
+)
 def test_world_size_does_not_change_the_update(runs, batches, name, world, tied):
     state, stats = one_device(batches[:2], tied=tied)
     got = load(runs, name)

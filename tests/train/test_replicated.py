@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pivotrl.control.messages import TrainShard
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
 from pivotrl.sample import Sample
@@ -28,6 +29,7 @@ from pivotrl.train.config import TrainConfig
 from pivotrl.train.group import ARRIVED, JoinAbandoned, RendezvousGone, TrainGroup, backend_for, listen
 from pivotrl.train.grpo import GRPOTrainer
 from pivotrl.train.loss import token_logprobs
+from pivotrl.runtime.instances import split_shard
 from pivotrl.train.replicated import ElasticTrainer
 from tests.conftest import tiny_config
 from tests.runtime.ranks import spawn
@@ -70,6 +72,23 @@ def local_share(batch: Batch, world_size: int, rank: int) -> Batch:
     mine = set(sorted({s.prompt_index for s in samples})[rank::world_size])
     keep = [i for i, s in enumerate(samples) if s.prompt_index in mine]
     return [samples[i] for i in keep], [advantages[i] for i in keep]
+
+
+def instance_share(batch: Batch, world_size: int, rank: int, size: int = 2) -> Batch:
+    """A rank's part of ``batch`` where ``world_size`` ranks are instances of ``size`` devices, as the Ray driver
+    deals a step: each instance its whole groups, round-robin (the control plane's device is the instance), cut
+    among the instance's devices into consecutive runs of samples by ``split_shard``, a group maybe across two."""
+    samples, advantages = local_share(batch, world_size // size, rank // size)
+    shard = TrainShard(
+        prompt_ids=tuple(s.prompt_ids for s in samples),
+        response_ids=tuple(s.response_ids for s in samples),
+        logprobs=tuple(s.logprobs for s in samples),
+        advantages=tuple(advantages),
+    )
+    parts = split_shard(shard, size)
+    lo = sum(len(p.advantages) for p in parts[: rank % size])
+    hi = lo + len(parts[rank % size].advantages)
+    return samples[lo:hi], advantages[lo:hi]
 
 
 def batch_tokens(batch: Batch) -> int:

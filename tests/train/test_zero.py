@@ -1,7 +1,8 @@
 """ZeRO-1 trainer: backward as groups come, alone; the update does not depend on the group or the order.
 
-One spawn of three real processes (gloo on loopback) plays every scenario: groups
-of 1, 2 and 3 ranks (a tied-embedding model in the last), groups handed out
+One spawn of four real processes (gloo on loopback) plays every scenario: groups
+of 1, 2 and 3 ranks (a tied-embedding model in the last), two instances of two
+devices (each instance's groups cut among its devices), groups handed out
 in another order and unevenly (one rank with none), the KL term, bf16
 compute, and a membership change 2 -> 3 -> 2 with the train state moving
 through the GPS as flat ranges. Each rank backpropagates its groups before it
@@ -45,7 +46,7 @@ from tests.train.test_fsdp import test_kl_against_a_sharded_reference as test_kl
 from tests.train.test_fsdp import (  # noqa: F401, E402
     test_membership_change_moves_the_state_through_shards as test_membership_change_moves_the_state_through_ranges,
 )
-from tests.train.test_replicated import Batch, batch_tokens, local_share, make_batch, max_diff
+from tests.train.test_replicated import Batch, batch_tokens, instance_share, local_share, make_batch, max_diff
 
 
 def compute_copy(snap: Snapshot, tied: bool, dtype: torch.dtype = torch.float32) -> Decoder:
@@ -98,6 +99,7 @@ def _worker(rank: int, batches: list[Batch], out_dir: str) -> None:
     run("w2", 2, CFG)
     run("w3", 3, CFG, tied=True)
     run("order", 3, CFG, share=reversed_share)
+    run("instances", 4, CFG, share=instance_share)  # two instances of two devices, as the Ray driver deals them
     run("staged", 3, CFG, staged=True)  # the collectives through host memory, as ranks sharing a GPU run them
     run("kl", 2, KL)
     run("bf16", 2, CFG, bf16=True)
@@ -161,7 +163,7 @@ def batches() -> list[Batch]:
 @pytest.fixture(scope="module")
 def runs(batches: list[Batch], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("zero")
-    spawn(_worker, (batches, str(out)), 3, out / "marks")
+    spawn(_worker, (batches, str(out)), 4, out / "marks")
     return out
 
 
@@ -171,7 +173,10 @@ def load(runs: Path, name: str) -> dict:
 
 @pytest.mark.parametrize(
     ("name", "world", "tied"),
-    [("w1", 1, False), ("w2", 2, False), ("w3", 3, True), ("order", 3, False), ("staged", 3, False)],
+    [
+        ("w1", 1, False), ("w2", 2, False), ("w3", 3, True), ("order", 3, False), ("staged", 3, False),
+        ("instances", 4, False),
+    ],  # fmt: skip
 )
 def test_group_size_and_order_do_not_change_the_update(runs, batches, name, world, tied):
     state, stats = one_device(batches[:2], tied=tied)
