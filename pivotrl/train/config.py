@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Backend = Literal["auto", "fsdp", "zero", "replicated"]
+Correction = Literal["none", "tis", "mis", "decoupled"]
+CORRECTIONS = ("none", "tis", "mis", "decoupled")
 Precision = Literal["auto", "fp32", "bf16"]
 BACKENDS = ("auto", "fsdp", "zero", "replicated")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -41,6 +43,14 @@ class TrainConfig:
     # old log-probs of the PPO ratio from the trainer's own forward instead of the generation engine's (whose
     # kernels, vLLM's especially, differ numerically); free: the update's forward computes them anyway
     recompute_logprobs: bool = False
+    # off-policy correction of the policy-gradient loss where the engine's (behaviour) log-probs differ from the
+    # trainer's (pivotrl.train.loss.correction_weights): none, the PPO ratio against the engine's log-probs and its
+    # clip; tis, token-level truncated importance weights min(w, cap); mis, sequence-level masked importance
+    # sampling (a sequence whose weight exceeds cap contributes nothing); decoupled, decoupled PPO (the ratio and
+    # its clip against the proximal policy, the trainer's weights before the update, times the behaviour weight,
+    # tokens above cap masked). Every one but none takes the PPO ratio against the trainer's own log-probs
+    correction: Correction = "none"
+    correction_cap: float = 2.0  # C of the corrections: the bound on an importance weight, > 1
     # the fewest train devices an optimizer step may run on: where one device cannot hold the trainer's state
     # (fsdp: 16 bytes a parameter over the step's devices; zero: 6 whole plus 12 over them; replicated: 16
     # whole), the step waits for as many as hold it, and shiftable mode's planner brings them; 0 = auto: on
@@ -78,6 +88,8 @@ class TrainConfig:
             "true, false or auto",
         )
         check("recompute_logprobs", isinstance(self.recompute_logprobs, bool), "true or false")
+        check("correction", self.correction in CORRECTIONS, f"one of {', '.join(CORRECTIONS)}")
+        check("correction_cap", self.correction_cap > 1, "> 1 (an importance weight's bound)")
         check("min_devices", type(self.min_devices) is int and self.min_devices >= 0, "an integer >= 0 (0 = auto)")
 
     @property

@@ -22,6 +22,7 @@ This is the one module that names distributed backends (``backend_for``).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -55,13 +56,20 @@ ARRIVED = "pivotrl/arrived"  # the rendezvous store's count of the ranks that ca
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Per-rank numbers gathered at every step. Sums merge by addition, extremes by max/min.
-_SUM_KEYS = ("tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum", "mismatch_sum")
-# Columns of the gathered row: version, has-KL flag, the sums, ratio max, ratio min, one has-grad flag per parameter.
-_VERSION, _HAS_KL, _SUMS = 0, 1, 2
-_RATIO_MAX = _SUMS + len(_SUM_KEYS)
-_RATIO_MIN = _RATIO_MAX + 1
-_FLAGS = _RATIO_MIN + 1
+# Per-rank numbers gathered at every step. Sums merge by addition, extremes by max/min. A sum in _OPTIONAL is reported
+# only where some rank has it (the KL term, the off-policy correction's weights).
+_SUM_KEYS = (
+    "tokens", "loss_sum", "pg_loss_sum", "clipped_tokens", "kl_sum", "mismatch_sum", "is_weight_sum",
+    "is_capped_tokens",
+)  # fmt: skip
+_OPTIONAL = {"kl_sum": "kl_sum", "is_weight_sum": "is_weight_sum", "is_capped_tokens": "is_weight_sum"}
+_MAX_KEYS, _MIN_KEYS = ("ratio_max", "is_weight_max"), ("ratio_min",)
+# Columns of the gathered row: version, a has-it flag per optional sum, the sums, the maxima, the minima, one
+# has-grad flag per parameter.
+_VERSION, _HAS, _SUMS = 0, 1, 1 + len(_OPTIONAL)
+_MAXES = _SUMS + len(_SUM_KEYS)
+_MINS = _MAXES + len(_MAX_KEYS)
+_FLAGS = _MINS + len(_MIN_KEYS)
 
 
 def backend_for(device: torch.device) -> str:
@@ -410,10 +418,10 @@ def gather_step_stats(
     gradient; raises (on every rank alike) when the ranks hold different versions."""
     row = torch.zeros(_FLAGS + len(flags), dtype=torch.float64)
     row[_VERSION] = version
-    row[_HAS_KL] = float("kl_sum" in local)
-    row[_SUMS:_RATIO_MAX] = torch.tensor([float(local.get(k, 0.0)) for k in _SUM_KEYS], dtype=torch.float64)
-    row[_RATIO_MAX] = local.get("ratio_max", float("-inf"))
-    row[_RATIO_MIN] = local.get("ratio_min", float("inf"))
+    row[_HAS:_SUMS] = torch.tensor([float(present in local) for present in _OPTIONAL.values()], dtype=torch.float64)
+    row[_SUMS:_MAXES] = torch.tensor([float(local.get(k, 0.0)) for k in _SUM_KEYS], dtype=torch.float64)
+    row[_MAXES:_MINS] = torch.tensor([local.get(k, -math.inf) for k in _MAX_KEYS], dtype=torch.float64)
+    row[_MINS:_FLAGS] = torch.tensor([local.get(k, math.inf) for k in _MIN_KEYS], dtype=torch.float64)
     row[_FLAGS:] = torch.tensor([float(f) for f in flags], dtype=torch.float64)
     rows = group.all_gather(row.to(group.device)).cpu()
     versions = [int(v) for v in rows[:, _VERSION].tolist()]
@@ -422,10 +430,11 @@ def gather_step_stats(
             f"train group {group.address}: ranks hold different policy versions {versions} (by rank); "
             "a device that newly takes the train role must import the current version's state first"
         )
-    sums = dict(zip(_SUM_KEYS, rows[:, _SUMS:_RATIO_MAX].sum(0).tolist(), strict=True))
-    if not rows[:, _HAS_KL].any():
-        del sums["kl_sum"]
-    ratio_max, ratio_min = float(rows[:, _RATIO_MAX].max()), float(rows[:, _RATIO_MIN].min())
-    if ratio_max != float("-inf"):
-        sums["ratio_max"], sums["ratio_min"] = ratio_max, ratio_min
+    sums = dict(zip(_SUM_KEYS, rows[:, _SUMS:_MAXES].sum(0).tolist(), strict=True))
+    for key, has in zip(_OPTIONAL, rows[:, _HAS:_SUMS].any(0).tolist(), strict=True):
+        if not has:
+            del sums[key]
+    maxes = zip(_MAX_KEYS, rows[:, _MAXES:_MINS].amax(0).tolist(), strict=True)
+    extremes = [*maxes, *zip(_MIN_KEYS, rows[:, _MINS:_FLAGS].amin(0).tolist(), strict=True)]
+    sums |= {k: v for k, v in extremes if math.isfinite(v)}  # (no rank had a token: none reported)
     return sums, rows[:, _FLAGS:].amax(0).bool().tolist()

@@ -77,6 +77,8 @@ def grpo_loss_sum(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     recompute: bool = False,
+    correction: str = "none",
+    cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss (+ k3 KL), summed over the masked tokens, and its stats as 0-d
     tensors on the loss's device: reading them is a host sync, which ``host_stats`` does once, after
@@ -92,11 +94,19 @@ def grpo_loss_sum(
     numerical disagreement with the trainer. ``recompute`` takes the trainer's
     own log-probs as the old ones (``train.recompute_logprobs``): the same
     forward pass gives them, so it costs nothing.
+
+    ``correction`` (``train.correction``, with ``cap``) weighs each token's
+    policy-gradient term by ``correction_weights`` and takes the PPO ratio
+    against the trainer's own log-probs (the proximal policy: the weights
+    before this update), whatever ``recompute`` says.
     """
     mask = mask.bool()
     m = mask.to(logprobs.dtype)
     mismatch = (torch.where(mask, logprobs.detach() - old_logprobs, 0.0).abs() * m).sum()
-    if recompute:
+    weights = None
+    if correction != "none":
+        weights, is_stats = correction_weights(logprobs.detach(), old_logprobs, mask, correction, cap)
+    if recompute or weights is not None:
         old_logprobs = logprobs.detach()
     # zero the log-ratio off the mask so padding can never overflow exp (inf * 0 = nan, also in backward)
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
@@ -104,8 +114,11 @@ def grpo_loss_sum(
     adv = advantages.to(logprobs.dtype)[:, None]
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    per_token = pg
     stats: dict[str, Tensor] = {}
+    if weights is not None:
+        pg = pg * weights
+        stats |= is_stats
+    per_token = pg
     if kl_coef > 0 and ref_logprobs is not None:
         d = torch.where(mask, ref_logprobs - logprobs, 0.0)
         k3 = d.exp() - d - 1
@@ -127,6 +140,50 @@ def grpo_loss_sum(
     return loss, stats
 
 
+# the largest log of an importance weight reported: exp(80) is finite in fp32 (a weight is reported, never used, past
+# the cap); a token whose log-probs differ by more than this is a mismatch the stats already show
+_LOG_W_REPORTED = 80.0
+
+
+def correction_weights(
+    prox: Tensor, behaviour: Tensor, mask: Tensor, correction: str, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token weights of the policy-gradient term (``[B, T]``, 0 off ``mask``, no gradient), and their stats.
+
+    ``w_t = pi_prox(y_t) / pi_behaviour(y_t)``: the trainer's probability of a token (its weights before this
+    update) over the engine's that sampled it, an older policy's where the sample is stale.
+
+    - ``tis``: token-level truncated importance sampling, ``min(w_t, cap)``;
+    - ``mis``: sequence-level masked importance sampling, every token of a sequence weighted by the sequence's
+      weight ``prod_t w_t``, or by 0 where that exceeds ``cap``;
+    - ``decoupled``: decoupled PPO's behaviour weight, ``w_t``, or 0 where it exceeds ``cap``.
+
+    Stats: ``is_weight_sum`` and ``is_weight_max`` of the token weights ``w_t`` before any cap, and
+    ``is_capped_tokens``, the tokens truncated or masked.
+    """
+    log_cap = math.log(cap)
+    log_w = torch.where(mask, prox - behaviour, 0.0)
+    if correction == "tis":
+        capped = mask & (log_w > log_cap)
+        weights = log_w.clamp(max=log_cap).exp()
+    elif correction == "mis":
+        log_seq = log_w.sum(dim=1, keepdim=True)  # (0 off the mask)
+        capped = mask & (log_seq > log_cap)
+        weights = torch.where(capped, 0.0, log_seq.clamp(max=log_cap).exp().expand_as(log_w))
+    elif correction == "decoupled":
+        capped = mask & (log_w > log_cap)
+        weights = torch.where(capped, 0.0, log_w.clamp(max=log_cap).exp())
+    else:
+        raise ValueError(f"train.correction must be one of none, tis, mis, decoupled, got {correction!r}")
+    reported = log_w.clamp(max=_LOG_W_REPORTED).exp()
+    stats = {
+        "is_weight_sum": torch.where(mask, reported, 0.0).sum(),
+        "is_weight_max": torch.where(mask, reported, -math.inf).max(),
+        "is_capped_tokens": capped.sum(),
+    }
+    return torch.where(mask, weights, 0.0), stats
+
+
 def host_stats(stats: dict[str, Tensor]) -> dict[str, float]:
     """``grpo_loss_sum``'s stats as numbers, read in one copy; the ratio's extremes only where a token was
     masked in."""
@@ -136,6 +193,7 @@ def host_stats(stats: dict[str, Tensor]) -> dict[str, float]:
     if not out.get("tokens"):
         out.pop("ratio_max", None)
         out.pop("ratio_min", None)
+        out.pop("is_weight_max", None)
     return out
 
 
@@ -166,7 +224,10 @@ def step_report(sums: dict[str, float], tokens: int, grad_norm: float, skipped: 
     }
     if "kl_sum" in sums:
         out["kl"] = sums["kl_sum"] / local
-    for key in ("ratio_max", "ratio_min"):
+    if "is_weight_sum" in sums:
+        out["is_weight_mean"] = sums["is_weight_sum"] / local
+        out["is_capped_frac"] = sums.get("is_capped_tokens", 0.0) / local
+    for key in ("ratio_max", "ratio_min", "is_weight_max"):
         if key in sums:
             out[key] = sums[key]
     return out
@@ -272,8 +333,9 @@ class GRPOLoss:
                     ref = token_logprobs(self.ref_model, ids, self.temperature, mask)
             logp = token_logprobs(self.model, ids, self.temperature, mask)
             loss, stats = grpo_loss_sum(
-                logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, cfg.recompute_logprobs
-            )
+                logp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, cfg.recompute_logprobs,
+                cfg.correction, cfg.correction_cap,
+            )  # fmt: skip
         (loss * weight if weight != 1.0 else loss).backward()
         return host_stats(stats) if weight else {}  # (read once the backward is queued: one sync, after it)
 
