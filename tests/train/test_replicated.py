@@ -23,13 +23,13 @@ import torch.distributed as dist
 from pivotrl.control.messages import TrainShard
 from pivotrl.gps import Kind, LocalStore, Snapshot, module_tensors
 from pivotrl.model import Decoder
+from pivotrl.runtime.instances import split_shard
 from pivotrl.sample import Sample
 from pivotrl.train.advantages import group_advantages
 from pivotrl.train.config import TrainConfig
 from pivotrl.train.group import ARRIVED, JoinAbandoned, RendezvousGone, TrainGroup, backend_for, listen
 from pivotrl.train.grpo import GRPOTrainer
 from pivotrl.train.loss import token_logprobs
-from pivotrl.runtime.instances import split_shard
 from pivotrl.train.replicated import ElasticTrainer
 from tests.conftest import tiny_config
 from tests.runtime.ranks import spawn

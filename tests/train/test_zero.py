@@ -174,7 +174,11 @@ def load(runs: Path, name: str) -> dict:
 @pytest.mark.parametrize(
     ("name", "world", "tied"),
     [
-        ("w1", 1, False), ("w2", 2, False), ("w3", 3, True), ("order", 3, False), ("staged", 3, False),
+        ("w1", 1, False),
+        ("w2", 2, False),
+        ("w3", 3, True),
+        ("order", 3, False),
+        ("staged", 3, False),
         ("instances", 4, False),
     ],  # fmt: skip
 )
