@@ -31,6 +31,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from pivotrl.control.spec import MAX_STALENESS
 from pivotrl.sim.config import SimConfig
 from pivotrl.task.checkers import CHECKERS
 from pivotrl.train.config import TrainConfig
@@ -288,6 +289,10 @@ class JobConfig:
     tensor_parallel: int | Literal["auto"] = 1
     split: str = ""  # disaggregated role layout, e.g. "rollout:2,judge:1,train:1"; "" = automatic
     steps: int = 60  # training steps
+    # the most policy versions a sample may lag behind the version its step trains: step s's rollout begins once
+    # version s - 1 - max_staleness is out, so up to max_staleness + 1 steps overlap (each judged and trained in
+    # turn); 0: on-policy, a step's rollout waits for the previous update. See train.correction for the loss
+    max_staleness: int = 0
     task: TaskConfig = field(default_factory=TaskConfig)  # data and prompt format
     policy: ModelRef = field(default_factory=ModelRef)  # the model being trained
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # generative reward model
@@ -305,6 +310,10 @@ class JobConfig:
     def __post_init__(self) -> None:
         _at_least(self, 0, "seed")
         _at_least(self, 1, "devices", "steps")
+        _check(
+            self, "max_staleness", lambda v: type(v) is int and 0 <= v <= MAX_STALENESS,
+            f"an integer from 0 (on-policy) to {MAX_STALENESS}",
+        )  # fmt: skip
         _at_least(self, 0, "threads_per_device")
         _check(self, "gpus_per_device", lambda v: 0 < v <= 1, "a number in (0, 1] (the share of one GPU per device)")
         _check(self, "device_timeout", lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")

@@ -47,6 +47,7 @@ def loop_spec(cfg: JobConfig, plan: Plan, chat: Callable[[str], str] | None = No
         lockstep_train=plan.traits.lockstep,
         min_train_devices=plan.min_train_devices,
         checkpoint_every=0 if simulated else cfg.checkpoint.every,
+        max_staleness=cfg.max_staleness,
         chat=chat,
     )
 
@@ -69,13 +70,18 @@ def sample_rows(records: list[StepRecord], token_ids: bool = True) -> Iterator[d
                 correct=s.correct,
                 truncated=s.truncated,
                 migrations=s.migrations,
+                policy_version=s.policy_version,  # the version that generated it (the step's less its lag)
             )
             yield row
 
 
 def steady_rate(metrics: list[dict[str, Any]], per_step: int) -> float:
-    """Samples per second after the first step (which pays the devices' first loads)."""
+    """Samples per second after the first step (which pays the devices' first loads): of overlapping steps, from
+    the first update to the last (their own times overlap)."""
     later = metrics[1:] or metrics
+    ends = [m.get("finished_at_s") for m in metrics]
+    if len(ends) > 1 and None not in ends and all(a < b for a, b in zip(ends, ends[1:], strict=False)):
+        return per_step * len(later) / (ends[-1] - ends[0])  # (a resumed run's clock begins again: not this)
     seconds = sum(m["step_seconds"] for m in later)
     return per_step * len(later) / seconds if seconds > 0 else 0.0
 

@@ -80,6 +80,24 @@ def test_resume_continues_as_the_uninterrupted_run(uninterrupted, tmp_path, tiny
     same_run(uninterrupted, run)
 
 
+def test_an_overlapping_run_resumes_as_the_uninterrupted_one(tiny_checkpoints, tmp_path):
+    """max_staleness=1: steps overlap, but the step a checkpoint follows is trained before the next begins, so
+    the checkpoint holds no step in flight and the resumed run overlaps the rest as the uninterrupted one did."""
+    whole = tmp_path / "whole"
+    job = small_job(tiny_checkpoints, "steps=5", "checkpoint.every=2", "eval.every=2", "max_staleness=1",
+                    "train.correction=tis")  # fmt: skip
+    run_job(job, whole, progress=False)
+    lags = [m["staleness_max"] for m in rows(whole / "metrics.jsonl")]
+    assert lags[0] == 0 and max(lags) == 1  # (steps 2 and 4 begin beside steps 1 and 3)
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    (run / "summary.json").unlink()
+    shutil.rmtree(run / "checkpoints" / "step_000004")  # resume from step 2
+    summary = run_job(load_config(run / "config.json"), run, progress=False, resume=True)
+    assert summary["resumed_from_step"] == 2
+    same_run(whole, run)
+
+
 def test_a_corrupted_checkpoint_falls_back_to_the_one_before(uninterrupted, tmp_path, caplog):
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)

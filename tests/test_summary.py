@@ -19,6 +19,17 @@ def test_steady_rate(seconds, expected):
     assert steady_rate([{"step_seconds": s} for s in seconds], per_step=100) == expected
 
 
+def test_the_steady_rate_of_overlapping_steps_is_the_spacing_of_their_updates():
+    """Overlapping steps' own times overlap (each from its begin to its update): summed they would count the
+    same seconds twice. Their updates at 30, 40, 50 s: two steps of 100 in 20 s. A resumed run's clock begins
+    again: its rows fall back to the steps' own times."""
+    rows = [{"step_seconds": 30.0, "finished_at_s": 30.0}, {"step_seconds": 18.0, "finished_at_s": 40.0},
+            {"step_seconds": 19.0, "finished_at_s": 50.0}]  # fmt: skip
+    assert steady_rate(rows, per_step=100) == 10.0
+    resumed = [rows[0], {"step_seconds": 20.0, "finished_at_s": 8.0}, {"step_seconds": 20.0, "finished_at_s": 18.0}]
+    assert steady_rate(resumed, per_step=100) == 5.0
+
+
 def test_the_share_of_generating_time_spent_waiting_for_the_driver():
     from pivotrl.summary import driver_wait
     from pivotrl.telemetry import Slice

@@ -1,7 +1,9 @@
 """The book of one step: its samples, which of its groups are generated and judged whole, their advantages, and
 the judged samples waiting for their backward. It knows nothing of devices: the loop tells it what came back.
 
-One step, one book: steps that overlap keep a book each."""
+One step, one book: steps that overlap keep a book each. A sample's uid is its index in its step; its requests
+carry ``base + uid``, the book's ``base`` telling the steps in flight apart (0 where one step runs at a time).
+``by_uid`` and every method taking a uid speak of the requests' uids."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pivotrl.control.messages import GenRequest, GenResult, JudgeRequest, JudgeResult, TrainShard
-from pivotrl.control.spec import LoopSpec, sequence_seed
+from pivotrl.control.spec import STEP_UID, LoopSpec, sequence_seed
 from pivotrl.reward.genrm import JudgeStats, Judgment
 from pivotrl.sample import Problem, Sample, Status
 from pivotrl.train.advantages import group_advantages
@@ -52,17 +54,17 @@ class StepBook:
     samples by uid, and the judged samples waiting for their backward (``queue``, indexes into the samples, a
     group's members together once the whole group is judged: its advantages need every reward)."""
 
-    def __init__(self, record: StepRecord, spec: LoopSpec) -> None:
-        self.record, self.spec, self.group_size = record, spec, spec.group_size
-        self.by_uid = {s.uid: s for s in record.samples}
+    def __init__(self, record: StepRecord, spec: LoopSpec, base: int = 0) -> None:
+        self.record, self.spec, self.group_size, self.base = record, spec, spec.group_size, base
+        self.by_uid = {base + s.uid: s for s in record.samples}
         self.queue: deque[int] = deque()
 
     @classmethod
     def draw(
-        cls, spec: LoopSpec, step: int, version: int, train_set: list[Problem], now: float
+        cls, spec: LoopSpec, step: int, version: int, train_set: list[Problem], now: float, base: int = 0
     ) -> tuple[StepBook, list[GenRequest]]:
         """The step's prompts, drawn from the training set by (seed, step), each ``group_size`` times, with the
-        generation requests of its samples."""
+        generation requests of its samples (uids from ``base``)."""
         rng = random.Random(spec.seed * 7919 + step)
         chosen = rng.sample(train_set, spec.prompts_per_step)
         samples, reqs = [], []
@@ -72,8 +74,8 @@ class StepBook:
                 uid = p_idx * spec.group_size + g
                 seed = sequence_seed(spec.seed, step, uid)
                 samples.append(Sample(uid, p_idx, prob.question, prob.reference, [], seed, policy_version=version))
-                reqs.append(GenRequest(uid, prompt, seed, spec.rollout))
-        return cls(StepRecord(step, samples, now), spec), reqs
+                reqs.append(GenRequest(base + uid, prompt, seed, spec.rollout))
+        return cls(StepRecord(step, samples, now), spec, base), reqs
 
     @property
     def step(self) -> int:
@@ -88,8 +90,12 @@ class StepBook:
         return self.record.judged == len(self.record.samples)
 
     def group(self, p: int) -> range:
-        """The indexes (and uids) of group ``p``'s samples."""
+        """The indexes (and sample uids) of group ``p``'s samples."""
         return range(p * self.group_size, (p + 1) * self.group_size)
+
+    def group_uids(self, p: int) -> range:
+        """The uids of group ``p``'s requests."""
+        return range(self.base + p * self.group_size, self.base + (p + 1) * self.group_size)
 
     def reads(self, uid: int) -> int:
         """Tokens a sample's judgment (and its backward) reads: its prompt and its response, fixed once it is
@@ -108,7 +114,8 @@ class StepBook:
         """The judgment of a generated sample, from the start."""
         s = self.by_uid[uid]
         judge = self.spec.judge
-        return JudgeRequest(s.uid, s.question, s.reference, s.response_text, s.seed, judge, group=s.prompt_index)
+        group = self.base // STEP_UID * self.spec.prompts_per_step + s.prompt_index  # (apart from other steps')
+        return JudgeRequest(uid, s.question, s.reference, s.response_text, s.seed, judge, group=group)
 
     def gen_request(self, uid: int) -> GenRequest:
         """A sample's generation from the start."""
@@ -116,9 +123,16 @@ class StepBook:
         return GenRequest(uid, self.spec.prompt(s.question), s.seed, self.spec.rollout)
 
     def generated(self, r: GenResult, now: float) -> int | None:
-        """A sample's response is in (scored by the task's checker); returns its group if it completes it."""
+        """A sample's response is in (scored by the task's checker); returns its group if it completes it. Its
+        policy version is the one that served it, at most ``spec.max_staleness`` behind the version the step
+        trains (``step - 1``)."""
         s, rec = self.by_uid[r.uid], self.record
-        assert r.version == s.policy_version, f"sample {r.uid}: v{r.version} served a v{s.policy_version} step"
+        lag = rec.step - 1 - r.version
+        assert 0 <= lag <= self.spec.max_staleness, (
+            f"step {rec.step}, sample {s.uid}: policy v{r.version} served it, {lag} behind v{rec.step - 1} "
+            f"(max_staleness {self.spec.max_staleness})"
+        )
+        s.policy_version = r.version
         s.prompt_ids, s.response_ids, s.logprobs, s.response_text = r.prompt_ids, r.output_ids, r.logprobs, r.text
         s.truncated = r.finish_reason == "length"
         s.status = Status.TRUNCATED if s.truncated else Status.FINISHED

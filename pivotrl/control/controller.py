@@ -12,6 +12,18 @@ Evaluation of version k runs as greedy generation requests next to the
 rollout of step k+1 (same weights), and its accuracy is reported with step k:
 a step's metrics go out in order, each once its evaluation (if due) is in.
 
+With ``max_staleness = m > 0`` the rollout of step k+1 waits only for version
+k - m: up to m + 1 steps are in flight, each with its book; the oldest is the
+one judged whole first and trained (versions go up one step at a time), the
+others generate and judge beside it. A rollout device serves the newest
+version (one left behind by an update finishes what it runs, then reloads),
+so a sample lags at most m versions behind the one its step trains. A
+sequence moved off a device that an update left behind begins again (its
+tokens so far are of an older version). The optimizer step waits for the
+evaluation of the current version (it runs on it), and a step after which a
+checkpoint is due is trained before the next begins: the checkpoint holds no
+step in flight.
+
 The controller only reacts: ``start()`` and ``handle(event)`` update the parts
 and return the commands the state allows (``pump``): shifts and aborts towards
 the allocation policy's targets, queued requests to the devices holding their
@@ -46,6 +58,7 @@ from pivotrl.control.messages import (
     DeviceLost,
     Event,
     Generated,
+    GenRequest,
     Judged,
     Progress,
     Role,
@@ -60,7 +73,7 @@ from pivotrl.control.recovery import Recovery
 from pivotrl.control.remaining import remaining_work
 from pivotrl.control.scheduler import Scheduler
 from pivotrl.control.shiftable import PlanView
-from pivotrl.control.spec import DeviceLostError, LoopSpec, sequence_seed
+from pivotrl.control.spec import STEP_UID, DeviceLostError, LoopSpec, sequence_seed
 from pivotrl.control.training import TrainDispatch, train_needed
 from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Problem
@@ -85,7 +98,7 @@ class Controller:
     ) -> None:
         self.spec, self.policy, self.genrm, self.train_set, self.clock = spec, policy, genrm, train_set, clock
         self.fleet = Fleet(policy.devices)
-        weight = lambda uid: float(self.book.reads(uid))  # noqa: E731  (the work of a judgment: StepBook.reads)
+        weight = lambda uid: float(self._book_of(uid).reads(uid))  # noqa: E731  (a judgment's work: StepBook.reads)
         self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None, weight, spec.judge_kv or None)
         self.evaluation = Evaluation(heldout, spec.eval_params, spec.eval_every, spec.steps, spec.prompt, spec.check)
         self.stats = LiveStats(spec.judge.max_new_tokens, spec.rollout.max_new_tokens)
@@ -93,7 +106,9 @@ class Controller:
         self.train = TrainDispatch(spec.checkpoint_every, spec.steps, clock)
         self.recovery = Recovery(spec.sharded_train)
         self.version = 0
-        self.book: StepBook | None = None  # the running step's (None once the last is trained)
+        self.books: dict[int, StepBook] = {}  # the steps in flight, oldest first (one at a time on-policy)
+        self._slots: dict[int, StepBook] = {}  # their books by slot (a request's uid // STEP_UID)
+        self._next_step = 1  # the next step to begin
         self.reports = StepReports(spec.steps)
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
         self.finished_steps: list[StepRecord] = []  # finished steps' records, for the run's samples.jsonl; drained
@@ -113,6 +128,15 @@ class Controller:
             self._restore(resume)
 
     @property
+    def book(self) -> StepBook | None:
+        """The oldest step in flight: the one trained next (None once the last is trained)."""
+        return next(iter(self.books.values()), None)
+
+    def _book_of(self, uid: int) -> StepBook:
+        """The book of a training sample's request."""
+        return self._slots[uid // STEP_UID]
+
+    @property
     def accuracy(self) -> dict[int, float]:
         """Step -> held-out accuracy after it."""
         return self.evaluation.accuracy
@@ -128,7 +152,8 @@ class Controller:
             self._begin_eval(0)
         for after in self._resume_evals:  # the evaluation that was running when the checkpoint was written
             self._begin_eval(after)
-        self._begin_step(self.first_step)
+        self._next_step = self.first_step
+        self._begin_steps()
         return self.pump()
 
     def handle(self, event: Event) -> list[Command]:
@@ -165,8 +190,11 @@ class Controller:
         demand = self.demand()
         cmds = self.fleet.steer(self.policy.targets(demand), demand.loads, self.version, self.policy.preempt)
         cmds += self.requests.dispatch(self.scheduler, self.fleet, self.version, self.stats.so_far)
-        if self.book is not None:
-            cmds += self.train.dispatch(self.book, self.fleet, self.version, self.policy.train_devices, self._needed)
+        book = self.book
+        if book is not None:
+            # overlapping steps: the update waits for the evaluation of the version it replaces (which runs on it)
+            hold = self.spec.max_staleness > 0 and self.version in self.evaluation.running
+            cmds += self.train.dispatch(book, self.fleet, self.version, self.policy.train_devices, self._needed, hold)
         self.fleet.touch_commands(cmds)
         return cmds
 
@@ -181,7 +209,7 @@ class Controller:
     def workload(self) -> Workload:
         """What is left in the step, in the planner's terms."""
         needed = self._needed() if self.book is not None and not self.train.stepping else 0
-        return remaining_work(self.spec, self.scheduler, self.fleet, self.book, self.stats, needed)
+        return remaining_work(self.spec, self.scheduler, self.fleet, list(self.books.values()), self.stats, needed)
 
     def _needed(self) -> int:
         """Train devices the optimizer step waits for (``train_needed``)."""
@@ -189,9 +217,23 @@ class Controller:
         return train_needed(self.fleet, policy.wants_view, policy.train_devices, self.spec.min_train_devices)
 
     # -- steps and their close ------------------------------------------------------
-    def _begin_step(self, step: int) -> None:
-        self.book, reqs = StepBook.draw(self.spec, step, self.version, self.train_set, self.clock())
-        self.scheduler.submit_gen(reqs)
+    def _begin_steps(self) -> None:
+        """Begin every step the staleness bound allows: step s once version s - 1 - max_staleness is out, at most
+        max_staleness + 1 in flight, none after a step in flight whose checkpoint is due (it is taken with no
+        step in flight)."""
+        spec, k = self.spec, self.spec.max_staleness
+        every = spec.checkpoint_every
+        while (
+            (step := self._next_step) <= spec.steps
+            and len(self.books) <= k
+            and self.version >= step - 1 - k
+            and not (every and any(s % every == 0 and s < spec.steps for s in self.books))
+        ):
+            slot = step % (k + 1)
+            book, reqs = StepBook.draw(spec, step, self.version, self.train_set, self.clock(), slot * STEP_UID)
+            self.books[step], self._slots[slot] = book, book
+            self.scheduler.submit_gen(reqs)
+            self._next_step += 1
 
     def _begin_eval(self, after_step: int) -> None:
         self.scheduler.submit_gen(self.evaluation.begin(after_step), front=True)
@@ -240,7 +282,7 @@ class Controller:
         """Responses in: each is judged; the judgments of a group generated whole go first (it trains once they
         are done). Held-out answers are scored."""
         self.requests.changed()
-        book, now, judge_reqs, whole = self.book, self.clock(), [], []
+        now, judge_reqs, whole = self.clock(), [], []
         for r in e.results:
             self.scheduler.finished(e.device, r.uid)
             self.stats.ended(r.uid)  # (a held-out answer's too: its uid is not used again)
@@ -248,29 +290,31 @@ class Controller:
                 if self.evaluation.answered(r.uid, r.text):
                     self._maybe_close()
                 continue
-            assert book is not None
+            book = self._book_of(r.uid)
             group = book.generated(r, now)
             judge_reqs.append(book.judge_request(r.uid))
             if group is not None:
-                whole.append(group)
+                whole.append(book.group_uids(group))
         self.scheduler.submit_judge(judge_reqs)
-        for p in whole:
-            assert book is not None
-            self.scheduler.judge_first({book.samples[i].uid for i in book.group(p)})
+        for uids in whole:
+            self.scheduler.judge_first(set(uids))
 
     def _on_judged(self, e: Judged) -> None:
-        book, now = self.book, self.clock()
-        assert book is not None
-        rec = book.record
-        if rec.first_judged is None:
-            rec.first_judged = now
+        now, books = self.clock(), []
         for r in e.results:
             self.scheduler.finished(e.device, r.uid)
             self.stats.ended(r.uid)
+            book = self._book_of(r.uid)
+            if book.record.first_judged is None:
+                book.record.first_judged = now
+            if not books or books[-1] is not book:
+                books.append(book)
             book.judged(r, self.genrm.score(r.text, truncated=r.truncated), now)
-        if book.all_judged:
-            self.train.ready = True
-            rec.judge_end = now
+        for book in books:
+            if book.all_judged:
+                book.record.judge_end = now
+                if book is self.book:  # (a later step's waits its turn: ``_on_trained``)
+                    self.train.ready = True
 
     def _on_accumulated(self, e: Accumulated) -> None:
         assert self.book is not None
@@ -282,13 +326,14 @@ class Controller:
         next begins."""
         assert self.book is not None
         rec, spec = self.book.record, self.spec
+        del self.books[rec.step], self._slots[rec.step % (spec.max_staleness + 1)]
         self.version = e.version
         self.train.trained()
         self.fleet.stepped(e.devices, e.version, spec.sharded_train)  # the trainer's replica is the new version
         rec.train_stats = e.stats
         self.stats.step_trained(rec.samples, rec.judge_prefill_tokens)
         rec.finished = self.clock()
-        self.reports.add(rec.step, step_metrics(rec, self.top_reward))
+        self.reports.add(rec.step, step_metrics(rec, self.top_reward, spec.max_staleness))
         self.finished_steps.append(rec)
         done_step = rec.step
         if self.evaluation.due(done_step):
@@ -296,10 +341,9 @@ class Controller:
         every = spec.checkpoint_every
         if every and done_step % every == 0 and done_step < spec.steps and set(self.evaluation.running) <= {done_step}:
             self.checkpoint_due = done_step  # the driver writes it before the next commands go out
-        if done_step < spec.steps:
-            self._begin_step(done_step + 1)
-        else:
-            self.book = None
+        self._begin_steps()
+        if self.book is not None and self.book.all_judged:  # a later step judged whole while this one trained
+            self.train.ready = True
         self._maybe_close()
 
     def _on_shift(self, e: ShiftDone) -> None:
@@ -326,10 +370,21 @@ class Controller:
             self.scheduler.finished(e.device, r.uid)
         for r in e.judge:  # a judgment moved reads its prompt again where it goes
             self.stats.ended(r.uid)
-        if self.book is not None:  # every sequence moved, either role
-            self.book.migrated([r.uid for r in (*e.gen, *e.judge) if not is_eval(r.uid)])
-        self.scheduler.submit_gen(list(e.gen), front=True)
+        for r in (*e.gen, *e.judge):  # every sequence moved, either role
+            if not is_eval(r.uid):
+                self._book_of(r.uid).migrated([r.uid])
+        gen = list(e.gen)
+        if self.fleet[e.device].version != self.version:  # an update left the device behind: its tokens are of an
+            gen = [self._begun_again(r) for r in gen]  # older version than any device they could go on on
+        self.scheduler.submit_gen(gen, front=True)
         self.scheduler.submit_judge(list(e.judge), front=True)
+
+    def _begun_again(self, r: GenRequest) -> GenRequest:
+        """A sequence from its beginning (its draws are its seed's: the same as at first, from a newer version)."""
+        if not r.output_ids or is_eval(r.uid):  # (evaluation runs on one version: ``pump`` holds the update)
+            return r
+        self.stats.ended(r.uid)
+        return self._book_of(r.uid).gen_request(r.uid)
 
     def _on_lost(self, e: DeviceLost) -> None:
         """A device died or hung: its work begins again elsewhere (see ``DeviceLost``), the plan goes on
@@ -339,9 +394,9 @@ class Controller:
         self.fleet.lose(e.device)
         for uid in self.scheduler.running(e.device):
             self.stats.ended(uid)
-        gen = lambda uid: self.evaluation.request(uid) if is_eval(uid) else book.gen_request(uid)  # noqa: E731
+        gen = lambda uid: self.evaluation.request(uid) if is_eval(uid) else self._book_of(uid).gen_request(uid)  # noqa: E731
         work = self.recovery.lost(
-            view, self.scheduler, gen, lambda uid: book.judge_request(uid), self.clock(), e.reason
+            view, self.scheduler, gen, lambda uid: self._book_of(uid).judge_request(uid), self.clock(), e.reason
         )
         if book is not None:
             if work.held:  # its gradients are gone: those samples go through backward again

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Container
 from typing import Any
 
@@ -11,10 +12,12 @@ from pivotrl.control.book import StepRecord
 MISMATCH = "logprob_mismatch"
 
 
-def step_metrics(rec: StepRecord, top_reward: float) -> dict[str, Any]:
+def step_metrics(rec: StepRecord, top_reward: float, max_staleness: int = 0) -> dict[str, Any]:
     """The metrics of a trained step; ``top_reward`` is the judge's reward for a correct verdict (the judge agrees
-    with the task's checker where a correct response got it and a wrong one did not)."""
+    with the task's checker where a correct response got it and a wrong one did not). Where steps overlap
+    (``max_staleness`` > 0), how many versions its samples lag behind the one it trains."""
     samples, n = rec.samples, len(rec.samples)
+    lags = Counter(rec.step - 1 - s.policy_version for s in samples) if max_staleness else Counter()
     resp_tokens = sum(len(s.response_ids) for s in samples)
     seconds = (rec.finished or rec.started) - rec.started
     return {
@@ -43,6 +46,18 @@ def step_metrics(rec: StepRecord, top_reward: float) -> dict[str, Any]:
         **{f"train_{k}": v for k, v in rec.train_stats.items() if k != MISMATCH},
         # mean |trainer - engine| log-prob of the step's response tokens (the engine's numerical drift)
         **({MISMATCH: rec.train_stats[MISMATCH]} if MISMATCH in rec.train_stats else {}),
+        **(
+            {
+                "staleness_max": max(lags),
+                "staleness_mean": sum(lag * c for lag, c in lags.items()) / n,
+                "staleness": {str(lag): lags[lag] for lag in sorted(lags)},  # samples by versions behind
+                # when its update landed, on the run's clock: overlapping steps' own times overlap, their
+                # updates' spacing is the rate
+                "finished_at_s": rec.finished or rec.started,
+            }
+            if lags
+            else {}
+        ),
     }
 
 

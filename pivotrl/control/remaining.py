@@ -12,13 +12,14 @@ from pivotrl.control.live import LiveStats
 from pivotrl.control.messages import Role
 from pivotrl.control.profiles import Workload
 from pivotrl.control.scheduler import Scheduler
-from pivotrl.control.spec import LoopSpec
+from pivotrl.control.spec import STEP_UID, LoopSpec
 
 
 def remaining_work(
-    spec: LoopSpec, scheduler: Scheduler, fleet: Fleet, book: StepBook | None, stats: LiveStats, train_needed: int
+    spec: LoopSpec, scheduler: Scheduler, fleet: Fleet, books: list[StepBook], stats: LiveStats, train_needed: int
 ) -> Workload:
-    """The workload left (``book`` None: no step running, only evaluation); ``train_needed``: the train devices an
+    """The workload left of the steps in flight (``books``, oldest first; none: only evaluation runs); the
+    training is the oldest's, the rollout and the judging every step's. ``train_needed``: the train devices an
     optimizer step still to run waits for (0: none to run)."""
     s = scheduler
     rollout = fleet.holders(Role.ROLLOUT)  # (in device order, as a pass over the devices gives)
@@ -28,7 +29,10 @@ def remaining_work(
     judging = [uid for d in judge_devs for uid in s.running(d)]
     g = spec.group_size
     lockstep = spec.lockstep_train
-    by_uid = book.by_uid if book is not None else {}
+    book = books[0] if books else None
+    by_uid = book.by_uid if len(books) == 1 else {u: x for b in books for u, x in b.by_uid.items()}
+    # a group of another step in flight is another group (a step's prompt indexes begin at 0)
+    group_base = {b.base: b.base // STEP_UID * spec.prompts_per_step for b in books}
     m, so_far = stats.means, stats.so_far
 
     def reads(uids: Iterable[int]) -> int:
@@ -46,7 +50,10 @@ def remaining_work(
     per_group = train_tokens / len(left) * g if left else (prompt + m["response_tokens"]) * g
     return Workload(
         rollout_remaining=[so_far.get(uid, 0) for uid in gen_uids],
-        rollout_groups=[by_uid[u].prompt_index if not is_eval(u) and u in by_uid else -1 for u in gen_uids],
+        rollout_groups=[
+            by_uid[u].prompt_index + group_base[u - u % STEP_UID] if not is_eval(u) and u in by_uid else -1
+            for u in gen_uids
+        ],
         rollout_queued=len(s.gen_queue),
         # rebalanced, the running sequences spread over every rollout device (0: any may hold them)
         rollout_holders=0 if spec.rebalance else sum(1 for d in rollout if s.load(d)),

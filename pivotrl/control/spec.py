@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from pivotrl.control.messages import GenParams
 
+# the uids of a step's requests: its slot among the steps in flight (step % (max_staleness + 1)) times this, plus
+# the sample's index in the step (evaluation's uids begin far above: pivotrl.control.evaluation.EVAL_UID)
+STEP_UID = 1 << 32
+MAX_STALENESS = 64  # (slots of steps in flight stay below the evaluation's uids)
+
 
 def sequence_seed(job_seed: int, step: int, uid: int) -> int:
     """Sampling seed of one sequence: fixed by (job seed, step, sample), not by placement."""
@@ -44,6 +49,9 @@ class LoopSpec:
     # trainer's state, the step waits for as many as hold it (at most every device not lost)
     min_train_devices: int = 1
     checkpoint_every: int = 0  # a checkpoint after every this many steps (0: none); see ``Controller.checkpoint``
+    # the most policy versions a sample may lag behind the version its step trains (max_staleness): step s's rollout
+    # may begin once version s - 1 - max_staleness is out, up to max_staleness + 1 steps in flight; 0: on-policy
+    max_staleness: int = 0
     # the policy's chat template (task.chat_template) as a function of the formatted prompt; None: none
     chat: Callable[[str], str] | None = None
 

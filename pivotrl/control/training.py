@@ -43,9 +43,11 @@ class TrainDispatch:
         version: int,
         train_devices: Callable[[], tuple[int, ...]],
         needed: Callable[[], int],
+        hold: bool = False,
     ) -> list[Command]:
         """Backward of judged samples on the train devices (``train_devices()``, less the lost) as they come in;
-        the optimizer step once every sample of the step is in and at least ``needed()`` train devices are free."""
+        the optimizer step once every sample of the step is in and at least ``needed()`` train devices are free,
+        unless ``hold`` (the current version is still needed: its evaluation runs)."""
         if self.stepping:
             return []
         rec = book.record
@@ -82,7 +84,7 @@ class TrainDispatch:
             if rec.train_start is None:
                 rec.train_start = self.clock()
         # every backward done (so nothing was handed out above), every train device free, and enough of them
-        if rec.accumulated == n and len(free) == len(train_devs) >= needed():
+        if rec.accumulated == n and not hold and len(free) == len(train_devs) >= needed():
             assert all(d.state not in (HOLDING, ACCUMULATING) or d.id in train_devs for d in devices), (
                 "gradients on a non-train device"
             )

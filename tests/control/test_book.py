@@ -61,7 +61,7 @@ def test_responses_complete_groups_and_the_rollout():
     assert s.correct is True and book.by_uid[0].correct is False and s.status is Status.FINISHED
     assert book.record.group_whole_at == {0: 2.0} and book.record.rollout_end is None
     assert book.reads(0) == 4 + 3 and book.tokens(0) == 4 + 3
-    with pytest.raises(AssertionError, match="v1 served a v0 step"):
+    with pytest.raises(AssertionError, match="step 1, sample 2: policy v1 served it, -1 behind v0"):
         book.generated(result(book, 2, right=True, version=1), now=3.0)
     request = book.judge_request(0)
     assert (request.response, request.group, request.params) == (book.by_uid[0].reference + "0", 0, spec().judge)

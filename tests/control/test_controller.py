@@ -48,7 +48,7 @@ from pivotrl.control.messages import (
 )
 from pivotrl.control.modes import Colocated, Disaggregated
 from pivotrl.control.shiftable import Shiftable
-from pivotrl.control.spec import DeviceLostError, LoopSpec
+from pivotrl.control.spec import STEP_UID, DeviceLostError, LoopSpec
 from pivotrl.control.training import UPDATE_ATTEMPTS, train_needed
 from pivotrl.reward.genrm import GenRM
 from pivotrl.sample import Problem, Status
@@ -140,14 +140,15 @@ class FakeCluster:
             d = cmd.device
             assert self.role[d] is G, f"judge requests to device {d} holding {self.role[d]}"
             for r in cmd.requests:
-                assert r.group == r.uid // GROUP, f"judgment {r.uid} names group {r.group}"  # (its prompt's index)
+                group = r.uid // STEP_UID * PROMPTS + r.uid % STEP_UID // GROUP  # (its prompt's, apart by step)
+                assert r.group == group, f"judgment {r.uid} names group {r.group}"
                 self.requests[r.uid] = r
                 verdict = "yes" if r.response == f"the answer is {r.reference}" else "no"
                 self.work[d].append(JudgeResult(r.uid, f"looks {verdict}. VERDICT: {verdict}", False, 5))
         elif isinstance(cmd, Accumulate):
             d = cmd.device
             assert (self.role[d], self.version[d]) == (T, cmd.version), f"backward on device {d}"
-            by_uid = {s.uid: s for s in self.ctl.book.samples}
+            by_uid = self.ctl.book.by_uid  # (the oldest step's: the one trained)
             uids = [resp[0] for resp in cmd.shard.response_ids]
             assert all(by_uid[u].status is Status.JUDGED for u in uids), "a backward before its group's rewards"
             self.accumulates.append(cmd)
@@ -330,7 +331,7 @@ def test_slow_evaluation_is_still_reported_with_its_step(policy):
 
 def test_a_result_served_by_the_wrong_version_trips_the_controller():
     ctl = controller(Colocated(1))
-    with pytest.raises(AssertionError, match=r"sample \d+: v1 served a v0 step"):
+    with pytest.raises(AssertionError, match=r"step 1, sample \d+: policy v1 served it, -1 behind v0"):
         run(ctl, wrong_version=True)
 
 
