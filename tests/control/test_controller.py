@@ -197,8 +197,8 @@ class FakeCluster:
         return out
 
 
-def run(ctl: Controller, batched: bool = False, **fake) -> FakeCluster:
-    cluster = FakeCluster(ctl, **fake)
+def run(ctl: Controller, batched: bool = False, cluster_type: type[FakeCluster] | None = None, **fake) -> FakeCluster:
+    cluster = (cluster_type or FakeCluster)(ctl, **fake)
     commands = ctl.start()
     for _ in range(10_000):
         for c in commands:

@@ -31,6 +31,7 @@ from tests.control.test_controller import (
     genrm,
     spec,
 )
+from tests.control.test_controller import run as run_fake
 from tests.sim.test_run import EXAMPLE, SMALL
 
 STEPS = 5
@@ -58,15 +59,7 @@ def controller(policy, k: int, **overrides) -> Controller:
 
 
 def run(ctl: Controller) -> OverlapCluster:
-    cluster = OverlapCluster(ctl)
-    commands = ctl.start()
-    for _ in range(20_000):
-        for c in commands:
-            cluster.submit(c)
-        if ctl.done:
-            return cluster
-        commands = ctl.handle_all(cluster.next_events())
-    raise AssertionError("the job did not end")
+    return run_fake(ctl, batched=True, cluster_type=OverlapCluster)
 
 
 def policies():
