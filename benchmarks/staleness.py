@@ -118,8 +118,10 @@ def main() -> None:
             "curve_mean": {s: round(v, 4) for s, v in curve.items()},
             "samples_per_s_mean": round(statistics.fmean(r["samples_per_s"] for r in seeds), 2),
             "steady_samples_per_s_mean": round(statistics.fmean(r["steady_samples_per_s"] for r in seeds), 2),
-            "lags": {lag: sum(r["lags"].get(lag, 0) for r in seeds) for lag in sorted(
-                {x for r in seeds for x in r["lags"]}, key=int)},  # fmt: skip
+            "lags": {
+                lag: sum(r["lags"].get(lag, 0) for r in seeds)
+                for lag in sorted({x for r in seeds for x in r["lags"]}, key=int)
+            },  # fmt: skip
             "is_weight_mean": seeds[0]["is_weight_mean"] and statistics.fmean(r["is_weight_mean"] for r in seeds),
             "runs": {str(k): r for k, r in by_seed.items()},
         }

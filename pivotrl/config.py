@@ -293,6 +293,10 @@ class JobConfig:
     # version s - 1 - max_staleness is out, so up to max_staleness + 1 steps overlap (each judged and trained in
     # turn); 0: on-policy, a step's rollout waits for the previous update. See train.correction for the loss
     max_staleness: int = 0
+    # with max_staleness >= 1: a sequence running on a rollout device an update left behind goes on with the newer
+    # weights (moved to a device holding them, its tokens so far kept; each token's version is recorded), instead
+    # of finishing on the older ones while that device takes no new work
+    partial_rollout: bool = False
     task: TaskConfig = field(default_factory=TaskConfig)  # data and prompt format
     policy: ModelRef = field(default_factory=ModelRef)  # the model being trained
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # generative reward model
@@ -314,6 +318,11 @@ class JobConfig:
             self, "max_staleness", lambda v: type(v) is int and 0 <= v <= MAX_STALENESS,
             f"an integer from 0 (on-policy) to {MAX_STALENESS}",
         )  # fmt: skip
+        _check(self, "partial_rollout", lambda v: isinstance(v, bool), "true or false")
+        if self.partial_rollout and not self.max_staleness:
+            raise ValueError(
+                "partial_rollout: needs max_staleness >= 1 (on-policy, no newer version lands while a sequence runs)"
+            )
         _at_least(self, 0, "threads_per_device")
         _check(self, "gpus_per_device", lambda v: 0 < v <= 1, "a number in (0, 1] (the share of one GPU per device)")
         _check(self, "device_timeout", lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")

@@ -45,7 +45,9 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)  # rollout log-prob of each response token
     status: Status = Status.PENDING
     response_text: str = ""
-    policy_version: int = 0
+    policy_version: int = 0  # the version that generated it (its first token, where several did: token_versions)
+    # partial rollouts: (first token, version) of each run of tokens one version generated, where more than one did
+    token_versions: list[tuple[int, int]] = field(default_factory=list)
     reward: float = 0.0
     judge_text: str = ""
     judge_tokens: int = 0  # tokens of the judgment

@@ -48,6 +48,7 @@ def loop_spec(cfg: JobConfig, plan: Plan, chat: Callable[[str], str] | None = No
         min_train_devices=plan.min_train_devices,
         checkpoint_every=0 if simulated else cfg.checkpoint.every,
         max_staleness=cfg.max_staleness,
+        partial_rollout=cfg.partial_rollout,
         chat=chat,
     )
 
@@ -72,6 +73,8 @@ def sample_rows(records: list[StepRecord], token_ids: bool = True) -> Iterator[d
                 migrations=s.migrations,
                 policy_version=s.policy_version,  # the version that generated it (the step's less its lag)
             )
+            if s.token_versions:  # (partial rollouts: [first token, version] of each run of one version's tokens)
+                row["token_versions"] = [list(x) for x in s.token_versions]
             yield row
 
 

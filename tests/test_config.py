@@ -144,6 +144,11 @@ def test_the_judges_dtype_and_the_backends_are_resolved_by_default():
         ("train.lr=-1e-4", "train.lr"),  # TrainConfig's own check, still named by its full path
         ("rollout.kv_cache_gb=-1", "rollout.kv_cache_gb: expected a number of GB >= 0 (0 = auto), got -1.0"),
         ("rollout.kv_cache_gb=.inf", "rollout.kv_cache_gb: expected a number of GB >= 0"),
+        ("max_staleness=-1", "max_staleness: expected an integer from 0 (on-policy) to 64, got -1"),
+        ("max_staleness=65", "max_staleness: expected an integer from 0 (on-policy) to 64, got 65"),
+        ("partial_rollout=true", "partial_rollout: needs max_staleness >= 1 (on-policy, no newer version lands"),
+        ("train.correction=is", "train.correction: must be one of none, tis, mis, decoupled, got 'is'"),
+        ("train.correction_cap=1", "train.correction_cap must be > 1 (an importance weight's bound), got 1.0"),
     ],
 )
 def test_bad_range_names_full_dotted_path(override, expected):

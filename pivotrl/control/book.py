@@ -49,6 +49,19 @@ class StepRecord:
     train_start: float | None = None
 
 
+def token_runs(marks: list[tuple[int, int]], tokens: int, version: int) -> list[tuple[int, int]]:
+    """(first token, version) of each run of a sequence's tokens that one version wrote: ``marks`` hold (tokens
+    written, the version that wrote them) at each move, ``tokens`` and ``version`` its end."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for n, v in (*marks, (tokens, version)):
+        if n > start or not runs:
+            if not runs or runs[-1][1] != v:
+                runs.append((start, v))
+            start = max(start, n)
+    return runs
+
+
 class StepBook:
     """One step's samples as they are generated, judged and backpropagated (``record``, the step's record), the
     samples by uid, and the judged samples waiting for their backward (``queue``, indexes into the samples, a
@@ -58,6 +71,8 @@ class StepBook:
         self.record, self.spec, self.group_size, self.base = record, spec, spec.group_size, base
         self.by_uid = {base + s.uid: s for s in record.samples}
         self.queue: deque[int] = deque()
+        # partial rollouts: uid -> (tokens written so far, the version that wrote them) at each move of a sequence
+        self.marks: dict[int, list[tuple[int, int]]] = {}
 
     @classmethod
     def draw(
@@ -119,6 +134,7 @@ class StepBook:
 
     def gen_request(self, uid: int) -> GenRequest:
         """A sample's generation from the start."""
+        self.marks.pop(uid, None)
         s = self.by_uid[uid]
         return GenRequest(uid, self.spec.prompt(s.question), s.seed, self.spec.rollout)
 
@@ -127,12 +143,14 @@ class StepBook:
         policy version is the one that served it, at most ``spec.max_staleness`` behind the version the step
         trains (``step - 1``)."""
         s, rec = self.by_uid[r.uid], self.record
-        lag = rec.step - 1 - r.version
+        runs = token_runs(self.marks.pop(r.uid, []), len(r.output_ids), r.version)
+        first = runs[0][1]
+        lag = rec.step - 1 - first
         assert 0 <= lag <= self.spec.max_staleness, (
-            f"step {rec.step}, sample {s.uid}: policy v{r.version} served it, {lag} behind v{rec.step - 1} "
+            f"step {rec.step}, sample {s.uid}: policy v{first} served it, {lag} behind v{rec.step - 1} "
             f"(max_staleness {self.spec.max_staleness})"
         )
-        s.policy_version = r.version
+        s.policy_version, s.token_versions = first, runs if len(runs) > 1 else []
         s.prompt_ids, s.response_ids, s.logprobs, s.response_text = r.prompt_ids, r.output_ids, r.logprobs, r.text
         s.truncated = r.finish_reason == "length"
         s.status = Status.TRUNCATED if s.truncated else Status.FINISHED
@@ -191,6 +209,12 @@ class StepBook:
             tuple(samples[i].logprobs for i in idx),
             tuple(adv[i] for i in idx),
         )
+
+    def moved(self, uid: int, tokens: int, version: int) -> None:
+        """A sequence leaves its device having written ``tokens`` tokens with policy ``version`` (kept where it goes
+        on: a partial rollout's runs of versions are told from these marks)."""
+        if tokens:
+            self.marks.setdefault(uid, []).append((tokens, version))
 
     def migrated(self, uids: list[int]) -> None:
         """Sequences of samples ``uids`` moved to another device (generating or being judged)."""

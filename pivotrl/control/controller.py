@@ -43,6 +43,7 @@ role, backward and the optimizer step. The parts know nothing of the loop:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from pivotrl.control.book import StepBook, StepRecord
@@ -97,7 +98,7 @@ class Controller:
         resume: dict[str, Any] | None = None,
     ) -> None:
         self.spec, self.policy, self.genrm, self.train_set, self.clock = spec, policy, genrm, train_set, clock
-        self.fleet = Fleet(policy.devices)
+        self.fleet = Fleet(policy.devices, spec.partial_rollout)
         weight = lambda uid: float(self._book_of(uid).reads(uid))  # noqa: E731  (a judgment's work: StepBook.reads)
         self.scheduler = Scheduler(spec.per_device, spec.judge_per_device or None, weight, spec.judge_kv or None)
         self.evaluation = Evaluation(heldout, spec.eval_params, spec.eval_every, spec.steps, spec.prompt, spec.check)
@@ -373,9 +374,15 @@ class Controller:
         for r in (*e.gen, *e.judge):  # every sequence moved, either role
             if not is_eval(r.uid):
                 self._book_of(r.uid).migrated([r.uid])
-        gen = list(e.gen)
-        if self.fleet[e.device].version != self.version:  # an update left the device behind: its tokens are of an
-            gen = [self._begun_again(r) for r in gen]  # older version than any device they could go on on
+        gen, version = list(e.gen), self.fleet[e.device].version
+        if self.spec.partial_rollout:  # its tokens so far go on, where an update left the device behind with
+            for r in gen:  # newer weights: their version is marked
+                if not is_eval(r.uid):
+                    self._book_of(r.uid).moved(r.uid, len(r.output_ids), version)
+            if version != self.version:
+                gen = [replace(r, prefix_version=version) if r.output_ids else r for r in gen]
+        elif version != self.version:  # an update left the device behind: its tokens are of an older version
+            gen = [self._begun_again(r) for r in gen]  # than any device they could go on on
         self.scheduler.submit_gen(gen, front=True)
         self.scheduler.submit_judge(list(e.judge), front=True)
 

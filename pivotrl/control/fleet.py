@@ -64,8 +64,11 @@ class Fleet:
     target and the policy version, so with the same targets and version only the devices touched since (an event
     or a command) are looked at again."""
 
-    def __init__(self, devices: int) -> None:
+    def __init__(self, devices: int, partial_rollout: bool = False) -> None:
         self.devices = [DeviceView(i) for i in range(devices)]
+        # a rollout device an update left behind hands its sequences over (they go on with the newer weights) and
+        # reloads at once, instead of finishing them first (partial_rollout)
+        self.partial_rollout = partial_rollout
         self._holders: dict[Role, set[int]] = {role: set() for role in Role}
         self._pick_role: dict[Role, Callable[[tuple[int, ...]], Iterable[int]]] = {}  # see role_load
         self._touched: set[int] = set()
@@ -164,7 +167,10 @@ class Fleet:
                     cmds.append(Abort(i))
                     d.state, d.leaving = ABORTING, want  # a decision acted on is kept: no work comes back to it
                 elif leaving is None and (d.role is not rollout or d.version == version):
-                    self._ready[d.role].add(i)  # (a stale rollout device finishes its work, takes no more)
+                    self._ready[d.role].add(i)  # (a stale rollout device finishes its work, takes no more ...)
+                elif leaving is None and self.partial_rollout and d.role is rollout:  # (... or hands it over)
+                    cmds.append(Abort(i))
+                    d.state, d.leaving = ABORTING, want
                 continue
             d.leaving = None
             if d.role is not want or (want is not judge and d.version != version):  # or stale

@@ -47,6 +47,9 @@ class GenRequest:
     prompt_ids: list[int] = field(default_factory=list)  # filled by the first device that encodes the prompt
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # the version that wrote ``output_ids`` where it may differ from the one resuming them (a partial rollout); -1:
+    # the same (what a migration between devices of one version resumes)
+    prefix_version: int = -1
 
 
 @dataclass(slots=True)

@@ -52,6 +52,8 @@ class LoopSpec:
     # the most policy versions a sample may lag behind the version its step trains (max_staleness): step s's rollout
     # may begin once version s - 1 - max_staleness is out, up to max_staleness + 1 steps in flight; 0: on-policy
     max_staleness: int = 0
+    # a sequence on a rollout device an update left behind goes on with the newer weights (partial_rollout)
+    partial_rollout: bool = False
     # the policy's chat template (task.chat_template) as a function of the formatted prompt; None: none
     chat: Callable[[str], str] | None = None
 

@@ -255,7 +255,8 @@ class Worker:
             state = SeqState(r.uid, prompt_ids, r.seed, _sampling(r.params, stop), list(r.output_ids), list(r.logprobs))
             ctx.engine.add(state)
             self.pending[r.uid] = _Pending(ctx.version, r, prompt_ids)
-            if r.output_ids and self.spec.audit_migrations:
+            # (the audit's copy writes every token with this version: a partial rollout's older tokens would differ)
+            if r.output_ids and self.spec.audit_migrations and r.prefix_version in (-1, ctx.version):
                 shadow = _shadow_uid(r.uid)
                 ctx.engine.add(SeqState(shadow, prompt_ids, r.seed, state.params))
                 self.shadows[shadow] = r.uid

@@ -15,9 +15,23 @@ from dataclasses import replace
 import pytest
 
 from pivotrl.config import load_config
+from pivotrl.control.book import token_runs
 from pivotrl.control.controller import Controller
 from pivotrl.control.evaluation import EVAL_UID
-from pivotrl.control.messages import Aborted, Command, DeviceJoined, DeviceLost, Generate, Role, Step, Trained
+from pivotrl.control.messages import (
+    Abort,
+    Aborted,
+    Command,
+    DeviceJoined,
+    DeviceLost,
+    Generate,
+    Generated,
+    GenResult,
+    Role,
+    Shift,
+    Step,
+    Trained,
+)
 from pivotrl.control.modes import Colocated, Disaggregated
 from pivotrl.control.shiftable import Shiftable
 from pivotrl.control.spec import STEP_UID
@@ -192,7 +206,7 @@ def test_a_sequence_moved_off_a_device_an_update_left_behind_begins_again():
 
 
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "shiftable"])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "shiftable", "shiftable partial_rollout=true"])
 def test_simulated_lags_stay_within_the_bound_whatever_the_lengths(tmp_path, mode, k):
     """The simulator's devices, response lengths drawn at random (a seed, a spread, a tail): every sample lags
     at most k versions (the book asserts it as each comes in; the rows say it)."""
@@ -201,7 +215,8 @@ def test_simulated_lags_stay_within_the_bound_whatever_the_lengths(tmp_path, mod
         [["sim.lengths.kind=lognormal", f"sim.lengths.sigma={rng.uniform(0.3, 1.5):.2f}"],
          ["sim.lengths.kind=pareto", f"sim.lengths.alpha={rng.uniform(1.1, 2.5):.2f}", "sim.lengths.minimum=32"]]
     )  # fmt: skip
-    job = [*SMALL, "steps=4", f"mode={mode}", f"max_staleness={k}", f"seed={rng.randrange(100)}", *lengths]
+    mode, *more = mode.split()
+    job = [*SMALL, "steps=4", f"mode={mode}", *more, f"max_staleness={k}", f"seed={rng.randrange(100)}", *lengths]
     run_simulation(load_config(EXAMPLE, job), tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -249,3 +264,62 @@ def test_a_device_lost_with_two_steps_in_flight_loses_nothing():
         assert sorted(resp[0] % STEP_UID for b in backwards for resp in b.shard.response_ids) == list(range(SAMPLES))
         assert sorted(u % STEP_UID for u in rewards) == list(range(SAMPLES))
     assert all(m["staleness_max"] <= 1 for m in ctl.metrics)
+
+
+@pytest.mark.parametrize(
+    ("marks", "tokens", "version", "want"),
+    [
+        ([], 9, 1, [(0, 1)]),  # never moved
+        ([], 0, 1, [(0, 1)]),  # an empty response
+        ([(3, 1), (5, 1)], 9, 1, [(0, 1)]),  # moved between devices of one version
+        ([(5, 0)], 9, 1, [(0, 0), (5, 1)]),  # an update in between: two runs
+        ([(2, 0), (4, 1), (6, 1)], 8, 2, [(0, 0), (2, 1), (6, 2)]),
+    ],
+)
+def test_token_runs_tell_which_version_wrote_which_tokens(marks, tokens, version, want):
+    assert token_runs(marks, tokens, version) == want
+
+
+def until_the_first_update(ctl: Controller) -> tuple[OverlapCluster, list[Command]]:
+    """The fake devices up to the first update, and the commands its event brought (not sent)."""
+    cluster = OverlapCluster(ctl)
+    commands = ctl.start()
+    while True:
+        for c in commands:
+            cluster.submit(c)
+        events = cluster.next_events()
+        commands = ctl.handle_all(events)
+        if any(isinstance(e, Trained) for e in events):
+            return cluster, commands
+
+
+def test_a_partial_rollout_goes_on_with_the_newer_weights_and_records_them():
+    """partial_rollout: a rollout device an update left behind hands its sequences over at once (Abort, then
+    its reload) instead of finishing them; a sequence keeps its tokens, marked with the version that wrote them
+    (a resuming engine's migration audit skips it), and its sample records both versions."""
+    ctl = controller(Disaggregated(4), 2, per_device=8, partial_rollout=True)  # (step 3 still generates)
+    cluster, commands = until_the_first_update(ctl)
+    busy = [d for d in (0, 1) if cluster.work[d]]
+    assert busy and [c.device for c in commands if isinstance(c, Abort)] == busy  # everything they run, at once
+    d = busy[0]
+    first = next(r for r in cluster.work[d] if r.uid < EVAL_UID)
+    running = [cluster.requests[r.uid] for r in cluster.work[d]]
+    moved = replace(cluster.requests[first.uid], output_ids=[5, 6], logprobs=[-0.1, -0.2])
+    commands = ctl.handle(Aborted(d, tuple(moved if r.uid == first.uid else r for r in running), (), 0.0))
+    assert Shift(d, Role.ROLLOUT, 1) in commands  # reloaded at once
+    queued = {r.uid: r for r in ctl.scheduler.gen_queue}[first.uid]
+    assert queued.output_ids == [5, 6] and queued.prefix_version == 0
+    book = ctl._book_of(first.uid)
+    # as if a device of v1 ran it to its end, two tokens more
+    ctl.scheduler.gen_queue.remove(queued)
+    ctl.handle(Generated(d, (GenResult(first.uid, [7, 8], [5, 6, 7, 8], [-0.1] * 4, "the answer is 2", "stop", 1),)))
+    sample = book.by_uid[first.uid]
+    assert sample.policy_version == 0 and sample.token_versions == [(0, 0), (2, 1)]
+
+
+def test_partial_rollout_is_off_unless_asked():
+    """Without it the stale devices finish what they run (no Abort) and take no more."""
+    ctl = controller(Disaggregated(4), 2, per_device=8)
+    cluster, commands = until_the_first_update(ctl)
+    assert any(cluster.work[d] for d in (0, 1)) and not [c for c in commands if isinstance(c, Abort)]
+    assert not {0, 1} & set(ctl.fleet.ready(Role.ROLLOUT))
