@@ -77,7 +77,7 @@ from pivotrl.control.shiftable import PlanView
 from pivotrl.control.spec import STEP_UID, DeviceLostError, LoopSpec, sequence_seed
 from pivotrl.control.training import TrainDispatch, train_needed
 from pivotrl.reward.genrm import GenRM
-from pivotrl.sample import Problem
+from pivotrl.sample import Problem, Sample
 
 __all__ = ["Controller", "DeviceLostError", "LoopSpec", "StepRecord", "sequence_seed"]
 
@@ -109,6 +109,7 @@ class Controller:
         self.version = 0
         self.books: dict[int, StepBook] = {}  # the steps in flight, oldest first (one at a time on-policy)
         self._slots: dict[int, StepBook] = {}  # their books by slot (a request's uid // STEP_UID)
+        self._samples: dict[int, Sample] = {}  # the samples of the steps in flight by request uid (the planner's)
         self._next_step = 1  # the next step to begin
         self.reports = StepReports(spec.steps)
         self.metrics: list[dict[str, Any]] = []  # finished steps, in order
@@ -210,7 +211,9 @@ class Controller:
     def workload(self) -> Workload:
         """What is left in the step, in the planner's terms."""
         needed = self._needed() if self.book is not None and not self.train.stepping else 0
-        return remaining_work(self.spec, self.scheduler, self.fleet, list(self.books.values()), self.stats, needed)
+        books = list(self.books.values())
+        by_uid = books[0].by_uid if len(books) == 1 else self._samples
+        return remaining_work(self.spec, self.scheduler, self.fleet, books, by_uid, self.stats, needed)
 
     def _needed(self) -> int:
         """Train devices the optimizer step waits for (``train_needed``)."""
@@ -233,6 +236,8 @@ class Controller:
             slot = step % (k + 1)
             book, reqs = StepBook.draw(spec, step, self.version, self.train_set, self.clock(), slot * STEP_UID)
             self.books[step], self._slots[slot] = book, book
+            if k:
+                self._samples.update(book.by_uid)
             self.scheduler.submit_gen(reqs)
             self._next_step += 1
 
@@ -327,7 +332,10 @@ class Controller:
         next begins."""
         assert self.book is not None
         rec, spec = self.book.record, self.spec
-        del self.books[rec.step], self._slots[rec.step % (spec.max_staleness + 1)]
+        closed = self.books.pop(rec.step)
+        del self._slots[rec.step % (spec.max_staleness + 1)]
+        for uid in closed.by_uid if spec.max_staleness else ():
+            del self._samples[uid]
         self.version = e.version
         self.train.trained()
         self.fleet.stepped(e.devices, e.version, spec.sharded_train)  # the trainer's replica is the new version

@@ -3,7 +3,7 @@ requests (the scheduler), the devices holding each role (the fleet), the step's 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pivotrl.control.book import StepBook
 from pivotrl.control.evaluation import is_eval
@@ -13,14 +13,21 @@ from pivotrl.control.messages import Role
 from pivotrl.control.profiles import Workload
 from pivotrl.control.scheduler import Scheduler
 from pivotrl.control.spec import STEP_UID, LoopSpec
+from pivotrl.sample import Sample
 
 
 def remaining_work(
-    spec: LoopSpec, scheduler: Scheduler, fleet: Fleet, books: list[StepBook], stats: LiveStats, train_needed: int
+    spec: LoopSpec,
+    scheduler: Scheduler,
+    fleet: Fleet,
+    books: list[StepBook],
+    by_uid: Mapping[int, Sample],
+    stats: LiveStats,
+    train_needed: int,
 ) -> Workload:
-    """The workload left of the steps in flight (``books``, oldest first; none: only evaluation runs); the
-    training is the oldest's, the rollout and the judging every step's. ``train_needed``: the train devices an
-    optimizer step still to run waits for (0: none to run)."""
+    """The workload left of the steps in flight (``books``, oldest first; none: only evaluation runs; ``by_uid``
+    their samples by request uid); the training is the oldest's, the rollout and the judging every step's.
+    ``train_needed``: the train devices an optimizer step still to run waits for (0: none to run)."""
     s = scheduler
     rollout = fleet.holders(Role.ROLLOUT)  # (in device order, as a pass over the devices gives)
     running = [uid for d in rollout for uid in s.running(d)]
@@ -30,7 +37,6 @@ def remaining_work(
     g = spec.group_size
     lockstep = spec.lockstep_train
     book = books[0] if books else None
-    by_uid = book.by_uid if len(books) == 1 else {u: x for b in books for u, x in b.by_uid.items()}
     # a group of another step in flight is another group (a step's prompt indexes begin at 0)
     group_base = {b.base: b.base // STEP_UID * spec.prompts_per_step for b in books}
     m, so_far = stats.means, stats.so_far
