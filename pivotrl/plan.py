@@ -221,6 +221,7 @@ def plan_report(cfg: JobConfig, run_dir: Path | None = None, top: int = 5, devic
         train_devices_needed=min_train,
     )
     report: dict[str, Any] = {"devices": cfg.devices, "tensor_parallel": tp, "mode": cfg.mode, "source": source,
+                              "max_staleness": cfg.max_staleness,
                               "pricing": pricing}  # fmt: skip
     if isinstance(layout, Disaggregated):
         profiles.costs = ShiftCosts(prior=math.inf)  # (no device leaves its role: a shift would never end)
@@ -380,6 +381,11 @@ def format_report(report: dict[str, Any]) -> str:
             "expected step (best start splits, devices moving between roles from there; phases end at):",
         ]
         lines += [f"  {e['timeline']}" for e in report["estimates"]]
+    if report.get("max_staleness"):
+        lines.append(
+            f"max_staleness={report['max_staleness']}: steps overlap, and the estimate above is of one step on-policy "
+            "(an upper bound on the time between updates); `pivotrl simulate` runs the overlap"
+        )
     lines += _memory_lines(report["train_memory"])
     if "plan" in report["train_memory"]:
         lines += describe(report["train_memory"]["plan"])

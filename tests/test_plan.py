@@ -67,6 +67,12 @@ def test_colocated_runs_every_phase_on_every_device():
     assert "every device generates, then judges, then trains (phases end at): rollout " in text
 
 
+def test_overlapping_steps_are_said_to_be_priced_as_one_on_policy_step():
+    assert "steps overlap" not in format_report(report_of())
+    text = format_report(report_of("max_staleness=2"))
+    assert "max_staleness=2: steps overlap, and the estimate above is of one step on-policy" in text
+
+
 def test_a_split_that_never_completes_is_infeasible_not_infinitely_slow(capsys):
     report = report_of("devices=1")
     never = [e for e in report["estimates"] if e["seconds"] is None]
