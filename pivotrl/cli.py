@@ -219,7 +219,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from pivotrl.telemetry import PICTURE_FORMATS, draw_timeline, read_events
+    from pivotrl.telemetry import PICTURE_FORMATS, draw_timeline, read_events, read_jsonl, step_spans
 
     run = Path(args.run_dir)
     out = Path(args.out) if args.out else run / "timeline.png"
@@ -227,7 +227,10 @@ def cmd_timeline(args: argparse.Namespace) -> int:
         got = f"a {out.suffix} file" if out.suffix else "no suffix"
         allowed = ", ".join(f".{f}" for f in PICTURE_FORMATS)
         raise UserError(f"--out {out}: {got}; the picture's format is its suffix, one of {allowed}")
-    draw_timeline(read_events(run), out, title=run.name)
+    slices = read_events(run)
+    metrics = run / "metrics.jsonl"  # (overlapping steps' spans: lanes above the devices)
+    steps = step_spans([row for _, row in read_jsonl(metrics)]) if metrics.is_file() else []
+    draw_timeline(slices, out, title=run.name, steps=steps)
     print(out)
     return 0
 

@@ -82,7 +82,7 @@ def steady_rate(metrics: list[dict[str, Any]], per_step: int) -> float:
     """Samples per second after the first step (which pays the devices' first loads): of overlapping steps, from
     the first update to the last (their own times overlap)."""
     later = metrics[1:] or metrics
-    ends = [m.get("finished_at_s") for m in metrics]
+    ends = [m["at_s"]["end"] if "at_s" in m else None for m in metrics]
     if len(ends) > 1 and None not in ends and all(a < b for a, b in zip(ends, ends[1:], strict=False)):
         return per_step * len(later) / (ends[-1] - ends[0])  # (a resumed run's clock begins again: not this)
     seconds = sum(m["step_seconds"] for m in later)

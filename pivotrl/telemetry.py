@@ -177,14 +177,22 @@ class RunWriter:
         path.write_bytes(orjson.dumps(data, default=_plain, option=_OPTIONS | orjson.OPT_INDENT_2) + b"\n")
         return path
 
-    def write_events(self, slices: list[Slice], title: str = "", instances: dict[int, int] | None = None) -> None:
+    def write_events(
+        self,
+        slices: list[Slice],
+        title: str = "",
+        instances: dict[int, int] | None = None,
+        metrics: list[dict[str, Any]] | None = None,
+    ) -> None:
         """The run's slices as events, a trace and a timeline; ``instances``: each device's instance, where
-        instances are of several devices (the trace and the timeline name them)."""
+        instances are of several devices (the trace and the timeline name them); ``metrics``: the steps' rows,
+        whose spans (overlapping steps' ``at_s``) the trace and the timeline draw apart from the devices'."""
         # asdict's fields without its deep copy: a simulated run has 10^5 slices
         rows = [dict(device=s.device, role=s.role, name=s.name, start=s.start, end=s.end, args=s.args) for s in slices]
         self.write_jsonl("events.jsonl", rows)
-        write_trace(slices, self.dir / "trace.json", instances)
-        draw_timeline(slices, self.dir / "timeline.png", title, instances)
+        steps = step_spans(metrics or [])
+        write_trace(slices, self.dir / "trace.json", instances, steps)
+        draw_timeline(slices, self.dir / "timeline.png", title, instances, steps)
 
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
@@ -220,9 +228,56 @@ def read_events(run_dir: str | Path) -> list[Slice]:
     return slices
 
 
-def write_trace(slices: Iterable[Slice], path: str | Path, instances: dict[int, int] | None = None) -> None:
+STEP_PHASES = (
+    ("rollout", "start", "rollout_end"),
+    ("judge", "rollout_end", "judge_end"),
+    ("train", "judge_end", "end"),
+)
+STEPS_PID = 1 << 20  # the trace's process of the steps' spans (apart from any instance's)
+
+
+@dataclass(slots=True, frozen=True)
+class StepSpan:
+    """One step's life on the run's clock (overlapping steps): its begin, the end of its rollout and of its
+    judging, its update; ``lane``: the row it is drawn on, apart from the steps beside it."""
+
+    step: int
+    lane: int
+    start: float
+    rollout_end: float
+    judge_end: float
+    end: float
+
+    def phases(self) -> list[tuple[str, float, float]]:
+        """(role, begin, end) of its rollout, of its judging after the rollout ended, and of its training."""
+        return [(role, getattr(self, a), getattr(self, b)) for role, a, b in STEP_PHASES]
+
+
+def step_spans(metrics: list[dict[str, Any]]) -> list[StepSpan]:
+    """The spans of the steps whose rows carry them (overlapping steps'), each on the first lane free at its
+    begin."""
+    spans: list[StepSpan] = []
+    free_at: list[float] = []  # lane -> when its last step ended
+    for m in sorted((m for m in metrics if "at_s" in m), key=lambda m: m["at_s"]["start"]):
+        at = m["at_s"]
+        end = at["end"]
+        rollout = end if at.get("rollout_end") is None else at["rollout_end"]
+        judge = max(rollout, rollout if at.get("judge_end") is None else at["judge_end"])
+        lane = next((i for i, t in enumerate(free_at) if t <= at["start"]), len(free_at))
+        free_at[lane : lane + 1] = [end]
+        spans.append(StepSpan(m["step"], lane, at["start"], rollout, judge, end))
+    return spans
+
+
+def write_trace(
+    slices: Iterable[Slice],
+    path: str | Path,
+    instances: dict[int, int] | None = None,
+    steps: list[StepSpan] | None = None,
+) -> None:
     """Chrome trace-event JSON: a complete event ("X") per slice, a thread per device; with instances of several
-    devices (``instances``: each device's), a process per instance holding its devices' threads."""
+    devices (``instances``: each device's), a process per instance holding its devices' threads; overlapping
+    steps' spans (``steps``) in a process of their own, a thread per lane, an event per phase of each step."""
     slices = list(slices)
     pid = (lambda d: instances.get(d, -1)) if instances else (lambda d: 0)
     events: list[dict[str, Any]] = []
@@ -244,18 +299,33 @@ def write_trace(slices: Iterable[Slice], path: str | Path, instances: dict[int, 
                 "args": {"role": s.role, **s.args},
             }
         )
+    if steps:
+        events.append({"ph": "M", "pid": STEPS_PID, "name": "process_name", "args": {"name": "steps"}})
+        for lane in sorted({s.lane for s in steps}):
+            name = {"name": f"steps, lane {lane}"}
+            events.append({"ph": "M", "pid": STEPS_PID, "tid": lane, "name": "thread_name", "args": name})
+        for s in steps:
+            for role, a, b in s.phases():
+                events.append({"ph": "X", "pid": STEPS_PID, "tid": s.lane, "name": f"step {s.step} {role}",
+                               "cat": role, "ts": round(a * 1e6, 3), "dur": round(max(0.0, b - a) * 1e6, 3),
+                               "args": {"step": s.step, "phase": role}})  # fmt: skip
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     # (an infinite or NaN argument is written as null: JSON has no such numbers)
     Path(path).write_bytes(orjson.dumps(trace, default=_plain, option=_OPTIONS))
 
 
 def draw_timeline(
-    slices: Iterable[Slice], path: str | Path, title: str = "", instances: dict[int, int] | None = None
+    slices: Iterable[Slice],
+    path: str | Path,
+    title: str = "",
+    instances: dict[int, int] | None = None,
+    steps: list[StepSpan] | None = None,
 ) -> None:
     """Devices x time, coloured by role, in the format ``path``'s suffix names (:data:`PICTURE_FORMATS`). Up to
     ``BAR_ROWS`` devices, one bar per slice (one collection of bars per role); past that, a row of pixels per
     device, painted slice by slice (shifts and migrations last, so that they show), which a thousand devices and
-    10^5 slices draw in about a second."""
+    10^5 slices draw in about a second. Overlapping steps (``steps``) get lanes above the devices: each step's
+    rollout, judging after it and training, in the roles' colours, its number written on it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,8 +344,18 @@ def draw_timeline(
         roles = _raster(ax, slices, devices, begin, end)
     every = max(1, math.ceil(len(devices) / 32))  # label at most ~32 rows
     label = (lambda d: f"instance {instances.get(d)} device {d}") if instances else (lambda d: f"device {d}")
-    ax.set_yticks(devices[::every], [label(d) for d in devices[::every]])
-    ax.set_ylim(min(devices) - 0.6, max(devices) + 0.6)
+    ticks, names = devices[::every], [label(d) for d in devices[::every]]
+    top = min(devices) - 0.6
+    if steps:
+        lanes = 1 + max(s.lane for s in steps)
+        height = max(1.0, len(devices) / 16)  # a lane's height in device rows (a big cluster's rows are thin)
+        first = min(devices) - 1 - height * lanes  # lanes above the devices, lane 0 on top
+        _step_lanes(ax, steps, first, height)
+        ticks = [first + height * (i + 0.5) for i in range(lanes)] + ticks
+        names = [f"steps, lane {i}" for i in range(lanes)] + names
+        top = first - 0.1
+    ax.set_yticks(ticks, names)
+    ax.set_ylim(top, max(devices) + 0.6)
     ax.invert_yaxis()
     ax.set_xlim(begin, end)
     ax.set_xlabel("seconds since start")
@@ -297,6 +377,21 @@ def draw_timeline(
 PICTURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")  # a timeline's, by suffix
 BAR_ROWS = 64  # more devices than this are drawn as pixel rows (a bar would be under 3 pixels high)
 RASTER_COLUMNS = 2000  # time bins of the pixel rows: more than the figure has pixels across
+
+
+def _step_lanes(ax: Any, steps: list[StepSpan], first: float, height: float) -> None:
+    """Each step's phases as bars on its lane (lane i from ``first + i * height``), the step's number on it."""
+    from matplotlib.collections import PolyCollection
+
+    for role, *_ in STEP_PHASES:
+        verts = []
+        for s in steps:
+            y0, y1 = first + height * (s.lane + 0.1), first + height * (s.lane + 0.9)
+            verts += [[(a, y0), (b, y0), (b, y1), (a, y1)] for r, a, b in s.phases() if r == role and b > a]
+        ax.add_collection(PolyCollection(verts, facecolors=ROLE_COLORS[role], edgecolors="none", alpha=0.6),
+                          autolim=False)  # fmt: skip
+    for s in steps:
+        ax.text(s.start, first + height * (s.lane + 0.5), f" {s.step}", va="center", ha="left", fontsize=7)
 
 
 def _bars(ax: Any, slices: list[Slice], begin: float, end: float) -> set[str]:

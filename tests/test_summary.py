@@ -23,10 +23,10 @@ def test_the_steady_rate_of_overlapping_steps_is_the_spacing_of_their_updates():
     """Overlapping steps' own times overlap (each from its begin to its update): summed they would count the
     same seconds twice. Their updates at 30, 40, 50 s: two steps of 100 in 20 s. A resumed run's clock begins
     again: its rows fall back to the steps' own times."""
-    rows = [{"step_seconds": 30.0, "finished_at_s": 30.0}, {"step_seconds": 18.0, "finished_at_s": 40.0},
-            {"step_seconds": 19.0, "finished_at_s": 50.0}]  # fmt: skip
+    rows = [{"step_seconds": 30.0, "at_s": {"end": 30.0}}, {"step_seconds": 18.0, "at_s": {"end": 40.0}},
+            {"step_seconds": 19.0, "at_s": {"end": 50.0}}]  # fmt: skip
     assert steady_rate(rows, per_step=100) == 10.0
-    resumed = [rows[0], {"step_seconds": 20.0, "finished_at_s": 8.0}, {"step_seconds": 20.0, "finished_at_s": 18.0}]
+    resumed = [rows[0], {"step_seconds": 20.0, "at_s": {"end": 8.0}}, {"step_seconds": 20.0, "at_s": {"end": 18.0}}]
     assert steady_rate(resumed, per_step=100) == 5.0
 
 

@@ -6,12 +6,14 @@ from pivotrl.cli import main
 from pivotrl.telemetry import (
     RASTER_COLUMNS,
     ROLE_COLORS,
+    STEPS_PID,
     RunWriter,
     Slice,
     _raster,
     draw_timeline,
     jsonl,
     read_events,
+    step_spans,
     write_trace,
 )
 
@@ -193,3 +195,33 @@ def test_the_trace_holds_a_process_per_instance_with_its_devices_threads(tmp_pat
     threads = {e["tid"]: e["pid"] for e in events if e["name"] == "thread_name"}
     assert processes == {0: "instance 0", 1: "instance 1"} and threads == {0: 0, 1: 1, 2: 0, 3: 1}
     assert all(e["pid"] == threads[e["tid"]] for e in events if e["ph"] == "X")
+
+
+def overlapping_rows() -> list[dict]:
+    """Three steps, two in flight at a time (max_staleness=1): 2 begins with 1, 3 once 1 is trained."""
+    return [
+        {"step": 1, "at_s": {"start": 0.0, "rollout_end": 1.0, "judge_end": 1.5, "end": 2.0}},
+        {"step": 2, "at_s": {"start": 0.0, "rollout_end": 1.8, "judge_end": 2.4, "end": 3.0}},
+        {"step": 3, "at_s": {"start": 2.0, "rollout_end": 3.2, "judge_end": None, "end": 3.9}},  # (no judge tail)
+        {"step": 4},  # (an on-policy row: no span)
+    ]
+
+
+def test_overlapping_steps_are_laid_on_lanes_apart():
+    spans = step_spans(overlapping_rows())
+    assert [(s.step, s.lane) for s in spans] == [(1, 0), (2, 1), (3, 0)]  # 3 takes the lane 1 freed at 2.0
+    assert spans[2].phases() == [("rollout", 2.0, 3.2), ("judge", 3.2, 3.2), ("train", 3.2, 3.9)]
+
+
+def test_the_trace_and_the_timeline_tell_overlapping_steps_apart(tmp_path, capsys):
+    RunWriter(tmp_path).write_events(slices(), title="t", metrics=overlapping_rows())
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    steps = [e for e in events if e["ph"] == "X" and e["pid"] == STEPS_PID]
+    assert {(e["name"], e["tid"]) for e in steps} >= {("step 1 rollout", 0), ("step 2 train", 1), ("step 3 train", 0)}
+    first = next(e for e in steps if e["name"] == "step 2 judge")
+    assert (first["ts"], first["dur"]) == (1.8e6, 0.6e6)
+    lanes = {e["args"]["name"] for e in events if e.get("name") == "thread_name" and e["pid"] == STEPS_PID}
+    assert lanes == {"steps, lane 0", "steps, lane 1"}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in overlapping_rows()))
+    assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "again.png")]) == 0  # (redrawn with its lanes)
+    assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -51,9 +51,15 @@ def step_metrics(rec: StepRecord, top_reward: float, max_staleness: int = 0) -> 
                 "staleness_max": max(lags),
                 "staleness_mean": sum(lag * c for lag, c in lags.items()) / n,
                 "staleness": {str(lag): lags[lag] for lag in sorted(lags)},  # samples by versions behind
-                # when its update landed, on the run's clock: overlapping steps' own times overlap, their
-                # updates' spacing is the rate
-                "finished_at_s": rec.finished or rec.started,
+                # when it began, its rollout and its judging ended and its update landed, on the run's clock:
+                # overlapping steps' own times overlap (the spacing of their updates is the rate); the trace and
+                # the timeline draw each step's span from these
+                "at_s": {
+                    "start": rec.started,
+                    "rollout_end": rec.rollout_end,
+                    "judge_end": rec.judge_end,
+                    "end": rec.finished or rec.started,
+                },
             }
             if lags
             else {}

@@ -573,7 +573,8 @@ def _run_once(
     shape = f"{cfg.devices} device(s)" + (f" in {cfg.instances(tp)} instances" if tp > 1 else "")
     inst = getattr(driver, "inst", None)  # (the Ray driver's: where instances are of several devices)
     instances = {d: inst.of(d) for d in range(cfg.devices)} if inst is not None and tp > 1 else None
-    writer.write_events(slices, title=f"{cfg.mode}, {shape}, {cfg.steps} steps", instances=instances)
+    this_run = [m for m in ctl.metrics if m["step"] >= ctl.first_step]  # (earlier attempts ran on other clocks)
+    writer.write_events(slices, f"{cfg.mode}, {shape}, {cfg.steps} steps", instances, this_run)
     planner = getattr(policy, "planner", None)
     if planner is not None:  # every decision that moved a device, with the estimate that justified it
         writer.write_jsonl("decisions.jsonl", [d.row() for d in planner.log])

@@ -410,7 +410,7 @@ def _simulate(cfg: JobConfig, out: str | Path, progress: bool) -> dict[str, Any]
     summary["sim_seconds"] = driver.clock()
     summary["sim"]["ideal"] = _bounds(job, spec, summary)
     title = f"simulated {job.mode}, {job.sim.gpus} x {job.sim.gpu} ({spec.devices} instances), {job.steps} steps"
-    writer.write_events(slices, title=title)
+    writer.write_events(slices, title=title, metrics=ctl.metrics)
     planner = getattr(s.policy, "planner", None)
     if planner is not None:  # every decision that moved a device, with the estimate that justified it
         writer.write_jsonl("decisions.jsonl", [d.row() for d in planner.log])
