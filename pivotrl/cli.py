@@ -218,6 +218,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _instances(run: Path) -> dict[int, int] | None:
+    """Each device's instance as the run placed them (its summary's), where instances were of several devices."""
+    try:
+        placed = json.loads((run / "summary.json").read_text()).get("instances")
+        return {int(d): int(i) for d, i in placed.items()} if placed else None
+    except (OSError, ValueError, AttributeError, TypeError):  # (no summary yet, or not one: rows named by device)
+        return None
+
+
 def cmd_timeline(args: argparse.Namespace) -> int:
     from pivotrl.telemetry import PICTURE_FORMATS, draw_timeline, read_events, read_jsonl, step_spans
 
@@ -230,7 +239,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     slices = read_events(run)
     metrics = run / "metrics.jsonl"  # (overlapping steps' spans: lanes above the devices)
     steps = step_spans([row for _, row in read_jsonl(metrics)]) if metrics.is_file() else []
-    draw_timeline(slices, out, title=run.name, steps=steps)
+    draw_timeline(slices, out, title=run.name, instances=_instances(run), steps=steps)
     print(out)
     return 0
 

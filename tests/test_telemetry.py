@@ -225,3 +225,15 @@ def test_the_trace_and_the_timeline_tell_overlapping_steps_apart(tmp_path, capsy
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in overlapping_rows()))
     assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "again.png")]) == 0  # (redrawn with its lanes)
     assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_redrawn_timeline_names_the_instances_the_run_placed(tmp_path):
+    from pivotrl.cli import _instances
+
+    RunWriter(tmp_path).write_events(slices())
+    assert _instances(tmp_path) is None  # (no summary: rows named by device)
+    (tmp_path / "summary.json").write_text(json.dumps({"instances": {"0": 0, "1": 0}}))
+    assert _instances(tmp_path) == {0: 0, 1: 0}
+    assert main(["timeline", str(tmp_path)]) == 0
+    (tmp_path / "summary.json").write_text("[1, 2]")  # (not a summary)
+    assert _instances(tmp_path) is None

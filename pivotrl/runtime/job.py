@@ -568,11 +568,13 @@ def _run_once(
     summary["train_backend"] = plan.trainer.value  # (train.backend=auto's choice for these devices)
     summary["train_min_devices"] = plan.min_train_devices
     summary["plan"] = plan.to_dict()
-    writer.write_json("summary.json", summary)
     tp = plan.tensor_parallel
     shape = f"{cfg.devices} device(s)" + (f" in {cfg.instances(tp)} instances" if tp > 1 else "")
     inst = getattr(driver, "inst", None)  # (the Ray driver's: where instances are of several devices)
     instances = {d: inst.of(d) for d in range(cfg.devices)} if inst is not None and tp > 1 else None
+    if instances:
+        summary["instances"] = instances  # each device's, as placed (`pivotrl timeline` labels rows with them)
+    writer.write_json("summary.json", summary)
     this_run = [m for m in ctl.metrics if m["step"] >= ctl.first_step]  # (earlier attempts ran on other clocks)
     writer.write_events(slices, f"{cfg.mode}, {shape}, {cfg.steps} steps", instances, this_run)
     planner = getattr(policy, "planner", None)

@@ -147,6 +147,7 @@ def test_vllm_devices_match_native_devices(vllm_checkpoints, vllm_native, tmp_pa
         else:
             assert abs(e["args"]["rank_bytes"] - held / 2) < 0.05 * held and e["args"]["bytes"] > held
     assert summary["plan"]["tensor_parallel"] == tp
+    assert sorted(summary.get("instances", {}).values()) == ([0, 0, 1, 1] if tp == 2 else [])  # (as placed)
     shifts: dict[int, list[tuple[str, int]]] = {}
     for e in events:
         if e["role"] == "shift" and "version" in e["args"]:  # (a role's shift, not a state's save)
