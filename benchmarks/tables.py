@@ -216,6 +216,22 @@ def tensor_parallel(results: Path) -> str:
     )
 
 
+def staleness(results: Path) -> str:
+    r = load("staleness", results)
+    rows = []
+    for name, v in r["variants"].items():
+        by_seed = ", ".join(f"{a:.3f}" for a in v["accuracy_end_by_seed"].values())
+        lags = ", ".join(f"{lag}: {n:,}" for lag, n in v["lags"].items())
+        weight = v.get("is_weight_mean")
+        rows.append([name, " ".join(x for x in v["overrides"] if x != "max_staleness=0") or "on-policy",
+                     f"{v['accuracy_end_mean']:.3f} ({by_seed})", f"{v.get('accuracy_end_vs_on_policy', 0.0):+.3f}",
+                     f"{v['samples_per_s_mean']:.1f}", f"{v['steady_samples_per_s_mean']:.1f}", lags,
+                     f"{weight:.4f}" if weight else ""])  # fmt: skip
+    head = ["variant", "settings", "held-out accuracy at the end (seeds)", "vs on-policy", "samples/s",
+            "after step 1", "samples by versions behind", "mean importance weight"]  # fmt: skip
+    return md(head, rows) + f"\n\nSeeds {', '.join(map(str, r['seeds']))}; means over them."
+
+
 def sim_scale(results: Path) -> str:
     r = load("sim_scale", results)
     rows = [[x["mode"], str(x["gpus"]), str(x["steps_done"]), f"{x['wall_s']:.1f}", f"{x['events']:,}",
@@ -353,6 +369,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "modes": modes,
     "semantics": semantics,
     "tensor_parallel": tensor_parallel,
+    "staleness": staleness,
     "sim_scale": sim_scale,
     "fidelity": fidelity,
     "estimate": estimate,

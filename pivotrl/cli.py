@@ -294,14 +294,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _versus_modes(value: str) -> tuple[str, ...]:
-    """``--versus``'s modes, from the comma-separated form ``_versus_argv`` gives them (empty: every mode)."""
-    from pivotrl.sim.versus import MODES
+    """``--versus``'s modes, from the comma-separated form ``_versus_argv`` gives them (empty: the on-policy
+    ones; the overlapping ones, ``-k1`` and ``-k2``, when named)."""
+    from pivotrl.sim.versus import MODES, SYNC_MODES
 
     modes = tuple(m for m in value.split(",") if m)
     for m in modes:
         if m not in MODES:
             raise argparse.ArgumentTypeError(f"invalid mode {m!r} (choose from {', '.join(MODES)})")
-    return modes or MODES
+    return modes or SYNC_MODES
 
 
 def _versus_argv(argv: list[str]) -> list[str]:

@@ -40,23 +40,35 @@ from pivotrl.config import ConfigError, JobConfig, load_config
 from pivotrl.errors import UserError
 from pivotrl.sim.steady import ROLES, steady_window
 
-MODES = ("deployed", "colocated", "disaggregated", "shiftable")
+SYNC_MODES = ("deployed", "colocated", "disaggregated", "shiftable")  # on-policy: what --versus runs unless told
+# overlapping steps (max_staleness = k): the asynchronous schedules of other frameworks (the deployed colocated
+# one a step off-policy; the static split, rollout never waiting for the update) and shiftable's own
+ASYNC_MODES = {"deployed-k1": 1, "disaggregated-k1": 1, "shiftable-k1": 1, "shiftable-k2": 2}
+MODES = (*SYNC_MODES, *ASYNC_MODES)
 # the colocated baseline as today's frameworks run it: each phase switch at its published cost (engines put
 # to sleep and woken, the policy's weights synced into the rollout engine, the trainer's state offloaded:
 # ``DeployedCosts``, every number with its source), no sequence moved between engines within a step
 DEPLOYED = ("mode=colocated", "sim.costs=deployed", "rollout.rebalance=false")
 LABELS = {"deployed": "colocated, deployed", "colocated": "colocated, strong", "disaggregated": "disaggregated",
-          "shiftable": "shiftable"}  # fmt: skip
+          "shiftable": "shiftable", "deployed-k1": "colocated, deployed, k=1", "disaggregated-k1": "disaggregated, k=1",
+          "shiftable-k1": "shiftable, k=1", "shiftable-k2": "shiftable, k=2"}  # fmt: skip
 Split = tuple[int, int, int]  # rollout, genrm, train devices (``ROLES``' order, the config's names)
 SEARCH_BUDGET = 12  # runs of the split search per instance size
 SEARCH_STEPS = 3  # steps of each (the first is left out of its step time)
+
+
+def base_mode(mode: str) -> str:
+    """The schedule of ``mode`` without its overlap: ``disaggregated-k1`` is ``disaggregated``'s."""
+    return mode.partition("-k")[0]
 
 
 def mode_overrides(mode: str) -> list[str]:
     """The overrides that run a job in ``mode`` (one of ``MODES``)."""
     if mode not in MODES:
         raise ValueError(f"mode: got {mode!r}, expected one of {', '.join(MODES)}")
-    return list(DEPLOYED) if mode == "deployed" else [f"mode={mode}"]
+    base = base_mode(mode)
+    overlap = [f"max_staleness={ASYNC_MODES[mode]}"] if mode in ASYNC_MODES else []
+    return [*(DEPLOYED if base == "deployed" else [f"mode={base}"]), *overlap]
 
 
 def best_size(caps: dict[int, float], run: Callable[[int], float]) -> tuple[int | None, list[dict[str, Any]]]:
@@ -213,7 +225,7 @@ class Versus:
                             "leave sim.costs at roofline, the default, or a measured-costs file")  # fmt: skip
 
     def cfg(self, mode: str, tp: int, *extra: str) -> JobConfig:
-        split = [] if mode == "disaggregated" else ["split="]  # (a split names devices of one size)
+        split = [] if base_mode(mode) == "disaggregated" else ["split="]  # (a split names devices of one size)
         return load_config(self.config, [*self.overrides, *mode_overrides(mode), *split, f"tensor_parallel={tp}",
                                          *extra], simulated=True)  # fmt: skip
 
@@ -230,8 +242,11 @@ class Versus:
             quiet.setLevel(level)
         return {**_steady(run_dir, summary, cfg), "wall_s": time.perf_counter() - t0}
 
-    def search(self, tp: int, budget: int, steps: int) -> tuple[Split, list[dict[str, Any]]]:
-        """The best static split at ``tp`` GPUs an instance, each candidate a run of ``steps`` steps."""
+    def search(
+        self, tp: int, budget: int, steps: int, mode: str = "disaggregated"
+    ) -> tuple[Split, list[dict[str, Any]]]:
+        """The best static split at ``tp`` GPUs an instance for ``mode`` (a static split, maybe with overlapping
+        steps), each candidate a run of ``steps`` steps."""
         seed = _ideal_split(self.cfg("colocated", tp))
         scratch = Path(tempfile.mkdtemp(prefix="pivotrl-versus-"))
         runs: list[dict[str, Any]] = []
@@ -239,8 +254,7 @@ class Versus:
         def evaluate(split: Split) -> float:
             run_dir = scratch / f"{len(runs)}"
             try:
-                r = self.simulate(self.cfg("disaggregated", tp, f"split={split_text(split)}", f"steps={steps}"),
-                                  run_dir)  # fmt: skip
+                r = self.simulate(self.cfg(mode, tp, f"split={split_text(split)}", f"steps={steps}"), run_dir)
             except (UserError, ConfigError) as e:  # (a split whose train devices cannot hold the trainer, say)
                 runs.append({"split": split_text(split), "error": str(e)})
                 self.say(f"  search TP{tp} {split_text(split)}: {e}")
@@ -262,7 +276,7 @@ def versus(
     config: str | Path,
     overrides: Sequence[str],
     out: str | Path,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = SYNC_MODES,
     sizes: Sequence[int] = (),
     search_budget: int = SEARCH_BUDGET,
     search_steps: int = SEARCH_STEPS,
@@ -286,7 +300,7 @@ def versus(
                         f"(got {search_steps}: the first step is left out of a run's step time)")  # fmt: skip
     out = Path(out)
     v = Versus(config, overrides, say)
-    if "deployed" in modes and v.job.sim.costs != "roofline":
+    if any(base_mode(m) == "deployed" for m in modes) and v.job.sim.costs != "roofline":
         raise UserError(f"--versus deployed: the deployed baseline is priced on the modeled GPUs, this job's costs "
                         f"are measured (sim.costs={v.job.sim.costs}); leave deployed out, or compare on the "
                         "modeled GPUs (sim.costs=roofline)")  # fmt: skip
@@ -319,11 +333,11 @@ def versus(
             extra: list[str] = []
             run_dir = out / f"{mode}-tp{tp}"
             try:
-                if mode == "disaggregated":
+                if base_mode(mode) == "disaggregated":
                     if split_given:
                         extra = [f"split={split_given}"]
                     else:
-                        searched[tp] = v.search(tp, search_budget, search_steps)
+                        searched[tp] = v.search(tp, search_budget, search_steps, mode)
                         extra = [f"split={split_text(searched[tp][0])}"]
                 r = runs[tp] = v.simulate(v.cfg(mode, tp, *extra), run_dir)
             except (UserError, ConfigError) as e:  # (this mode at this size: the others may still run)
@@ -386,11 +400,20 @@ def _reseed(v: Versus, mode: str, tp: int, row: dict[str, Any], seeds: int, out:
 
 
 def _speedups(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Shiftable's throughput over each other mode's that ran."""
-    mine = rows.get("shiftable", {}).get("samples_per_s")
-    if not mine:
-        return {}
-    return {m: mine / r["samples_per_s"] for m, r in rows.items() if m != "shiftable" and r.get("samples_per_s")}
+    """Shiftable's throughput over each other mode's that ran: on-policy shiftable's over the on-policy modes,
+    and over the overlapping ones the fastest shiftable that overlaps (each mode compared with its kind)."""
+
+    def rate(m: str) -> float:
+        return rows.get(m, {}).get("samples_per_s") or 0.0
+
+    mine = rate("shiftable")
+    overlapping = max((rate(m) for m in ASYNC_MODES if base_mode(m) == "shiftable"), default=0.0)
+    out = {}
+    for m, r in rows.items():
+        ours = overlapping if m in ASYNC_MODES else mine
+        if base_mode(m) != "shiftable" and ours and r.get("samples_per_s"):
+            out[m] = ours / r["samples_per_s"]
+    return out
 
 
 def format_versus(report: dict[str, Any]) -> str:
@@ -401,6 +424,8 @@ def format_versus(report: dict[str, Any]) -> str:
     for mode, r in report["modes"].items():
         label = LABELS[mode] if not r.get("split") else "static split " + "/".join(
             x.split(":")[1] for x in r["split"].split(","))  # fmt: skip
+        if r.get("split") and mode in ASYNC_MODES:
+            label += f", k={ASYNC_MODES[mode]}"
         if "error" in r:
             table.append([label, "", "", "failed", "", "", "", ""])
             continue
@@ -409,9 +434,10 @@ def format_versus(report: dict[str, Any]) -> str:
         if r.get("samples_per_s_range"):
             lo, hi = r["samples_per_s_range"]
             rate += f" ({lo:.1f}-{hi:.1f})"
+        bounded = mode not in ASYNC_MODES  # (the floor bounds on-policy schedules: overlapping ones may pass it)
         table.append([label, str(r["instance_gpus"]), str(r.get("train_backend") or ""), rate,
                       f"{r['step_seconds']:.1f}", f"{r['floor_fraction']:.0%}", f"{x:.2f}x" if x else "",
-                      f"<= {1 / r['floor_fraction']:.2f}x"])  # fmt: skip
+                      f"<= {1 / r['floor_fraction']:.2f}x" if bounded else ""])  # fmt: skip
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths, strict=True)))]
     for row in table:
@@ -424,4 +450,9 @@ def format_versus(report: dict[str, Any]) -> str:
     tp = report["floor_instance_gpus"]
     lines.append(f"no on-policy schedule passes {floor:.1f} samples/s here (instances of {tp} GPU{'s' * (tp > 1)}; "
                  "simulated, as every figure above; a static split is rollout/judge/train instances)")  # fmt: skip
+    if any(m in ASYNC_MODES for m in report["modes"]):
+        lines.append(
+            "k=N: steps overlap, samples at most N versions stale (max_staleness); an overlapping mode "
+            "is compared with the fastest shiftable that overlaps, an on-policy one with on-policy shiftable"
+        )
     return "\n".join(lines)

@@ -23,7 +23,8 @@ def test_the_docs_tables_are_the_ones_the_reports_give():
 def test_every_benchmark_with_a_report_has_its_table_on_the_page():
     text = DOC.read_text()
     for name in ("engine", "engine_sampling", "gps", "shift", "train_memory", "moe", "modes", "semantics", "soak",
-                 "fidelity", "paper", "gap", "reach", "estimate", "layouts", "sim_scale"):  # fmt: skip
+                 "fidelity", "paper", "gap", "reach", "estimate", "layouts", "sim_scale", "tensor_parallel",
+                 "staleness"):  # fmt: skip
         assert f"<!-- table:{name} -->" in text and f"<!-- /table:{name} -->" in text, name
 
 

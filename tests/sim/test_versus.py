@@ -12,7 +12,7 @@ import pytest
 from pivotrl.cli import main
 from pivotrl.config import ConfigError
 from pivotrl.errors import UserError
-from pivotrl.sim.versus import MODES, best_size, search_split, versus
+from pivotrl.sim.versus import MODES, SYNC_MODES, best_size, format_versus, search_split, versus
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples/sim128.yaml")
 # 16 GPUs, 64 prompts of 16 responses a step: each run a second or two
@@ -23,12 +23,12 @@ JOB = ["sim.gpus=16", "rollout.prompts_per_step=64", "steps=3", "eval.size=16"]
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("versus") / "run"
     said: list[str] = []
-    return versus(EXAMPLE, JOB, out, MODES, search_budget=4, say=said.append), out, said
+    return versus(EXAMPLE, JOB, out, SYNC_MODES, search_budget=4, say=said.append), out, said
 
 
 def test_every_mode_runs_the_same_job_and_shiftable_is_compared_with_each(report):
     r, out, said = report
-    assert list(r["modes"]) == list(MODES)
+    assert list(r["modes"]) == list(SYNC_MODES)
     for mode, row in r["modes"].items():
         summary = json.loads((out / mode / "summary.json").read_text())
         config = json.loads((out / mode / "config.json").read_text())
@@ -45,10 +45,39 @@ def test_every_mode_runs_the_same_job_and_shiftable_is_compared_with_each(report
     assert json.loads((out / "deployed" / "config.json").read_text())["rollout"]["rebalance"] is False
     assert json.loads((out / "colocated" / "config.json").read_text())["mode"] == "colocated"
     rates = {m: row["samples_per_s"] for m, row in r["modes"].items()}
-    assert r["speedup"] == pytest.approx({m: rates["shiftable"] / rates[m] for m in MODES if m != "shiftable"})
+    assert r["speedup"] == pytest.approx({m: rates["shiftable"] / rates[m] for m in SYNC_MODES if m != "shiftable"})
     assert json.loads((out / "versus.json").read_text())["speedup"] == pytest.approx(r["speedup"])
     assert rates["deployed"] < rates["colocated"]  # the same schedule, its switches at their published cost
     assert any("shiftable TP1" in line for line in said)
+
+
+def test_overlapping_modes_run_with_their_staleness_and_are_compared_with_their_kind(tmp_path):
+    """The static split one step off-policy (its split searched so) against shiftable at k=2: each run with its
+    max_staleness, the static split compared with the fastest shiftable that overlaps."""
+    modes = ["disaggregated-k1", "shiftable-k2"]
+    r = versus(EXAMPLE, JOB, tmp_path, modes, search_budget=2, say=lambda _: None)
+    assert list(r["modes"]) == modes
+    for mode, k in zip(modes, (1, 2), strict=True):
+        config = json.loads((tmp_path / mode / "config.json").read_text())
+        assert config["max_staleness"] == k and config["mode"] == mode.partition("-")[0]
+        rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        assert max(x["staleness_max"] for x in rows) <= k and r["modes"][mode]["samples_per_s"] > 0
+    assert 1 <= len(r["modes"]["disaggregated-k1"]["search"]) <= 2
+    best = r["modes"]["shiftable-k2"]["samples_per_s"]
+    assert r["speedup"] == pytest.approx({"disaggregated-k1": best / r["modes"]["disaggregated-k1"]["samples_per_s"]})
+    text = format_versus(r)
+    assert "shiftable, k=2" in text and "k=N: steps overlap" in text
+    assert any(line.startswith("static split") and ", k=1" in line for line in text.splitlines())
+
+
+def test_the_cli_runs_the_on_policy_modes_unless_told(tmp_path, capsys):
+    from pivotrl.cli import _versus_modes
+
+    assert _versus_modes("") == SYNC_MODES and _versus_modes("shiftable-k2,deployed-k1") == (
+        "shiftable-k2",
+        "deployed-k1",
+    )
+    assert set(MODES) == {*SYNC_MODES, "deployed-k1", "disaggregated-k1", "shiftable-k1", "shiftable-k2"}
 
 
 def test_the_static_split_is_searched_within_its_budget_and_the_best_is_run(report):
@@ -186,7 +215,7 @@ def test_versus_takes_only_mode_names_so_the_config_and_overrides_may_follow_it(
         main(["simulate", EXAMPLE, "--versus", "shiftabel", *small, "--out", str(tmp_path / "c")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid mode 'shiftabel' (choose from deployed, colocated, disaggregated, shiftable)" in err
+    assert "invalid mode 'shiftabel' (choose from deployed, colocated, disaggregated, shiftable, deployed-k1, " in err
     assert not (tmp_path / "c").exists()
 
 
