@@ -1,15 +1,16 @@
 """Overlapping steps learn what on-policy steps learn: max_staleness 0, 1 and 2 side by side, over seeds.
 
 Runs the default job (shiftable on its Ray devices) for each variant and seed:
-``max_staleness=0`` (on-policy), 1 and 2 with ``train.correction=tis``, and 1
-with no correction (what the correction buys). Prints, per variant, the
-held-out accuracy at the end (mean over seeds, and each seed's), its
-difference from on-policy at the same step, samples/s, and the samples by
-versions behind; writes the JSON and a PNG of the held-out curves (mean over
-seeds) beside it. A run whose directory already holds a summary is read, not
-run again, so an interrupted benchmark goes on where it stopped.
+``max_staleness=0`` (on-policy), 1 and 2 with ``train.correction=tis``, 1 and 2
+with no correction (what the correction buys), and 2 with the masked
+corrections (``mis``, ``decoupled``). Prints, per variant, the held-out
+accuracy at the end (mean over seeds, and each seed's), its difference from
+on-policy, samples/s, and the samples by versions behind; writes the JSON and
+a PNG of the held-out curves (mean over seeds) beside it. A run whose
+directory already holds a summary is read, not run again, so an interrupted
+benchmark goes on where it stopped.
 
-    python benchmarks/staleness.py                       # 4 variants x 3 seeds of the config's steps
+    python benchmarks/staleness.py                       # 7 variants x 3 seeds of the config's steps
     python benchmarks/staleness.py --steps 10 --seeds 0
 """
 
@@ -34,6 +35,9 @@ VARIANTS = {  # name -> overrides
     "k1-tis": ["max_staleness=1", "train.correction=tis"],
     "k2-tis": ["max_staleness=2", "train.correction=tis"],
     "k1-none": ["max_staleness=1", "train.correction=none"],
+    "k2-none": ["max_staleness=2", "train.correction=none"],
+    "k2-mis": ["max_staleness=2", "train.correction=mis"],
+    "k2-decoupled": ["max_staleness=2", "train.correction=decoupled"],
 }
 
 
