@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pivotrl.sim import groupreport
-from pivotrl.sim.versus import LABELS, MODES
+from pivotrl.sim.versus import LABELS
+from pivotrl.sim.versus import SYNC_MODES as MODES  # (the paper table's: the on-policy modes)
 
 
 def test_spent_splits_a_modes_time_into_the_work_and_what_is_beyond_it():
