@@ -132,8 +132,7 @@ def test_the_next_rollout_runs_beside_the_update_in_a_static_split():
 
 
 def test_the_on_policy_job_sends_what_it_sent_before():
-    """max_staleness 0: one step at a time, its uids the samples' own, the first Generate of each step after
-    the previous update."""
+    """max_staleness 0: one step at a time (its uids the samples' own, no second slot) and no lag reported."""
     ctl = controller(Disaggregated(4), 0)
     cluster = run(ctl)
     assert all(r.uid < SAMPLES or r.uid >= EVAL_UID for g in cluster.log if isinstance(g, Generate) for r in g.requests)
